@@ -1,0 +1,12 @@
+"""turnkv: an inference engine for long multi-turn LLM conversations."""
+
+from turnkv.engine.conversation import Conversation
+from turnkv.engine.generation import Reply
+from turnkv.engine.llm import LLM
+from turnkv.engine.sampling import SamplingParams
+from turnkv.errors import (ContextLengthError, InvalidRequestError, KVCacheFullError, ModelLoadError,
+                           TurnkvError)
+
+__all__ = ["LLM", "Conversation", "Reply", "SamplingParams", "TurnkvError", "ModelLoadError",
+           "InvalidRequestError", "ContextLengthError", "KVCacheFullError"]
+__version__ = "0.1.0"

@@ -1,0 +1,64 @@
+"""Reference attention in plain PyTorch: explicit masks and gathers, GQA without repeating K/V.
+
+This is the ground truth the fast kernels are tested against, and the engine's path on CPU.
+Shapes: B batch, Hq query heads, H KV heads, G = Hq // H, T new tokens, S kept tokens, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def gather_pages(pool: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
+    """Rows of a layer's pool [num_pages, page_size, ...] for page tables [B, H, P] -> [B, H, length, ...]."""
+    B, H, _ = tables.shape
+    pages = -(-length // pool.shape[1])
+    rows = pool[tables[:, :, :pages]]
+    return rows.reshape(B, H, pages * pool.shape[1], *pool.shape[2:])[:, :, :length]
+
+
+def causal_mask(lengths: torch.Tensor, num_new: int, num_keys: int) -> torch.Tensor:
+    """Visibility [B, H, T, S] when the T new tokens are the last T entries of each head.
+
+    Head h of sequence b holds lengths[b, h] tokens; new token t sees entries j <= lengths - T + t,
+    i.e. all kept history and the new tokens up to itself. Entries past the length are padding.
+    """
+    j = torch.arange(num_keys, device=lengths.device)
+    t = torch.arange(num_new, device=lengths.device)
+    last_visible = lengths[:, :, None] - num_new + t  # [B, H, T]
+    return j <= last_visible[..., None]
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None
+) -> torch.Tensor:
+    """q [B, Hq, T, D] over k, v [B, H, S, D] with a per-KV-head mask [B, H, T, S] (True = attend).
+
+    The G query heads of a group are folded into the row dimension, so each KV head is read once
+    for its whole group and K/V are never repeated.
+    """
+    B, Hq, T, D = q.shape
+    H = k.shape[1]
+    G = Hq // H
+    q_grouped = q.reshape(B, H, G * T, D)
+    if mask is not None:
+        mask = mask[:, :, None].expand(B, H, G, T, mask.shape[-1]).reshape(B, H, G * T, -1)
+    out = F.scaled_dot_product_attention(q_grouped, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(B, Hq, T, D)
+
+
+def causal_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Dense causal attention of a fresh sequence: no history, every head the same length."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=scale, enable_gqa=True)
+
+
+def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
+    """Softmax weights [B, Hq, T, S] of the same attention, for scorers and tests."""
+    B, Hq, T, D = q.shape
+    H = k.shape[1]
+    scores = torch.einsum("bhgtd,bhsd->bhgts", q.reshape(B, H, Hq // H, T, D).float(), k.float())
+    scores = scores * (scale if scale is not None else D**-0.5)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    return scores.softmax(dim=-1).reshape(B, Hq, T, -1)

@@ -1,0 +1,39 @@
+"""Turning a chat into the tokens of its next turn, given the tokens whose KV a conversation keeps.
+
+The kept tokens are ground truth: generated tokens are never re-tokenized. The next turn's tokens
+are the tokenization of what the chat template adds after the kept text (the end of the previous
+reply, the new user message, the assistant header). When the template renders history differently
+from what was kept (a stop string cut the reply, a template that rewrites old turns), the kept
+tokens are rolled back to their longest prefix that the new rendering still starts with.
+"""
+
+from __future__ import annotations
+
+from turnkv.errors import InvalidRequestError
+
+
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise InvalidRequestError("this model's tokenizer has no chat template; use generate() with a raw prompt")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    # Templates write BOS themselves, so the rendered text is encoded without special tokens.
+    return tokenizer.encode(text, add_special_tokens=False) if text else []
+
+
+def continuation(tokenizer, kept: list[int], kept_text: str, full_text: str) -> tuple[int, list[int]]:
+    """(how many kept tokens stay valid, the tokens to add after them) so that the kept prefix plus
+    the new tokens render `full_text`."""
+    if full_text.startswith(kept_text):
+        return len(kept), encode(tokenizer, full_text[len(kept_text) :])
+    lo, hi = 0, len(kept)  # largest n with decode(kept[:n]) a prefix of full_text
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if full_text.startswith(tokenizer.decode(kept[:mid], skip_special_tokens=False)):
+            lo = mid
+        else:
+            hi = mid - 1
+    prefix = tokenizer.decode(kept[:lo], skip_special_tokens=False)
+    return lo, encode(tokenizer, full_text[len(prefix) :])

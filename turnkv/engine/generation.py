@@ -1,0 +1,99 @@
+"""The state of one request while it generates: sampling, stop conditions, text and timings."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from turnkv.engine.detokenizer import IncrementalDetokenizer
+from turnkv.engine.sampling import SamplingParams, sample
+from turnkv.kv.sequence import SequenceKV
+
+
+@dataclass
+class Reply:
+    """What a turn produced, with its cost."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    prompt_tokens: int  # tokens prefilled for this turn
+    cached_tokens: int  # earlier tokens whose kept KV the turn reused instead of recomputing
+    completion_tokens: int
+    ttft_s: float
+    decode_s: float
+    kv_tokens: int  # tokens held in the KV store, summed over layers and heads
+    kv_bytes: int
+
+    @property
+    def time_per_token_s(self) -> float:
+        return self.decode_s / max(1, self.completion_tokens - 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return (self.completion_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+
+class Generation:
+    """Accepts one sampled token at a time and decides when to stop."""
+
+    def __init__(self, seq: SequenceKV, params: SamplingParams, tokenizer, eos_ids: set[int],
+                 vocab_limit: int | None, max_positions: int, device: torch.device):
+        self.seq, self.params = seq, params
+        self.eos_ids = set() if params.ignore_eos else eos_ids
+        self.vocab_limit, self.max_positions = vocab_limit, max_positions
+        self.detok = IncrementalDetokenizer(tokenizer, params.stop) if tokenizer is not None else None
+        self.generator = None
+        if params.seed is not None:
+            self.generator = torch.Generator(device=device).manual_seed(params.seed)
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.started = time.perf_counter()
+        self.first_token_at: float | None = None
+
+    def sample(self, logits: torch.Tensor) -> int:
+        if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
+            logits = logits[: self.vocab_limit]  # ids the tokenizer cannot decode are never produced
+        return int(sample(logits, self.params, self.generator))
+
+    def accept(self, token: int) -> str:
+        """Record a sampled token; return the text it made final. Sets finish_reason when done."""
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.token_ids.append(token)
+        piece = ""
+        if token in self.eos_ids:
+            self.finish_reason = "stop"
+        elif self.detok is not None:
+            piece = self.detok.push(token)
+            if self.detok.stopped:
+                self.finish_reason = "stop"
+        if self.finish_reason is None:
+            # The token is fed back at position next_position, which must stay inside the context.
+            if len(self.token_ids) >= self.params.max_new_tokens or self.seq.next_position + 1 >= self.max_positions:
+                self.finish_reason = "length"
+        if self.finish_reason is not None and self.detok is not None:
+            piece += self.detok.flush()
+        return piece
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def reply(self, prompt_tokens: int, cached_tokens: int) -> Reply:
+        end = time.perf_counter()
+        first = self.first_token_at or end
+        return Reply(
+            text=self.detok.text if self.detok is not None else "",
+            token_ids=list(self.token_ids),
+            finish_reason=self.finish_reason or "length",
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached_tokens,
+            completion_tokens=len(self.token_ids),
+            ttft_s=first - self.started,
+            decode_s=end - first,
+            kv_tokens=self.seq.tokens(),
+            kv_bytes=self.seq.bytes(),
+        )

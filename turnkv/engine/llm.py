@@ -1,0 +1,157 @@
+"""The user-facing engine: a model, its tokenizer, a KV page pool, conversations and one-shot generation."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from turnkv.engine.conversation import Conversation
+from turnkv.engine.generation import Generation, Reply
+from turnkv.engine.runner import ModelRunner
+from turnkv.engine.sampling import SamplingParams
+from turnkv.errors import ContextLengthError, InvalidRequestError
+from turnkv.kv.pool import PagePool
+from turnkv.kv.sequence import SequenceKV
+from turnkv.model.load import DEFAULT_MODEL, embedded_model_path, load_model
+from turnkv.model.tokenizer import load_gguf_tokenizer
+
+_SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    match = _SIZE.match(str(size))
+    if not match:
+        raise InvalidRequestError(f"cannot read {size!r} as a size; write e.g. 2GiB or 512MB")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
+
+
+class LLM:
+    """Load a model and serve conversations on it.
+
+    model: None (the embedded SmolLM2-135M-Instruct), a GGUF file, a Hugging Face safetensors
+    folder, or a shape name for random weights (e.g. "llama-3.1-8b").
+    kv_memory: bytes (or "2GiB") for the KV page pool; by default room for four full contexts on
+    CPU, and most of the free memory on a GPU.
+    """
+
+    def __init__(self, model: str | None = None, dtype=None, device: str | None = None,
+                 kv_memory: int | str | None = None, page_size: int = 16, max_model_len: int | None = None,
+                 tokenizer: str | None = None, prefill_chunk: int = 4096, seed: int = 0):
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        loaded = load_model(model, dtype, self.device, seed)
+        self.model, self.name, self.source = loaded.model, loaded.name, loaded.source
+        self.config = self.model.config
+        self.dtype = next(self.model.parameters()).dtype
+        self.tokenizer = loaded.tokenizer
+        if self.tokenizer is None and (tokenizer or loaded.source == "random"):
+            # Random-weight shapes borrow the embedded model's tokenizer so text APIs still work.
+            self.tokenizer = _load_tokenizer(tokenizer)
+        self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
+                                 self.config.max_position_embeddings)
+        self.pool = PagePool.for_budget(self.config, self._kv_budget(kv_memory), page_size, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, self.pool, prefill_chunk)
+        eos = set(self.config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = eos
+        self.vocab_limit = len(self.tokenizer) if self.tokenizer is not None else None
+
+    def _kv_budget(self, kv_memory) -> int:
+        if kv_memory is not None:
+            return parse_bytes(kv_memory)
+        per_token = self.config.kv_bytes_per_token(self.dtype.itemsize)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return max(per_token * 1024, int(free * 0.85) - (2 << 30))
+        return min(4 * self.max_model_len * per_token, 8 << 30)
+
+    # ---- building blocks the conversation uses ------------------------------------------------
+    def sampling_params(self, **kwargs) -> SamplingParams:
+        try:
+            return SamplingParams(**kwargs)
+        except TypeError as e:
+            raise InvalidRequestError(f"unknown sampling option: {e}") from None
+
+    def require_tokenizer(self):
+        if self.tokenizer is None:
+            raise InvalidRequestError(f"model {self.name} has no tokenizer; pass tokenizer=... or token ids")
+        return self.tokenizer
+
+    def new_generation(self, seq: SequenceKV, params: SamplingParams) -> Generation:
+        return Generation(seq, params, self.tokenizer, self.eos_ids, self.vocab_limit, self.max_model_len, self.device)
+
+    def token_tensor(self, tokens: list[int]) -> torch.Tensor:
+        return torch.tensor(tokens, dtype=torch.int64, device=self.device)
+
+    # ---- public API -----------------------------------------------------------------------------
+    def conversation(self, system: str | None = None) -> Conversation:
+        return Conversation(self, system)
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty")
+            return self.require_tokenizer().encode(prompt)
+        if not prompt or not all(isinstance(t, int) and 0 <= t < self.config.vocab_size for t in prompt):
+            raise InvalidRequestError(f"a token-id prompt must be a non-empty list of ids in [0, {self.config.vocab_size})")
+        return list(prompt)
+
+    def generate(self, prompts: str | list[int] | list[str | list[int]], **sampling) -> Reply | list[Reply]:
+        """One-shot completion of raw prompts (text or token ids), decoded together as a batch."""
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        batch = [prompts] if single else list(prompts)
+        if not batch:
+            raise InvalidRequestError("no prompts given")
+        params = self.sampling_params(**sampling)
+        encoded = [self.encode(p) for p in batch]
+        for ids in encoded:
+            if len(ids) + 1 > self.max_model_len:
+                raise ContextLengthError(f"a prompt of {len(ids)} tokens does not fit the context of {self.max_model_len}")
+        seqs = [SequenceKV(self.pool) for _ in batch]
+        try:
+            gens = [self.new_generation(seq, params) for seq in seqs]
+            last = []
+            for gen, ids in zip(gens, encoded):
+                gen.accept(gen.sample(self.runner.prefill(gen.seq, ids)))
+                last.append(gen.token_ids[-1])
+            while True:
+                active = [i for i, g in enumerate(gens) if not g.done]
+                if not active:
+                    break
+                logits = self.runner.decode([gens[i].seq for i in active], self.token_tensor([last[i] for i in active]))
+                for row, i in zip(logits, active):
+                    gens[i].accept(gens[i].sample(row))
+                    last[i] = gens[i].token_ids[-1]
+            replies = [g.reply(prompt_tokens=len(ids), cached_tokens=0) for g, ids in zip(gens, encoded)]
+        finally:
+            for seq in seqs:
+                seq.free()
+        return replies[0] if single else replies
+
+    def info(self) -> dict:
+        c = self.config
+        return {
+            "model": self.name, "source": self.source, "architecture": c.architecture,
+            "parameters": c.num_parameters(), "layers": c.num_layers, "hidden_size": c.hidden_size,
+            "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+            "vocab_size": c.vocab_size, "max_model_len": self.max_model_len, "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device), "kv_bytes_per_token": c.kv_bytes_per_token(self.dtype.itemsize),
+            "kv_pool_bytes": self.pool.capacity_bytes(), "page_size": self.pool.page_size,
+            "kv_pool_tokens": self.pool.num_pages * self.pool.page_size // c.num_kv_heads,
+        }
+
+
+def _load_tokenizer(spec: str | None):
+    from pathlib import Path
+
+    from turnkv.model.tokenizer import load_folder_tokenizer
+
+    if spec is None or spec == DEFAULT_MODEL:
+        return load_gguf_tokenizer(embedded_model_path())
+    path = Path(spec)
+    return load_folder_tokenizer(path) if path.is_dir() else load_gguf_tokenizer(path)

@@ -1,0 +1,58 @@
+"""Runs the decoder over conversations' KV: prefill of new tokens against kept state, and batched
+decode steps. Owns no conversation logic; the engine decides what to feed."""
+
+from __future__ import annotations
+
+import torch
+
+from turnkv.engine.step import Step
+from turnkv.kv.pool import PagePool
+from turnkv.kv.sequence import SequenceKV
+from turnkv.model.decoder import Transformer
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, pool: PagePool, prefill_chunk: int = 4096):
+        self.model, self.pool, self.prefill_chunk = model, pool, prefill_chunk
+        self.device = pool.device
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[SequenceKV], token_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """Append token_ids [B, T] to each sequence and return fp32 logits: [B, V] at the last token,
+        or [B, T, V] with all_logits. On any failure every sequence is rolled back as it was."""
+        B, T = token_ids.shape
+        before = [s.next_position for s in seqs]
+        try:
+            slots = [s.reserve(T) for s in seqs]
+            step = Step(self.pool, seqs, slots, T, self.model.config.sliding_window)
+            positions = torch.tensor([[p + t for t in range(T)] for p in before], device=self.device)
+            last = None if all_logits else torch.full((B, 1), T - 1, device=self.device)
+            logits = self.model(token_ids.to(self.device), positions, step, logits_at=last)
+        except BaseException:
+            for s, p in zip(seqs, before):
+                s.truncate(p)
+            raise
+        return logits if all_logits else logits[:, -1]
+
+    def prefill(self, seq: SequenceKV, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
+        """Prefill one sequence's new tokens in chunks; returns the logits at the last token ([V]), or
+        at every new token ([T, V]) with all_logits."""
+        ids = torch.tensor([token_ids], dtype=torch.int64)
+        before = seq.next_position
+        outputs = []
+        try:
+            for start in range(0, ids.shape[1], self.prefill_chunk):
+                chunk = ids[:, start : start + self.prefill_chunk]
+                last_chunk = start + self.prefill_chunk >= ids.shape[1]
+                if all_logits or last_chunk:
+                    outputs.append(self.forward([seq], chunk, all_logits)[0])
+                else:
+                    self.forward([seq], chunk)
+        except BaseException:
+            seq.truncate(before)
+            raise
+        return torch.cat(outputs) if all_logits else outputs[-1]
+
+    def decode(self, seqs: list[SequenceKV], tokens: torch.Tensor) -> torch.Tensor:
+        """One decode step for a batch: tokens [B] -> logits [B, V]."""
+        return self.forward(seqs, tokens.view(-1, 1))

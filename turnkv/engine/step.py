@@ -1,0 +1,59 @@
+"""One forward step over a batch of conversations: where each layer writes its K/V in the page pool,
+and the attention it runs over what the conversations keep."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from turnkv.attention import reference
+from turnkv.kv.pool import PagePool
+from turnkv.kv.sequence import SequenceKV
+
+
+class Step:
+    """Implements the decoder's AttentionStep for B sequences that each add T tokens.
+
+    Built after every sequence has reserved its slots (SequenceKV.reserve). A batch whose sequences
+    are all fresh (no history, equal lengths) takes the plain causal path and reads nothing back.
+    """
+
+    def __init__(self, pool: PagePool, seqs: list[SequenceKV], slots: list[torch.Tensor], num_new: int,
+                 sliding_window: int | None = None):
+        self.pool, self.num_new = pool, num_new
+        self.sliding_window = sliding_window
+        # [L, B*H*T]: one flat index list per layer, in (sequence, head, token) order.
+        self.slots = torch.stack(slots, dim=1).reshape(pool.num_layers, -1)
+        lengths = np.stack([s.lengths for s in seqs], axis=1)  # [L, B, H], after this step's tokens
+        # The sliding window needs positions, which only the general path reads.
+        self.fresh = bool((lengths == num_new).all()) and sliding_window is None
+        self.max_len = lengths.max(axis=(1, 2)).tolist()
+        self.padded = (lengths.min(axis=(1, 2)) != lengths.max(axis=(1, 2))).tolist()
+        self.lengths = torch.from_numpy(lengths).to(pool.device)
+        if not self.fresh:
+            width = max(int(s.num_pages.max(initial=0)) for s in seqs)
+            tables = [s.device_table()[:, :, :width] for s in seqs]
+            tables = [torch.nn.functional.pad(t, (0, width - t.shape[2])) for t in tables]
+            self.tables = torch.stack(tables, dim=1)  # [L, B, H, P]
+        self.query_positions = torch.tensor([[s.next_position - num_new + t for t in range(num_new)] for s in seqs],
+                                            device=pool.device)
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B, T, Hq, D = q.shape
+        H = k.shape[2]
+        self.pool.write(layer, self.slots[layer], k.transpose(1, 2).reshape(-1, D), v.transpose(1, 2).reshape(-1, D))
+        q = q.transpose(1, 2)
+        if self.fresh:
+            out = reference.causal_prefill(q, k.transpose(1, 2), v.transpose(1, 2))
+            return out.transpose(1, 2)
+        S = self.max_len[layer]
+        keys = reference.gather_pages(self.pool.k[layer], self.tables[layer], S)
+        values = reference.gather_pages(self.pool.v[layer], self.tables[layer], S)
+        mask = None
+        if T > 1 or self.padded[layer]:
+            mask = reference.causal_mask(self.lengths[layer], T, S)
+        if self.sliding_window is not None:
+            key_pos = reference.gather_pages(self.pool.positions[layer], self.tables[layer], S)
+            in_window = key_pos[:, :, None, :] > self.query_positions[:, None, :, None] - self.sliding_window
+            mask = in_window if mask is None else mask & in_window
+        return reference.attention(q, keys, values, mask).transpose(1, 2)

