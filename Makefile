@@ -1,0 +1,14 @@
+# The two commands of the README: `make chat` and `make test`. Each sets everything up first.
+.PHONY: setup chat test bench-cpu
+
+setup:
+	bash scripts/setup.sh
+
+chat: setup
+	.venv/bin/turnkv chat
+
+test: setup
+	.venv/bin/python -m pytest -q
+
+bench-cpu: setup
+	.venv/bin/python benchmarks/cpu_vs_transformers.py

@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny random checkpoints saved in the Hugging Face format, and the SmolLM2 tokenizer."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Tests never reach a model hub: everything they load is built here or shipped by a package.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512)
+
+
+def save_tiny(path, family: str, vocab_size: int = 320, tokenizer=None, **overrides):
+    """Build a random HF model of `family` with a tiny config, save it to `path`, return the HF model."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+               "mistral": (MistralConfig, MistralForCausalLM)}
+    config_cls, model_cls = classes[family]
+    torch.manual_seed(0)
+    config = config_cls(vocab_size=vocab_size, **{**TINY, **overrides})
+    model = model_cls(config).eval()
+    model.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    from turnkv.model.load import embedded_model_path
+    from turnkv.model.tokenizer import load_gguf_tokenizer
+
+    return load_gguf_tokenizer(embedded_model_path())
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory, smol_tokenizer):
+    """A tiny random llama with SmolLM2's tokenizer and chat template, for conversation tests."""
+    path = tmp_path_factory.mktemp("tiny-chat")
+    save_tiny(path, "llama", vocab_size=len(smol_tokenizer), tokenizer=smol_tokenizer)
+    return path
+
+
+@pytest.fixture(scope="session")
+def chat_llm(chat_model_dir):
+    import turnkv
+
+    return turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="64MiB")

@@ -1,0 +1,187 @@
+"""PagePool: page accounting, all-or-nothing allocation, release/reuse order and raw writes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from turnkv.errors import InvalidRequestError, KVCacheFullError, TurnkvError
+from turnkv.kv.pool import PagePool
+
+L, H, D, PS = 2, 2, 8, 4
+
+
+def make_pool(num_pages=6, layers=L, heads=H, head_dim=D, page_size=PS, dtype=torch.float32):
+    return PagePool(layers, heads, head_dim, num_pages, page_size, dtype=dtype)
+
+
+def free_counts(pool):
+    return [pool.free_pages(layer) for layer in range(pool.num_layers)]
+
+
+# ---- construction and sizes -------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "dtype, element, expected_page_bytes",
+    [(torch.float32, 4, 2 * 4 * 8 * 4), (torch.bfloat16, 2, 2 * 4 * 8 * 2), (torch.float16, 2, 128)],
+)
+def test_page_bytes_and_capacity(dtype, element, expected_page_bytes):
+    pool = make_pool(num_pages=6, dtype=dtype)
+    assert pool.page_bytes == 2 * PS * D * element == expected_page_bytes
+    assert pool.capacity_bytes() == L * 6 * expected_page_bytes
+    assert pool.bytes_in_use() == 0
+    assert pool.k.shape == pool.v.shape == (L, 6, PS, D)
+    assert pool.k.dtype == pool.v.dtype == dtype
+    assert pool.positions.shape == (L, 6, PS) and pool.positions.dtype == torch.int64
+
+
+def test_fresh_pool_is_zeroed_and_all_free():
+    pool = make_pool(num_pages=5)
+    assert free_counts(pool) == [5, 5]
+    assert [pool.used_pages(layer) for layer in range(L)] == [0, 0]
+    assert torch.count_nonzero(pool.k) == 0 and torch.count_nonzero(pool.v) == 0
+    assert torch.count_nonzero(pool.positions) == 0
+
+
+@pytest.mark.parametrize("num_pages, page_size", [(0, 4), (4, 0), (-1, 4)])
+def test_constructor_rejects_empty_pool(num_pages, page_size):
+    with pytest.raises(ValueError):
+        PagePool(L, H, D, num_pages, page_size)
+
+
+def test_for_budget_sizes_pool_within_budget():
+    config = SimpleNamespace(num_layers=3, num_kv_heads=2, head_dim=8)
+    page_bytes = 2 * 4 * 8 * 4  # 256 for fp32
+    budget = 10 * page_bytes * 3 + page_bytes  # room for 10 pages per layer, and a bit over
+    pool = PagePool.for_budget(config, budget, page_size=4, dtype=torch.float32, device="cpu")
+    assert (pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.page_size) == (3, 2, 8, 4)
+    assert pool.num_pages == 10
+    assert pool.capacity_bytes() == 10 * 3 * page_bytes <= budget
+
+    pool16 = PagePool.for_budget(config, budget, page_size=4, dtype=torch.bfloat16, device="cpu")
+    assert pool16.num_pages == budget // (128 * 3) == 20
+    assert pool16.dtype == torch.bfloat16
+
+
+def test_for_budget_too_small_raises_kv_full():
+    config = SimpleNamespace(num_layers=2, num_kv_heads=3, head_dim=8)
+    page_bytes = 2 * 4 * 8 * 4
+    # 2 pages per layer < 3 KV heads
+    with pytest.raises(KVCacheFullError, match="one page per KV head"):
+        PagePool.for_budget(config, 2 * page_bytes * 2, page_size=4, dtype=torch.float32, device="cpu")
+    # exactly 3 pages per layer is enough
+    pool = PagePool.for_budget(config, 3 * page_bytes * 2, page_size=4, dtype=torch.float32, device="cpu")
+    assert pool.num_pages == 3
+
+
+def test_error_hierarchy():
+    assert issubclass(KVCacheFullError, TurnkvError)
+    assert not issubclass(KVCacheFullError, ValueError)
+    assert issubclass(InvalidRequestError, ValueError)
+
+
+# ---- allocate / release -----------------------------------------------------------------------
+
+def test_allocate_hands_out_lowest_ids_first_per_layer():
+    pool = make_pool(num_pages=6)
+    assert pool.allocate([2, 3]) == [[0, 1], [0, 1, 2]]
+    assert free_counts(pool) == [4, 3]
+    assert pool.allocate([1, 0]) == [[2], []]
+    assert free_counts(pool) == [3, 3]
+    assert pool.used_pages(0) == 3 and pool.used_pages(1) == 3
+    assert pool.bytes_in_use() == 6 * pool.page_bytes
+
+
+def test_allocate_zero_takes_nothing():
+    pool = make_pool(num_pages=3)
+    assert pool.allocate([0, 0]) == [[], []]
+    assert free_counts(pool) == [3, 3]
+
+
+def test_allocate_exact_capacity_then_full():
+    pool = make_pool(num_pages=3)
+    assert pool.allocate([3, 3]) == [[0, 1, 2], [0, 1, 2]]
+    assert free_counts(pool) == [0, 0]
+    assert pool.bytes_in_use() == pool.capacity_bytes()
+    with pytest.raises(KVCacheFullError):
+        pool.allocate([1, 0])
+    assert pool.allocate([0, 0]) == [[], []]
+
+
+def test_allocate_is_all_or_nothing_across_layers():
+    pool = make_pool(num_pages=5, layers=3)
+    pool.allocate([1, 1, 3])  # layer 2 has 2 free pages left
+    before = free_counts(pool)
+    assert before == [4, 4, 2]
+    with pytest.raises(KVCacheFullError) as info:
+        pool.allocate([4, 4, 3])  # layers 0 and 1 could give, layer 2 cannot
+    assert free_counts(pool) == before
+    message = str(info.value)
+    assert "KV pool full" in message
+    assert "layer 2 needs 3 pages and has 2 free" in message
+    assert "5 pages of 4 tokens per layer" in message
+    # nothing was taken: the next allocation continues with the same ids
+    assert pool.allocate([4, 4, 2]) == [[1, 2, 3, 4], [1, 2, 3, 4], [3, 4]]
+    assert free_counts(pool) == [0, 0, 0]
+
+
+def test_allocate_error_names_first_short_layer():
+    pool = make_pool(num_pages=2, layers=3)
+    with pytest.raises(KVCacheFullError, match=r"layer 1 needs 3 pages and has 2 free"):
+        pool.allocate([2, 3, 5])
+    assert free_counts(pool) == [2, 2, 2]
+
+
+def test_release_then_allocate_reuses_same_ids_in_same_order():
+    pool = make_pool(num_pages=6)
+    first = pool.allocate([4, 2])
+    assert first == [[0, 1, 2, 3], [0, 1]]
+    pool.release(0, [1, 3])
+    pool.release(1, torch.tensor([0, 1]))  # tensors are accepted too
+    assert free_counts(pool) == [4, 6]
+    assert pool.bytes_in_use() == 2 * pool.page_bytes
+    assert pool.allocate([2, 2]) == [[1, 3], [0, 1]]
+    assert pool.allocate([2, 0]) == [[4, 5], []]
+    assert free_counts(pool) == [0, 4]
+
+
+def test_release_stores_python_ints():
+    pool = make_pool(num_pages=4)
+    pages = pool.allocate([2, 0])[0]
+    pool.release(0, torch.tensor(pages))
+    taken = pool.allocate([2, 0])[0]
+    assert taken == [0, 1] and all(type(p) is int for p in taken)
+
+
+# ---- write ------------------------------------------------------------------------------------
+
+def test_write_places_rows_at_flat_slots_of_one_layer():
+    pool = make_pool(num_pages=3)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(3, D, generator=g)
+    v = torch.randn(3, D, generator=g)
+    slots = torch.tensor([1, 4, 11])  # page 0 off 1, page 1 off 0, page 2 off 3
+    pool.write(1, slots, k, v)
+    assert torch.equal(pool.k[1, 0, 1], k[0]) and torch.equal(pool.v[1, 0, 1], v[0])
+    assert torch.equal(pool.k[1, 1, 0], k[1]) and torch.equal(pool.v[1, 1, 0], v[1])
+    assert torch.equal(pool.k[1, 2, 3], k[2]) and torch.equal(pool.v[1, 2, 3], v[2])
+    # nothing else moved: layer 0 untouched, other slots of layer 1 still zero
+    assert torch.count_nonzero(pool.k[0]) == 0 and torch.count_nonzero(pool.v[0]) == 0
+    mask = torch.ones(3 * PS, dtype=torch.bool)
+    mask[slots] = False
+    assert torch.count_nonzero(pool.k[1].reshape(-1, D)[mask]) == 0
+    assert torch.count_nonzero(pool.v[1].reshape(-1, D)[mask]) == 0
+
+
+def test_write_overwrites_and_keeps_bf16_exact():
+    pool = make_pool(num_pages=2, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    k1, v1 = torch.randn(2, D, generator=g).bfloat16(), torch.randn(2, D, generator=g).bfloat16()
+    k2, v2 = torch.randn(1, D, generator=g).bfloat16(), torch.randn(1, D, generator=g).bfloat16()
+    pool.write(0, torch.tensor([2, 5]), k1, v1)
+    pool.write(0, torch.tensor([5]), k2, v2)
+    flat_k, flat_v = pool.k[0].reshape(-1, D), pool.v[0].reshape(-1, D)
+    assert torch.equal(flat_k[2], k1[0]) and torch.equal(flat_v[2], v1[0])
+    assert torch.equal(flat_k[5], k2[0]) and torch.equal(flat_v[5], v2[0])

@@ -1,0 +1,156 @@
+"""The `turnkv` command: chat, generate, info."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from turnkv.errors import TurnkvError
+
+MB = 1 << 20
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file, HF safetensors folder, or shape name (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--kv-memory", default=None, help="KV page pool size, e.g. 2GiB")
+    p.add_argument("--tokenizer", default=None, help="tokenizer for a shape name or a folder without one")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+
+
+def _sampling(args) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, seed=args.seed, stop=args.stop)
+
+
+def _load(args):
+    from turnkv import LLM
+
+    return LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory, tokenizer=args.tokenizer)
+
+
+def _turn_stats(reply) -> str:
+    return (f"[{reply.prompt_tokens} new + {reply.cached_tokens} reused tokens | KV {reply.kv_bytes / MB:.1f} MB | "
+            f"TTFT {reply.ttft_s * 1000:.0f} ms | {reply.tokens_per_s:.1f} tok/s | {reply.finish_reason}]")
+
+
+def _conversation_stats(llm, conv) -> str:
+    kv = conv.kv
+    per_layer = kv.bytes_per_layer() / MB
+    pool = llm.pool
+    lines = [
+        f"turns: {len(conv.turns)}   history: {len(conv.tokens)} tokens   in KV: {kv.next_position} positions",
+        f"KV held: {kv.tokens()} token-heads across {pool.num_layers} layers x {pool.num_kv_heads} KV heads "
+        f"= {kv.bytes() / MB:.2f} MB ({llm.config.kv_bytes_per_token(llm.dtype.itemsize)} B/token dense)",
+        f"per layer: min {per_layer.min():.2f} MB, max {per_layer.max():.2f} MB",
+        f"pool: {pool.bytes_in_use() / MB:.1f} MB used of {pool.capacity_bytes() / MB:.0f} MB "
+        f"({pool.free_pages(0)} free pages of {pool.page_size} tokens in layer 0)",
+    ]
+    return "\n".join(lines)
+
+
+def cmd_chat(args) -> int:
+    llm = _load(args)
+    conv = llm.conversation(system=args.system)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"turnkv chat with {llm.name} on {llm.device} ({llm.dtype}). /stats, /reset, /quit.", flush=True)
+    while True:
+        try:
+            line = input("you> " if interactive else "")
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            print()
+            break
+        message = line.strip()
+        if not message:
+            continue
+        if message in ("/quit", "/exit"):
+            break
+        if message == "/reset":
+            conv.reset()
+            print("(conversation reset)", flush=True)
+            continue
+        if message == "/stats":
+            print(_conversation_stats(llm, conv), flush=True)
+            continue
+        print("assistant> " if interactive else "", end="", flush=True)
+        try:
+            for piece in conv.stream(message, **_sampling(args)):
+                print(piece, end="", flush=True)
+            print()
+            print(_turn_stats(conv.last_reply), file=sys.stderr if args.quiet_stats else sys.stdout, flush=True)
+        except KeyboardInterrupt:
+            print("\n(turn interrupted; the conversation is as it was before it)", flush=True)
+        except TurnkvError as e:
+            print(f"\nerror: {e}", file=sys.stderr, flush=True)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    llm = _load(args)
+    reply = llm.generate(prompt, **_sampling(args))
+    print(reply.text)
+    print(_turn_stats(reply), file=sys.stderr)
+    return 0
+
+
+def cmd_info(args) -> int:
+    llm = _load(args)
+    info = llm.info()
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        width = max(map(len, info))
+        for key, value in info.items():
+            print(f"{key:<{width}}  {value:,}" if isinstance(value, int) else f"{key:<{width}}  {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="turnkv", description="An engine for long multi-turn LLM conversations.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    chat = sub.add_parser("chat", help="interactive multi-turn chat (reads turns from stdin when piped)")
+    _model_args(chat)
+    _sampling_args(chat)
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--quiet-stats", action="store_true", help="print per-turn stats on stderr")
+    chat.set_defaults(func=cmd_chat)
+
+    gen = sub.add_parser("generate", help="complete one raw prompt")
+    gen.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read stdin)")
+    _model_args(gen)
+    _sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    info = sub.add_parser("info", help="model shape and KV bytes per token")
+    _model_args(info)
+    info.add_argument("--json", action="store_true")
+    info.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except TurnkvError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
