@@ -667,7 +667,8 @@ def test_keep_validates_against_current_not_original_length(gen):
 
 @pytest.mark.parametrize("device", [
     "cpu",
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+    pytest.param("cuda", marks=[pytest.mark.gpu,
+                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
 ])
 def test_random_operation_mix_matches_model(device):
     rng = random.Random(7)
