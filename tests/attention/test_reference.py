@@ -299,7 +299,8 @@ def expected_step(seq: SequenceKV, layer: int, q, T: int, window=None):
 
 def run_step(pool, seqs, T, gen, window=None):
     slots = [s.reserve(T) for s in seqs]
-    step = Step(pool, seqs, slots, T, sliding_window=window)
+    positions = torch.tensor([[s.next_position - T + t for t in range(T)] for s in seqs])
+    step = Step(pool, seqs, slots, positions, sliding_window=window)
     B = len(seqs)
     results = []
     for layer in range(L):

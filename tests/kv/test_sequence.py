@@ -708,3 +708,17 @@ def test_random_operation_mix_matches_model(device):
             check(s, e)
         check_pool(pool, seqs)
     assert failures > 0  # the pool was small enough to hit exhaustion along the way
+
+
+def test_truncate_rejects_negative_and_keep_rejects_float_indices():
+    from turnkv.kv.pool import PagePool
+    from turnkv.kv.sequence import SequenceKV
+
+    pool = PagePool(1, 2, 4, 8, 4)
+    seq = SequenceKV(pool)
+    seq.reserve(5)
+    with pytest.raises(ValueError, match="truncate"):
+        seq.truncate(-3)
+    with pytest.raises(ValueError, match="integers"):
+        seq.keep(0, [[0.9, 2.2], [1, 2]])
+    assert seq.next_position == 5 and seq.lengths.tolist() == [[5, 5]]

@@ -24,8 +24,8 @@ class ModelRunner:
         before = [s.next_position for s in seqs]
         try:
             slots = [s.reserve(T) for s in seqs]
-            step = Step(self.pool, seqs, slots, T, self.model.config.sliding_window)
-            positions = torch.tensor([[p + t for t in range(T)] for p in before], device=self.device)
+            positions = torch.tensor(before, device=self.device)[:, None] + torch.arange(T, device=self.device)
+            step = Step(self.pool, seqs, slots, positions, self.model.config.sliding_window)
             last = None if all_logits else torch.full((B, 1), T - 1, device=self.device)
             logits = self.model(token_ids.to(self.device), positions, step, logits_at=last)
         except BaseException:

@@ -18,8 +18,9 @@ class Step:
     are all fresh (no history, equal lengths) takes the plain causal path and reads nothing back.
     """
 
-    def __init__(self, pool: PagePool, seqs: list[SequenceKV], slots: list[torch.Tensor], num_new: int,
+    def __init__(self, pool: PagePool, seqs: list[SequenceKV], slots: list[torch.Tensor], positions: torch.Tensor,
                  sliding_window: int | None = None):
+        num_new = positions.shape[1]
         self.pool, self.num_new = pool, num_new
         self.sliding_window = sliding_window
         # [L, B*H*T]: one flat index list per layer, in (sequence, head, token) order.
@@ -35,8 +36,7 @@ class Step:
             tables = [s.device_table()[:, :, :width] for s in seqs]
             tables = [torch.nn.functional.pad(t, (0, width - t.shape[2])) for t in tables]
             self.tables = torch.stack(tables, dim=1)  # [L, B, H, P]
-        self.query_positions = torch.tensor([[s.next_position - num_new + t for t in range(num_new)] for s in seqs],
-                                            device=pool.device)
+        self.query_positions = positions  # [B, T]
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B, T, Hq, D = q.shape

@@ -58,10 +58,10 @@ class SequenceKV:
         index = self.lengths[:, :, None] + np.arange(num_tokens)
         pages = np.take_along_axis(self.table, index // ps, axis=2)
         slots = torch.from_numpy(pages * ps + index % ps).to(self.pool.device)
+        L, H = self.lengths.shape
         positions = torch.arange(self.next_position, self.next_position + num_tokens, device=self.pool.device)
-        for layer in range(self.pool.num_layers):
-            flat = self.pool.positions[layer].view(-1)
-            flat.index_copy_(0, slots[layer].reshape(-1), positions.repeat(self.pool.num_kv_heads))
+        layer_base = torch.arange(L, device=self.pool.device)[:, None, None] * self.pool.positions[0].numel()
+        self.pool.positions.view(-1).index_copy_(0, (slots + layer_base).view(-1), positions.repeat(L * H))
         self.lengths += num_tokens
         self.next_position += num_tokens
         return slots
@@ -121,7 +121,10 @@ class SequenceKV:
         table = self.device_table()[layer]
         src, dst, counts = [], [], []
         for head, idx in enumerate(keep):
-            idx = torch.as_tensor(idx, dtype=torch.int64, device=self.pool.device).sort().values
+            idx = torch.as_tensor(idx, device=self.pool.device)
+            if idx.numel() and (idx.is_floating_point() or idx.is_complex()):
+                raise ValueError(f"layer {layer} head {head}: keep indices must be integers, got {idx.dtype}")
+            idx = idx.to(torch.int64).sort().values
             if idx.numel() and (idx[0] < 0 or idx[-1] >= self.lengths[layer, head] or (idx[1:] == idx[:-1]).any()):
                 raise ValueError(f"layer {layer} head {head}: keep indices must be unique and in [0, {self.lengths[layer, head]})")
             target = torch.arange(idx.numel(), device=self.pool.device)
@@ -145,6 +148,8 @@ class SequenceKV:
 
     def truncate(self, num_positions: int) -> None:
         """Drop every token at position >= num_positions (a rollback: cheap, no data moves)."""
+        if num_positions < 0:
+            raise ValueError(f"cannot truncate to {num_positions} positions")
         if num_positions >= self.next_position:
             return
         for layer in range(self.pool.num_layers):
