@@ -14,8 +14,9 @@ def gather_pages(pool: torch.Tensor, tables: torch.Tensor, length: int) -> torch
     """Rows of a layer's pool [num_pages, page_size, ...] for page tables [B, H, P] -> [B, H, length, ...]."""
     B, H, _ = tables.shape
     pages = -(-length // pool.shape[1])
-    rows = pool[tables[:, :, :pages]]
-    return rows.reshape(B, H, pages * pool.shape[1], *pool.shape[2:])[:, :, :length]
+    # index_select copies whole pages; it is several times faster than advanced indexing on CPU.
+    rows = pool.index_select(0, tables[:, :, :pages].reshape(-1))
+    return rows.view(B, H, pages * pool.shape[1], *pool.shape[2:])[:, :, :length]
 
 
 def causal_mask(lengths: torch.Tensor, num_new: int, num_keys: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from turnkv.attention.reference import gather_pages
 from turnkv.kv.pool import PagePool
 
 
@@ -103,11 +104,8 @@ class SequenceKV:
         """K, V [kv_heads, S, D] and positions [kv_heads, S] of one layer, padded to S = max length.
         Entries past a head's length are padding."""
         S = int(self.lengths[layer].max(initial=0))
-        pages = self.device_table()[layer, :, : -(-S // self.pool.page_size)]
-        H, D = self.pool.num_kv_heads, self.pool.head_dim
-        k = self.pool.k[layer][pages].reshape(H, -1, D)[:, :S]
-        v = self.pool.v[layer][pages].reshape(H, -1, D)[:, :S]
-        pos = self.pool.positions[layer][pages].reshape(H, -1)[:, :S]
+        table = self.device_table()[layer][None]
+        k, v, pos = (gather_pages(pool[layer], table, S)[0] for pool in (self.pool.k, self.pool.v, self.pool.positions))
         return k, v, pos
 
     # ---- eviction and rollback -------------------------------------------------------------

@@ -31,6 +31,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 and scale in the model dtype, as the reference implementation does.
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
@@ -39,7 +41,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate-half RoPE. x: [B, T, H, D]; cos/sin: [B, T, 1, D]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return rotated.mul_(sin).addcmul_(x, cos)
 
 
 class Attention(nn.Module):
@@ -70,7 +72,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # in place: no new [T, I] buffers
 
 
 class Block(nn.Module):
@@ -82,8 +84,8 @@ class Block(nn.Module):
         self.mlp = FeedForward(config)
 
     def forward(self, x, cos, sin, step):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, step)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), cos, sin, step).add_(x)
+        return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
 class Transformer(nn.Module):
