@@ -29,10 +29,13 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
 def runner_for(model, page_size=4, pages=256):
     c = model.config
-    dtype = next(model.parameters()).dtype
-    pool = PagePool(c.num_layers, c.num_kv_heads, c.head_dim, pages, page_size, dtype)
+    weight = next(model.parameters())
+    pool = PagePool(c.num_layers, c.num_kv_heads, c.head_dim, pages, page_size, weight.dtype, weight.device)
     return ModelRunner(model, pool, prefill_chunk=4096), pool
 
 
@@ -44,7 +47,7 @@ def all_paths(model, ids: torch.Tensor, split: int):
     seq = SequenceKV(pool)
     stepwise = [runner.prefill(seq, ids[:1].tolist())]
     for t in ids[1:]:
-        stepwise.append(runner.decode([seq], t.view(1))[0])
+        stepwise.append(runner.decode([seq], t.view(1).to(pool.device))[0])
     stepwise = torch.stack(stepwise)
 
     seq = SequenceKV(pool)
@@ -62,12 +65,14 @@ def tiny_pair(request, tmp_path_factory):
     return request.param, hf, ours.model
 
 
-def test_tiny_models_match_transformers_on_every_path(tiny_pair):
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiny_models_match_transformers_on_every_path(tiny_pair, device):
     name, hf, model = tiny_pair
     ids = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        ref = hf(ids[None]).logits[0]
-    for path, logits in zip(("prefill", "decode", "second turn"), all_paths(model, ids, split=13)):
+        ref = hf.to(device)(ids[None].to(device)).logits[0].cpu()
+    for path, logits in zip(("prefill", "decode", "second turn"), all_paths(model.to(device), ids, split=13)):
+        logits = logits.cpu()
         assert logits.shape == ref.shape
         assert rel_err(logits, ref) < 1e-4, f"{name}: {path} differs from transformers"
 
@@ -83,15 +88,17 @@ def test_sliding_window_actually_limits_attention(tmp_path):
     assert rel_err(windowed[20:], plain[20:]) > 1e-3
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_tracks_fp32(tmp_path, dtype):
+def test_half_precision_tracks_fp32(tmp_path, dtype, device):
     hf = save_tiny(tmp_path, "qwen2")
-    model = load_model(str(tmp_path), dtype=dtype).model
+    model = load_model(str(tmp_path), dtype=dtype, device=device).model
     assert next(model.parameters()).dtype == dtype
     ids = torch.randint(0, 320, (20,), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
     for logits in all_paths(model, ids, split=9):
+        logits = logits.cpu()
         assert torch.isfinite(logits).all()
         assert rel_err(logits, ref) < 3e-2
 

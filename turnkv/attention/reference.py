@@ -34,7 +34,8 @@ def causal_mask(lengths: torch.Tensor, num_new: int, num_keys: int) -> torch.Ten
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None
 ) -> torch.Tensor:
-    """q [B, Hq, T, D] over k, v [B, H, S, D] with a per-KV-head mask [B, H, T, S] (True = attend).
+    """q [B, Hq, T, D] over k, v [B, H, S, D] with a per-KV-head mask [B, H, T, S] (True = attend),
+    or one mask [B, 1, T, S] shared by all heads.
 
     The G query heads of a group are folded into the row dimension, so each KV head is read once
     for its whole group and K/V are never repeated.
@@ -42,6 +43,9 @@ def attention(
     B, Hq, T, D = q.shape
     H = k.shape[1]
     G = Hq // H
+    if mask is not None and mask.shape[1] == 1:
+        # One mask for every head (equal lengths): SDPA broadcasts it, no per-group copy.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     q_grouped = q.reshape(B, H, G * T, D)
     if mask is not None:
         mask = mask[:, :, None].expand(B, H, G, T, mask.shape[-1]).reshape(B, H, G * T, -1)

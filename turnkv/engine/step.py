@@ -50,8 +50,10 @@ class Step:
         keys = reference.gather_pages(self.pool.k[layer], self.tables[layer], S)
         values = reference.gather_pages(self.pool.v[layer], self.tables[layer], S)
         mask = None
-        if T > 1 or self.padded[layer]:
+        if self.padded[layer]:
             mask = reference.causal_mask(self.lengths[layer], T, S)
+        elif T > 1:  # every head holds S tokens: one causal mask serves them all
+            mask = reference.causal_mask(self.lengths[layer][:, :1], T, S)
         if self.sliding_window is not None:
             key_pos = reference.gather_pages(self.pool.positions[layer], self.tables[layer], S)
             in_window = key_pos[:, :, None, :] > self.query_positions[:, None, :, None] - self.sliding_window
