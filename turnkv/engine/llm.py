@@ -10,7 +10,7 @@ from turnkv.engine.conversation import Conversation
 from turnkv.engine.generation import Generation, Reply
 from turnkv.engine.runner import ModelRunner
 from turnkv.engine.sampling import SamplingParams
-from turnkv.errors import ContextLengthError, InvalidRequestError
+from turnkv.errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
 from turnkv.model.load import DEFAULT_MODEL, embedded_model_path, load_model
@@ -48,9 +48,15 @@ class LLM:
         self.config = self.model.config
         self.dtype = next(self.model.parameters()).dtype
         self.tokenizer = loaded.tokenizer
-        if self.tokenizer is None and (tokenizer or loaded.source == "random"):
-            # Random-weight shapes borrow the embedded model's tokenizer so text APIs still work.
+        if tokenizer is not None:
             self.tokenizer = _load_tokenizer(tokenizer)
+        elif self.tokenizer is None and loaded.source == "random":
+            # Random-weight shapes borrow the embedded model's tokenizer, when it is installed, so the
+            # text APIs work too; without it they take token ids.
+            try:
+                self.tokenizer = _load_tokenizer(None)
+            except ModelLoadError:
+                self.tokenizer = None
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         self.pool = PagePool.for_budget(self.config, self._kv_budget(kv_memory), page_size, self.dtype, self.device)
