@@ -6,6 +6,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from turnkv.engine import chat_template
 from turnkv.engine.generation import Generation, Reply
 from turnkv.errors import ContextLengthError, InvalidRequestError
@@ -23,12 +25,14 @@ class Turn:
     prompt_end: int
     end: int
     reply: Reply
+    system_end: int = 0  # first turn: where the system prompt's tokens end
 
 
 class Conversation:
-    def __init__(self, llm: LLM, system: str | None = None):
+    def __init__(self, llm: LLM, system: str | None = None, recipe=None):
         self.llm = llm
         self.system = system
+        self.recipe = llm.resolve_recipe(recipe)
         self.kv = SequenceKV(llm.pool)
         self.reset()
 
@@ -40,6 +44,26 @@ class Conversation:
         self.text = ""  # what `tokens` render to
         self.turns: list[Turn] = []
         self.last_reply: Reply | None = None
+        self.method_state = self.recipe.new_state(self.llm.config.num_layers)
+
+    @property
+    def compression_log(self) -> list[dict]:
+        """One entry per compression: the turn, the event, the span of positions, the budget per layer
+        and the tokens each (layer, head) kept afterwards."""
+        return self.method_state.log
+
+    def segment_counts(self) -> np.ndarray:
+        """Tokens held per segment [segments, layers, kv_heads]; segment 0 is what precedes the first
+        turn's prompt (the system prompt), segment i the tokens of turn i."""
+        bounds = [0] + [t.start for t in self.turns[1:]] + [self.kv.next_position]
+        if self.turns:
+            bounds[0:1] = [0, self.turns[0].system_end]
+        L = self.llm.config.num_layers
+        out = np.zeros((len(bounds) - 1, L, self.llm.config.num_kv_heads), np.int64)
+        for i in range(len(bounds) - 1):
+            for layer in range(L):
+                out[i, layer] = self.kv.count_positions(layer, bounds[i], bounds[i + 1])
+        return out
 
     def close(self) -> None:
         self.kv.free()
@@ -54,33 +78,79 @@ class Conversation:
             pass
         return self.last_reply
 
-    def stream(self, message: str, **sampling) -> Iterator[str]:
+    def stream(self, message: str, context: str | None = None, **sampling) -> Iterator[str]:
         """Like send, yielding the reply's text as it is generated; the Reply lands in last_reply.
-        Abandoning the iterator early undoes the turn."""
+        Abandoning the iterator early undoes the turn (tokens a recipe already evicted stay evicted).
+
+        With `context`, the user message is the context, a blank line, then `message`; a recipe with
+        schedule=context compresses the context before the question is prefilled."""
         if not isinstance(message, str) or not message.strip():
             raise InvalidRequestError("the message is empty")
+        if context is not None and (not isinstance(context, str) or not context.strip()):
+            raise InvalidRequestError("the context is empty")
         params = self.llm.sampling_params(**sampling)
         tokenizer = self.llm.require_tokenizer()
-        messages = [*self.messages, {"role": "user", "content": message}]
+        content = message if context is None else f"{context}\n\n{message}"
+        messages = [*self.messages, {"role": "user", "content": content}]
         full_text = chat_template.render(tokenizer, messages)
         keep, new_ids = chat_template.continuation(tokenizer, self.tokens, self.text, full_text)
+        # Where the new tokens split into segments: the system prompt (first turn only), and the
+        # context (when given), so that both end on token boundaries a recipe can compress at.
+        cuts = [self._system_text(full_text)] if not self.turns else []
+        if context is not None:
+            cuts.append(full_text.index(content) + len(context))
+        keep, new_ids, boundaries = self._split_at(full_text, keep, new_ids, cuts)
         total = keep + len(new_ids)
         if total + 1 > self.llm.max_model_len:
             raise ContextLengthError(
                 f"this turn needs {total} tokens of context plus one to generate, and the model holds "
                 f"{self.llm.max_model_len}; start a new conversation or /reset"
             )
-        return self._run_turn(messages, full_text, keep, new_ids, params)
+        return self._run_turn(messages, full_text, keep, new_ids, params, boundaries, context is not None)
 
-    def _run_turn(self, messages, full_text, keep, new_ids, params) -> Iterator[str]:
+    def _system_text(self, full_text: str) -> int:
+        """Characters of full_text that render the system prompt alone (0 without one)."""
+        if not self.system:
+            return 0
+        system_text = chat_template.render(self.llm.tokenizer, self.messages[:1], add_generation_prompt=False)
+        return len(system_text) if full_text.startswith(system_text) else 0
+
+    def _split_at(self, full_text, keep, new_ids, cuts):
+        """Re-encode the new text in pieces at character offsets `cuts`; returns the token counts
+        (absolute positions) where the pieces end."""
+        kept_len = len(self.text) if keep == len(self.tokens) else len(
+            self.llm.tokenizer.decode(self.tokens[:keep], skip_special_tokens=False))
+        cuts = sorted(c for c in cuts if c > kept_len)
+        if not cuts:
+            return keep, new_ids, []
+        ids, boundaries, start = [], [], kept_len
+        for cut in cuts + [len(full_text)]:
+            ids += chat_template.encode(self.llm.tokenizer, full_text[start:cut])
+            boundaries.append(keep + len(ids))
+            start = cut
+        return keep, ids, boundaries[:-1]
+
+    def _run_turn(self, messages, full_text, keep, new_ids, params, boundaries, has_context) -> Iterator[str]:
         if self.kv.next_position > keep:
             self.kv.truncate(keep)  # the template no longer renders part of what was kept
         cached = self.kv.next_position
         prompt = self.tokens[cached:keep] + new_ids
+        recipe, st, inv_freq = self.recipe, self.method_state, self.llm.model.inv_freq
+        turn = len(self.turns) + 1
+        system_end = boundaries[0] if (not self.turns and self.system and boundaries) else 0
+        segment_end = cached if self.turns else system_end
+        observe = dict(window=st.window, accumulate=recipe.accumulates_attention)
         gen = self.llm.new_generation(self.kv, params)
         finished = False
         try:
-            logits = self.llm.runner.prefill(self.kv, prompt)
+            if has_context:  # prefill up to the end of the context, compress, then the rest
+                context_end = boundaries[-1]
+                self.llm.runner.prefill(self.kv, prompt[: context_end - cached], **observe)
+                recipe.after_context(self.kv, st, context_end, inv_freq, turn)
+                logits = self.llm.runner.prefill(self.kv, prompt[context_end - cached :], **observe)
+            else:
+                logits = self.llm.runner.prefill(self.kv, prompt, **observe)
+            recipe.after_prompt(self.kv, st, segment_end, inv_freq, turn)
             while True:
                 token = gen.sample(logits)
                 piece = gen.accept(token)
@@ -88,15 +158,17 @@ class Conversation:
                     yield piece
                 if gen.done:
                     break
-                logits = self.llm.runner.decode([self.kv], self.llm.token_tensor([token]))[0]
+                logits = self.llm.runner.decode([self.kv], self.llm.token_tensor([token]), windows=[st.window],
+                                                accumulate=observe["accumulate"])[0]
+                recipe.after_decode_step(self.kv, st, inv_freq, turn)
+            recipe.at_turn_end(self.kv, st, inv_freq, turn)
             finished = True
         finally:
             if not finished:
                 self.kv.truncate(cached)
         reply = gen.reply(prompt_tokens=len(prompt), cached_tokens=cached)
-        start = keep
         self.tokens = self.tokens[:keep] + new_ids + reply.token_ids
         self.text = full_text + self.llm.tokenizer.decode(reply.token_ids, skip_special_tokens=False)
         self.messages = [*messages, {"role": "assistant", "content": reply.text}]
-        self.turns.append(Turn(start, keep + len(new_ids), len(self.tokens), reply))
+        self.turns.append(Turn(cached, keep + len(new_ids), len(self.tokens), reply, system_end))
         self.last_reply = reply

@@ -41,7 +41,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, dtype=None, device: str | None = None,
                  kv_memory: int | str | None = None, page_size: int = 16, max_model_len: int | None = None,
-                 tokenizer: str | None = None, prefill_chunk: int = 4096, seed: int = 0):
+                 tokenizer: str | None = None, prefill_chunk: int = 4096, seed: int = 0, recipe=None):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         loaded = load_model(model, dtype, self.device, seed)
         self.model, self.name, self.source = loaded.model, loaded.name, loaded.source
@@ -66,6 +66,21 @@ class LLM:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = eos
         self.vocab_limit = len(self.tokenizer) if self.tokenizer is not None else None
+        self.recipe = self.resolve_recipe(recipe)
+
+    def resolve_recipe(self, recipe):
+        """A Recipe, a recipe string or file path, or None for this engine's default (full cache)."""
+        from turnkv.methods.recipe import Recipe
+
+        if recipe is None:
+            return getattr(self, "recipe", None) or Recipe()
+        if isinstance(recipe, Recipe):
+            return recipe
+        if isinstance(recipe, str) and recipe.endswith((".json", ".yaml", ".yml")):
+            return Recipe.from_file(recipe)
+        if isinstance(recipe, str):
+            return Recipe.parse(recipe)
+        raise InvalidRequestError(f"a recipe is a Recipe, a string or a file path, not {type(recipe).__name__}")
 
     def _kv_budget(self, kv_memory) -> int:
         if kv_memory is not None:
@@ -95,8 +110,8 @@ class LLM:
         return torch.tensor(tokens, dtype=torch.int64, device=self.device)
 
     # ---- public API -----------------------------------------------------------------------------
-    def conversation(self, system: str | None = None) -> Conversation:
-        return Conversation(self, system)
+    def conversation(self, system: str | None = None, recipe=None) -> Conversation:
+        return Conversation(self, system, recipe)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -107,32 +122,39 @@ class LLM:
             raise InvalidRequestError(f"a token-id prompt must be a non-empty list of ids in [0, {self.config.vocab_size})")
         return list(prompt)
 
-    def generate(self, prompts: str | list[int] | list[str | list[int]], **sampling) -> Reply | list[Reply]:
-        """One-shot completion of raw prompts (text or token ids), decoded together as a batch."""
+    def generate(self, prompts: str | list[int] | list[str | list[int]], recipe=None, **sampling) -> Reply | list[Reply]:
+        """One-shot completion of raw prompts (text or token ids), decoded together as a batch.
+        With an evicting recipe, each prompt is compressed after its prefill (question-aware)."""
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
         if not batch:
             raise InvalidRequestError("no prompts given")
         params = self.sampling_params(**sampling)
+        recipe = self.resolve_recipe(recipe)
         encoded = [self.encode(p) for p in batch]
         for ids in encoded:
             if len(ids) + 1 > self.max_model_len:
                 raise ContextLengthError(f"a prompt of {len(ids)} tokens does not fit the context of {self.max_model_len}")
         seqs = [SequenceKV(self.pool) for _ in batch]
+        states = [recipe.new_state(self.config.num_layers) for _ in batch]
+        accumulate = recipe.accumulates_attention
+        inv_freq = self.model.inv_freq
         try:
             gens = [self.new_generation(seq, params) for seq in seqs]
-            last = []
-            for gen, ids in zip(gens, encoded):
-                gen.accept(gen.sample(self.runner.prefill(gen.seq, ids)))
-                last.append(gen.token_ids[-1])
+            for gen, ids, st in zip(gens, encoded, states):
+                logits = self.runner.prefill(gen.seq, ids, window=st.window, accumulate=accumulate)
+                recipe.after_prompt(gen.seq, st, len(ids), inv_freq, turn=1)
+                gen.accept(gen.sample(logits))
             while True:
                 active = [i for i, g in enumerate(gens) if not g.done]
                 if not active:
                     break
-                logits = self.runner.decode([gens[i].seq for i in active], self.token_tensor([last[i] for i in active]))
+                logits = self.runner.decode([gens[i].seq for i in active],
+                                            self.token_tensor([gens[i].token_ids[-1] for i in active]),
+                                            windows=[states[i].window for i in active], accumulate=accumulate)
                 for row, i in zip(logits, active):
+                    recipe.after_decode_step(gens[i].seq, states[i], inv_freq, turn=1)
                     gens[i].accept(gens[i].sample(row))
-                    last[i] = gens[i].token_ids[-1]
             replies = [g.reply(prompt_tokens=len(ids), cached_tokens=0) for g, ids in zip(gens, encoded)]
         finally:
             for seq in seqs:

@@ -17,7 +17,8 @@ class ModelRunner:
         self.device = pool.device
 
     @torch.inference_mode()
-    def forward(self, seqs: list[SequenceKV], token_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, seqs: list[SequenceKV], token_ids: torch.Tensor, all_logits: bool = False,
+                windows: list | None = None, accumulate: bool = False) -> torch.Tensor:
         """Append token_ids [B, T] to each sequence and return fp32 logits: [B, V] at the last token,
         or [B, T, V] with all_logits. On any failure every sequence is rolled back as it was."""
         B, T = token_ids.shape
@@ -25,7 +26,7 @@ class ModelRunner:
         try:
             slots = [s.reserve(T) for s in seqs]
             positions = torch.tensor(before, device=self.device)[:, None] + torch.arange(T, device=self.device)
-            step = Step(self.pool, seqs, slots, positions, self.model.config.sliding_window)
+            step = Step(self.pool, seqs, slots, positions, self.model.config.sliding_window, windows, accumulate)
             last = None if all_logits else torch.full((B, 1), T - 1, device=self.device)
             logits = self.model(token_ids.to(self.device), positions, step, logits_at=last)
         except BaseException:
@@ -34,7 +35,8 @@ class ModelRunner:
             raise
         return logits if all_logits else logits[:, -1]
 
-    def prefill(self, seq: SequenceKV, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
+    def prefill(self, seq: SequenceKV, token_ids: list[int], all_logits: bool = False, window=None,
+                accumulate: bool = False) -> torch.Tensor:
         """Prefill one sequence's new tokens in chunks; returns the logits at the last token ([V]), or
         at every new token ([T, V]) with all_logits."""
         ids = torch.tensor([token_ids], dtype=torch.int64)
@@ -44,15 +46,17 @@ class ModelRunner:
             for start in range(0, ids.shape[1], self.prefill_chunk):
                 chunk = ids[:, start : start + self.prefill_chunk]
                 last_chunk = start + self.prefill_chunk >= ids.shape[1]
+                observe = dict(windows=[window], accumulate=accumulate)
                 if all_logits or last_chunk:
-                    outputs.append(self.forward([seq], chunk, all_logits)[0])
+                    outputs.append(self.forward([seq], chunk, all_logits, **observe)[0])
                 else:
-                    self.forward([seq], chunk)
+                    self.forward([seq], chunk, **observe)
         except BaseException:
             seq.truncate(before)
             raise
         return torch.cat(outputs) if all_logits else outputs[-1]
 
-    def decode(self, seqs: list[SequenceKV], tokens: torch.Tensor) -> torch.Tensor:
+    def decode(self, seqs: list[SequenceKV], tokens: torch.Tensor, windows: list | None = None,
+               accumulate: bool = False) -> torch.Tensor:
         """One decode step for a batch: tokens [B] -> logits [B, V]."""
-        return self.forward(seqs, tokens.view(-1, 1))
+        return self.forward(seqs, tokens.view(-1, 1), windows=windows, accumulate=accumulate)

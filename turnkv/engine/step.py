@@ -19,15 +19,19 @@ class Step:
     """
 
     def __init__(self, pool: PagePool, seqs: list[SequenceKV], slots: list[torch.Tensor], positions: torch.Tensor,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, windows: list | None = None, accumulate: bool = False):
         num_new = positions.shape[1]
+        # Observation for the methods: per sequence a QueryWindow (or None), and whether to add each
+        # query's attention weights to the attention mass stored beside the keys (H2O).
+        self.windows = windows if windows and any(w is not None for w in windows) else None
+        self.accumulate = accumulate
         self.pool, self.num_new = pool, num_new
         self.sliding_window = sliding_window
         # [L, B*H*T]: one flat index list per layer, in (sequence, head, token) order.
         self.slots = torch.stack(slots, dim=1).reshape(pool.num_layers, -1)
         lengths = np.stack([s.lengths for s in seqs], axis=1)  # [L, B, H], after this step's tokens
         # The sliding window needs positions, which only the general path reads.
-        self.fresh = bool((lengths == num_new).all()) and sliding_window is None
+        self.fresh = bool((lengths == num_new).all()) and sliding_window is None and not accumulate
         self.max_len = lengths.max(axis=(1, 2)).tolist()
         self.padded = (lengths.min(axis=(1, 2)) != lengths.max(axis=(1, 2))).tolist()
         self.lengths = torch.from_numpy(lengths).to(pool.device)
@@ -42,6 +46,10 @@ class Step:
         B, T, Hq, D = q.shape
         H = k.shape[2]
         self.pool.write(layer, self.slots[layer], k.transpose(1, 2).reshape(-1, D), v.transpose(1, 2).reshape(-1, D))
+        if self.windows is not None:
+            for b, window in enumerate(self.windows):
+                if window is not None:
+                    window.record(layer, q[b], self.query_positions[b])
         q = q.transpose(1, 2)
         if self.fresh:
             out = reference.causal_prefill(q, k.transpose(1, 2), v.transpose(1, 2))
@@ -58,4 +66,18 @@ class Step:
             key_pos = reference.gather_pages(self.pool.positions[layer], self.tables[layer], S)
             in_window = key_pos[:, :, None, :] > self.query_positions[:, None, :, None] - self.sliding_window
             mask = in_window if mask is None else mask & in_window
+        if self.accumulate:
+            self._accumulate_attention(layer, q, keys, mask)
         return reference.attention(q, keys, values, mask).transpose(1, 2)
+
+    def _accumulate_attention(self, layer, q, keys, mask):
+        B, H, S = keys.shape[0], keys.shape[1], keys.shape[2]
+        if mask is None:
+            mask = torch.ones(B, 1, q.shape[2], S, dtype=torch.bool, device=q.device)
+        mask = mask.expand(B, H, q.shape[2], S)
+        weights = reference.attention_weights(q, keys, mask)  # [B, Hq, T, S]
+        mass = weights.view(B, H, -1, q.shape[2], S).sum(dim=(2, 3))  # over the group's heads and queries
+        ps = self.pool.page_size
+        j = torch.arange(S, device=q.device)
+        slots = self.tables[layer][:, :, j // ps] * ps + j % ps  # [B, H, S]
+        self.pool.attention_mass[layer].view(-1).index_add_(0, slots.reshape(-1), mass.reshape(-1))

@@ -32,6 +32,8 @@ class PagePool:
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
         self.positions = torch.zeros(num_layers, num_pages, page_size, dtype=torch.int64, device=self.device)
+        # Attention mass each stored token has received (H2O's heavy-hitter statistic), kept beside it.
+        self.attention_mass = torch.zeros(num_layers, num_pages, page_size, dtype=torch.float32, device=self.device)
         # Stacks of free page ids per layer; popping from the end hands out low ids first.
         self._free = [list(range(num_pages - 1, -1, -1)) for _ in range(num_layers)]
 

@@ -62,7 +62,9 @@ class SequenceKV:
         L, H = self.lengths.shape
         positions = torch.arange(self.next_position, self.next_position + num_tokens, device=self.pool.device)
         layer_base = torch.arange(L, device=self.pool.device)[:, None, None] * self.pool.positions[0].numel()
-        self.pool.positions.view(-1).index_copy_(0, (slots + layer_base).view(-1), positions.repeat(L * H))
+        flat_slots = (slots + layer_base).view(-1)
+        self.pool.positions.view(-1).index_copy_(0, flat_slots, positions.repeat(L * H))
+        self.pool.attention_mass.view(-1).index_fill_(0, flat_slots, 0.0)
         self.lengths += num_tokens
         self.next_position += num_tokens
         return slots
@@ -108,6 +110,17 @@ class SequenceKV:
         k, v, pos = (gather_pages(pool[layer], table, S)[0] for pool in (self.pool.k, self.pool.v, self.pool.positions))
         return k, v, pos
 
+    def gather_attention_mass(self, layer: int) -> torch.Tensor:
+        """[kv_heads, S] accumulated attention mass of the layer's tokens, padded like gather()."""
+        S = int(self.lengths[layer].max(initial=0))
+        return gather_pages(self.pool.attention_mass[layer], self.device_table()[layer][None], S)[0]
+
+    def count_positions(self, layer: int, lo: int, hi: int) -> np.ndarray:
+        """Per head, how many held tokens have a position in [lo, hi)."""
+        _, _, pos = self.gather(layer)
+        valid = torch.arange(pos.shape[1], device=pos.device) < torch.from_numpy(self.lengths[layer]).to(pos.device)[:, None]
+        return (((pos >= lo) & (pos < hi)) & valid).sum(dim=1).cpu().numpy()
+
     # ---- eviction and rollback -------------------------------------------------------------
     def keep(self, layer: int, keep: list[torch.Tensor]) -> None:
         """Keep, per KV head of `layer`, the tokens at the given indices (into its current order) and
@@ -133,8 +146,9 @@ class SequenceKV:
         for pool_tensor in (self.pool.k, self.pool.v):
             flat = pool_tensor[layer].view(-1, D)
             flat.index_copy_(0, dst, flat.index_select(0, src))  # index_select copies first: safe overlap
-        flat_pos = self.pool.positions[layer].view(-1)
-        flat_pos.index_copy_(0, dst, flat_pos.index_select(0, src))
+        for per_token in (self.pool.positions, self.pool.attention_mass):
+            flat = per_token[layer].view(-1)
+            flat.index_copy_(0, dst, flat.index_select(0, src))
         self._shrink(layer, np.asarray(counts, dtype=np.int64))
 
     def _shrink(self, layer: int, new_lengths: np.ndarray) -> None:

@@ -1,0 +1,23 @@
+"""Knorm: keep the keys with the smallest L2 norm.
+
+Based on Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression"
+(arXiv 2406.11430). Needs no queries, so it is question-agnostic by construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from turnkv.methods.base import LayerView, Scorer
+from turnkv.methods.registry import register
+
+
+@register("scorer", "knorm")
+@dataclass
+class Knorm(Scorer):
+    """Knorm: low key norm means high attention; keep the smallest norms."""
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        return -view.keys.float().norm(dim=-1)

@@ -1,0 +1,323 @@
+"""A recipe picks one component per axis: prefill pattern, eviction, turn policy, decode selection and
+state between turns. The engine calls it at fixed points of a turn and never the other way round.
+
+Recipes are dataclasses, or strings such as
+    "evict=snapkv(window=32)+adakv(alpha=0.2) budget=1024 turns=flowkv"
+    "ada-snapkv budget=256"                      (a preset, then overrides)
+or JSON/YAML files with the same keys.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from turnkv.engine.observe import QueryWindow
+from turnkv.errors import InvalidRequestError
+from turnkv.methods.all_tokens import AllTokens
+from turnkv.methods.dense import Dense
+from turnkv.methods.eviction import Eviction
+from turnkv.methods.recompress import Recompress
+from turnkv.methods.registry import build
+from turnkv.methods.resident import Resident
+
+EVICTION_KEYS = {"budget", "keep_ratio", "compression_ratio", "schedule", "every"}
+DEFAULT_BUDGET = 1024
+
+
+@dataclass
+class MethodState:
+    """What a recipe keeps per conversation."""
+
+    window: QueryWindow | None
+    frozen_upto: int = 0  # FlowKV: positions below this were compressed once and are final
+    since_compression: int = 0  # decode schedule: tokens generated since the last compression
+    log: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Recipe:
+    prefill: Any = field(default_factory=Dense)
+    evict: Eviction | None = None
+    turns: Any = field(default_factory=Recompress)
+    decode: Any = field(default_factory=AllTokens)
+    state: Any = field(default_factory=Resident)
+
+    def __post_init__(self):
+        if self.evict is not None and self.evict.schedule == "decode" and self.turns.name == "flowkv":
+            raise InvalidRequestError("flowkv keeps the running turn whole; use schedule=prefill or turn_end with it")
+
+    # ---- construction ---------------------------------------------------------------------------
+    @classmethod
+    def parse(cls, text: str) -> Recipe:
+        """Parse "preset key=value ..."; see the module docstring."""
+        tokens = _split_top_level(text.strip())
+        if not tokens:
+            return cls()
+        recipe, overrides = cls(), {}
+        for token in tokens:
+            if "=" not in token.split("(")[0]:
+                recipe = preset(token)
+                continue
+            key, value = token.split("=", 1)
+            overrides[key.strip()] = value.strip()
+        return recipe.with_overrides(overrides)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Recipe:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise InvalidRequestError(f"cannot read the recipe file {path}: {e}") from None
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise InvalidRequestError(f"{path} must hold a mapping of axis -> component")
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Recipe:
+        base = preset(data["preset"]) if "preset" in data else cls()
+        overrides = {k: (_component_string(v) if isinstance(v, dict) else str(v)) for k, v in data.items() if k != "preset"}
+        return base.with_overrides(overrides)
+
+    def with_overrides(self, overrides: dict[str, str]) -> Recipe:
+        recipe = self
+        evict_params = {k: _value(overrides.pop(k)) for k in list(overrides) if k in EVICTION_KEYS}
+        for axis, spec in overrides.items():
+            if axis == "evict":
+                recipe = replace(recipe, evict=_parse_eviction(spec, {}) if spec not in ("none", "full") else None)
+            elif axis in ("prefill", "turns", "decode", "state"):
+                name, params = _parse_term(spec)
+                recipe = replace(recipe, **{axis: build(axis, name, params)})
+            else:
+                raise InvalidRequestError(
+                    f"unknown recipe key {axis!r}; use prefill, evict, turns, decode, state, or {', '.join(sorted(EVICTION_KEYS))}"
+                )
+        if evict_params:
+            if recipe.evict is None:
+                raise InvalidRequestError(f"{', '.join(evict_params)} needs an eviction method (evict=...)")
+            recipe = replace(recipe, evict=_with_eviction_params(recipe.evict, evict_params))
+        return recipe
+
+    def __str__(self) -> str:
+        parts = [f"prefill={_term(self.prefill)}"]
+        if self.evict is not None:
+            e = self.evict
+            amount = f"budget={e.budget}" if e.budget is not None else f"keep_ratio={e.keep_ratio}"
+            parts.append(f"evict={_term(e.scorer)}+{_term(e.allocator)} {amount} schedule={e.schedule}"
+                         + (f" every={e.every}" if e.schedule == "decode" else ""))
+        else:
+            parts.append("evict=none")
+        parts += [f"turns={_term(self.turns)}", f"decode={_term(self.decode)}", f"state={_term(self.state)}"]
+        return " ".join(parts)
+
+    # ---- engine hooks -----------------------------------------------------------------------------
+    def new_state(self, num_layers: int) -> MethodState:
+        window = self.evict.scorer.window if self.evict is not None else 0
+        return MethodState(QueryWindow(num_layers, window) if window else None)
+
+    @property
+    def accumulates_attention(self) -> bool:
+        return self.evict is not None and self.evict.scorer.accumulates_attention
+
+    def after_prompt(self, kv, st: MethodState, segment_end: int, inv_freq, turn: int) -> None:
+        """A turn's prompt is prefilled; tokens before `segment_end` belong to finished segments."""
+        if self._scheduled("prefill"):
+            self._compress(kv, st, self.turns.span_end(segment_end, kv.next_position), inv_freq, turn, "prefill")
+
+    def after_context(self, kv, st: MethodState, context_end: int, inv_freq, turn: int) -> None:
+        if self._scheduled("context"):
+            self._compress(kv, st, context_end, inv_freq, turn, "context")
+
+    def after_decode_step(self, kv, st: MethodState, inv_freq, turn: int) -> None:
+        if self._scheduled("decode"):
+            st.since_compression += 1
+            if st.since_compression >= self.evict.every:
+                self._compress(kv, st, kv.next_position, inv_freq, turn, "decode")
+
+    def at_turn_end(self, kv, st: MethodState, inv_freq, turn: int) -> None:
+        if self._scheduled("turn_end"):
+            self._compress(kv, st, kv.next_position, inv_freq, turn, "turn_end")
+
+    def _scheduled(self, event: str) -> bool:
+        return self.evict is not None and self.evict.schedule == event
+
+    def _compress(self, kv, st: MethodState, hi: int, inv_freq, turn: int, event: str) -> None:
+        lo = self.turns.span_start(st.frozen_upto)
+        if hi <= lo:
+            return
+        entry = self.evict.compress(kv, self.turns, lo, hi, st.window, inv_freq)
+        st.frozen_upto = max(st.frozen_upto, hi)
+        st.since_compression = 0
+        st.log.append({"turn": turn, "event": event, **entry})
+
+
+# ---- presets ----------------------------------------------------------------------------------------
+def _preset_table() -> dict[str, dict[str, str]]:
+    return {
+        "full": {},
+        "streaming-llm": {"evict": "streaming_llm"},
+        "h2o": {"evict": "h2o"},
+        "snapkv": {"evict": "snapkv"},
+        "pyramidkv": {"evict": "pyramidkv"},
+        "tova": {"evict": "tova"},
+        "knorm": {"evict": "knorm"},
+        "expected-attention": {"evict": "expected_attention"},
+        "random": {"evict": "random"},
+        "ada-snapkv": {"evict": "snapkv+adakv"},
+        "ada-pyramidkv": {"evict": "pyramidkv+adakv"},
+        "ada-expected-attention": {"evict": "expected_attention+adakv"},
+        "flowkv": {"evict": "snapkv", "turns": "flowkv"},
+        "flowkv-ada-snapkv": {"evict": "snapkv+adakv", "turns": "flowkv"},
+    }
+
+
+PRESET_DOCS = {
+    "full": "no eviction: the full-cache reference",
+    "streaming-llm": "StreamingLLM: 4 sinks + recent tokens",
+    "h2o": "H2O: heavy hitters by accumulated attention + recent tokens",
+    "snapkv": "SnapKV: observation-window attention, max-pooled",
+    "pyramidkv": "PyramidKV: SnapKV scores, budgets falling with depth",
+    "tova": "TOVA: attention of the newest query",
+    "knorm": "Knorm: smallest key norms",
+    "expected-attention": "ExpectedAttention: expected attention of future queries x ||v||",
+    "random": "random eviction (control)",
+    "ada-snapkv": "Ada-KV head-wise budgets over SnapKV (Ada-SnapKV)",
+    "ada-pyramidkv": "Ada-KV head-wise budgets over PyramidKV (Ada-Pyramid)",
+    "ada-expected-attention": "Ada-KV over ExpectedAttention (kvpress's default 'expected_attention')",
+    "flowkv": "FlowKV isolation of turns over SnapKV",
+    "flowkv-ada-snapkv": "FlowKV isolation of turns over Ada-SnapKV",
+}
+
+
+def preset(name: str) -> Recipe:
+    table = _preset_table()
+    if name not in table:
+        raise InvalidRequestError(f"unknown recipe {name!r}; presets: {', '.join(table)}")
+    spec = dict(table[name])
+    if "evict" in spec:
+        spec["budget"] = str(DEFAULT_BUDGET)
+    return Recipe().with_overrides(spec)
+
+
+def presets() -> dict[str, Recipe]:
+    return {name: preset(name) for name in _preset_table()}
+
+
+# ---- parsing helpers --------------------------------------------------------------------------------
+def _split_top_level(text: str) -> list[str]:
+    tokens, depth, current = [], 0, ""
+    for ch in text:
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0 and (ch.isspace() or ch in ";,"):
+            if current:
+                tokens.append(current)
+            current = ""
+        else:
+            current += ch
+    if depth != 0:
+        raise InvalidRequestError(f"unbalanced parentheses in recipe {text!r}")
+    if current:
+        tokens.append(current)
+    return tokens
+
+
+_TERM = re.compile(r"^\s*([A-Za-z0-9_\-]+)\s*(?:\((.*)\))?\s*$", re.S)
+
+
+def _parse_term(spec: str) -> tuple[str, dict]:
+    match = _TERM.match(spec)
+    if not match:
+        raise InvalidRequestError(f"cannot read {spec!r}; write name or name(key=value, ...)")
+    name, args = match.group(1).replace("-", "_"), match.group(2)
+    params = {}
+    for item in _split_top_level(args or ""):
+        if "=" not in item:
+            raise InvalidRequestError(f"parameter {item!r} of {name} needs the form key=value")
+        k, v = item.split("=", 1)
+        params[k.strip()] = _value(v.strip())
+    return name, params
+
+
+def _value(text: str):
+    if not isinstance(text, str):
+        return text
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text.strip("'\"")
+
+
+def _parse_eviction(spec: str, extra: dict) -> Eviction:
+    terms = [t for t in re.split(r"\+(?![^(]*\))", spec) if t.strip()]
+    if not 1 <= len(terms) <= 2:
+        raise InvalidRequestError(f"evict={spec!r}: write scorer(...) or scorer(...)+allocator(...)")
+    scorer_name, scorer_params = _parse_term(terms[0])
+    allocator_name, allocator_params = _parse_term(terms[1]) if len(terms) == 2 else ("uniform", {})
+    eviction_params = dict(extra)
+    for params in (scorer_params, allocator_params):
+        for k in list(params):
+            if k in EVICTION_KEYS:
+                eviction_params[k] = params.pop(k)
+    scorer = build("scorer", scorer_name, scorer_params)
+    allocator = build("allocator", allocator_name, allocator_params)
+    if "budget" not in eviction_params and "keep_ratio" not in eviction_params and "compression_ratio" not in eviction_params:
+        eviction_params["budget"] = DEFAULT_BUDGET
+    return _make_eviction(scorer, allocator, eviction_params)
+
+
+def _with_eviction_params(evict: Eviction, params: dict) -> Eviction:
+    current = {f.name: getattr(evict, f.name) for f in fields(evict) if f.name not in ("scorer", "allocator")}
+    if {"budget", "keep_ratio", "compression_ratio"} & set(params):
+        current.pop("budget"), current.pop("keep_ratio")
+    return _make_eviction(evict.scorer, evict.allocator, {**current, **params})
+
+
+def _make_eviction(scorer, allocator, params: dict) -> Eviction:
+    params = dict(params)
+    if "compression_ratio" in params:  # kvpress's convention: the fraction removed
+        params["keep_ratio"] = 1 - float(params.pop("compression_ratio"))
+    try:
+        return Eviction(scorer=scorer, allocator=allocator, **params)
+    except (TypeError, ValueError) as e:
+        raise InvalidRequestError(f"eviction: {e}") from None
+
+
+def _term(component) -> str:
+    values = {f.name: getattr(component, f.name) for f in fields(component) if f.init}
+    defaults = {f.name: f.default for f in fields(component) if f.init}
+    changed = [f"{k}={v}" for k, v in values.items() if v != defaults[k]]
+    return component.name + (f"({','.join(changed)})" if changed else "")
+
+
+def _component_string(spec: dict) -> str:
+    """{"scorer": "snapkv", "window": 16, "allocator": "adakv", "alpha": 0.3, "budget": 256} -> a string."""
+    spec = dict(spec)
+    if "scorer" in spec:  # an eviction block
+        scorer, allocator = spec.pop("scorer"), spec.pop("allocator", "uniform")
+        allocator_keys = {"alpha", "rule"}
+        scorer_args = ",".join(f"{k}={v}" for k, v in spec.items() if k not in allocator_keys)
+        allocator_args = ",".join(f"{k}={v}" for k, v in spec.items() if k in allocator_keys)
+        return f"{scorer}({scorer_args})+{allocator}({allocator_args})"
+    name = spec.pop("name")
+    return f"{name}({','.join(f'{k}={v}' for k, v in spec.items())})"

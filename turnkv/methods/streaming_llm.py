@@ -1,0 +1,31 @@
+"""StreamingLLM: keep the first tokens (attention sinks) and the most recent ones.
+
+Based on Xiao et al., "Efficient Streaming Language Models with Attention Sinks" (arXiv 2309.17453).
+Positions are not re-rotated: kept keys stay at their original positions, as kvpress does.
+
+Parameters
+----------
+sinks : int, default 4
+    Tokens at the start of the conversation that always stay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from turnkv.methods.base import LayerView, Scorer
+from turnkv.methods.registry import register
+
+
+@register("scorer", "streaming_llm")
+@dataclass
+class StreamingLLM(Scorer):
+    """StreamingLLM: attention sinks plus the most recent tokens."""
+
+    sinks: int = 4
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        recency = view.positions.float()
+        return recency.masked_fill(view.positions < self.sinks, float("inf"))
