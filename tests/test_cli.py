@@ -55,3 +55,37 @@ def test_errors_exit_with_a_message(monkeypatch, capsys, tmp_path):
     assert code == 2 and "unknown dtype" in err
     with pytest.raises(SystemExit):
         main(["chat", "--temperature", "hot"])
+
+
+def test_methods_lists_components_and_presets(monkeypatch, capsys):
+    code, out, _ = run_cli(monkeypatch, capsys, ["methods", "--json"])
+    rows = json.loads(out)
+    names = {(r["axis"], r["name"]) for r in rows}
+    for scorer in ("streaming_llm", "h2o", "snapkv", "pyramidkv", "tova", "knorm", "expected_attention", "random"):
+        assert ("scorer", scorer) in names
+    assert ("allocator", "adakv") in names and ("turns", "flowkv") in names and ("turns", "recompress") in names
+    snap = next(r for r in rows if r["name"] == "snapkv")
+    assert snap["params"] == {"window": 32, "kernel": 7, "pooling": "max"}
+    code, out, _ = run_cli(monkeypatch, capsys, ["methods", "--presets", "--json"])
+    presets = json.loads(out)
+    assert "ada-snapkv" in presets and "evict=snapkv+adakv budget=1024" in presets["ada-snapkv"]["recipe"]
+
+
+def test_chat_with_a_recipe_holds_the_budget(monkeypatch, capsys, chat_model_dir):
+    words = " ".join(f"word{i}" for i in range(30))  # three turns fit the 512-token context
+    stdin = f"{words}\nAgain: {words}\nOnce more: {words}\n/stats\n"
+    code, out, err = run_cli(monkeypatch, capsys, ["chat", "--model", str(chat_model_dir), "--recipe", "ada-snapkv",
+                                                   "--budget", "24", "--max-new-tokens", "4", "--kv-memory", "32MiB"],
+                             stdin)
+    assert code == 0, err
+    assert "recipe: prefill=dense evict=snapkv+adakv budget=24" in out
+    segments = re.search(r"tokens per head by segment \(system, turn 1, ...\): ([\d ]+)", out)
+    per_segment = [int(x) for x in segments.group(1).split()]
+    # The finished turns hold the budget, 24 tokens per head on average; the running turn is whole.
+    assert len(per_segment) == 4 and abs(sum(per_segment[:3]) - 24) <= 1.5 and per_segment[3] > 40
+
+
+def test_bad_recipe_is_a_clear_error(monkeypatch, capsys, chat_model_dir):
+    code, _, err = run_cli(monkeypatch, capsys, ["generate", "hi", "--model", str(chat_model_dir), "--recipe",
+                                                 "evict=snapx", "--kv-memory", "32MiB"])
+    assert code == 2 and "unknown scorer 'snapx'" in err and "snapkv" in err

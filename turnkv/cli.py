@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+import numpy as np
+
 from turnkv.errors import TurnkvError
 
 MB = 1 << 20
@@ -17,6 +19,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--kv-memory", default=None, help="KV page pool size, e.g. 2GiB")
     p.add_argument("--tokenizer", default=None, help="tokenizer for a shape name or a folder without one")
+    p.add_argument("--recipe", default=None,
+                   help="a preset (turnkv methods --presets), a recipe string, or a .json/.yaml file")
+    p.add_argument("--budget", type=int, default=None, help="eviction budget: average tokens kept per KV head")
+    p.add_argument("--keep-ratio", type=float, default=None, help="eviction budget as the fraction of tokens kept")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -33,10 +39,22 @@ def _sampling(args) -> dict:
                 top_k=args.top_k, seed=args.seed, stop=args.stop)
 
 
+def _recipe(args):
+    from turnkv.methods.recipe import Recipe
+
+    if args.recipe is None and args.budget is None and args.keep_ratio is None:
+        return None
+    recipe = Recipe() if args.recipe is None else (
+        Recipe.from_file(args.recipe) if args.recipe.endswith((".json", ".yaml", ".yml")) else Recipe.parse(args.recipe))
+    amounts = {k: str(v) for k, v in (("budget", args.budget), ("keep_ratio", args.keep_ratio)) if v is not None}
+    return recipe.with_overrides(amounts) if amounts else recipe
+
+
 def _load(args):
     from turnkv import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory, tokenizer=args.tokenizer)
+    return LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory, tokenizer=args.tokenizer,
+               recipe=_recipe(args))
 
 
 def _turn_stats(reply) -> str:
@@ -55,7 +73,15 @@ def _conversation_stats(llm, conv) -> str:
         f"per layer: min {per_layer.min():.2f} MB, max {per_layer.max():.2f} MB",
         f"pool: {pool.bytes_in_use() / MB:.1f} MB used of {pool.capacity_bytes() / MB:.0f} MB "
         f"({pool.free_pages(0)} free pages of {pool.page_size} tokens in layer 0)",
+        f"recipe: {conv.recipe}",
     ]
+    if conv.compression_log:
+        last = conv.compression_log[-1]
+        heads = np.asarray(last["kept_per_head"])
+        lines.append(f"last compression: turn {last['turn']} ({last['event']}), positions {last['span'][0]}-"
+                     f"{last['span'][1]}, kept per head: mean {heads.mean():.0f}, min {heads.min()}, max {heads.max()}")
+        per_segment = conv.segment_counts().mean(axis=(1, 2))
+        lines.append("tokens per head by segment (system, turn 1, ...): " + " ".join(f"{x:.0f}" for x in per_segment))
     return "\n".join(lines)
 
 
@@ -119,6 +145,37 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_methods(args) -> int:
+    from turnkv.methods.recipe import PRESET_DOCS, presets
+    from turnkv.methods.registry import describe
+
+    if args.presets:
+        rows = {name: {"recipe": str(recipe), "about": PRESET_DOCS.get(name, "")} for name, recipe in presets().items()}
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        else:
+            for name, row in rows.items():
+                print(f"{name:<24} {row['about']}\n{'':<24} {row['recipe']}")
+        return 0
+    rows = describe()
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
+    axis = None
+    for row in rows:
+        if row["axis"] != axis:
+            axis = row["axis"]
+            print(f"\n[{axis}]")
+        params = ", ".join(f"{k}={v!r}" for k, v in row["params"].items())
+        print(f"  {row['name']:<20} {row['doc']}" + (f"\n  {'':<20} ({params})" if params else ""))
+    from turnkv.methods.eviction import SCHEDULES
+
+    print("\n[evict options] budget=N (tokens per KV head) | keep_ratio=F | compression_ratio=F | every=N")
+    for name, doc in SCHEDULES.items():
+        print(f"  schedule={name:<10} {doc}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="turnkv", description="An engine for long multi-turn LLM conversations.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -135,6 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(gen)
     _sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    methods = sub.add_parser("methods", help="list every method with its parameters, or the presets")
+    methods.add_argument("--presets", action="store_true", help="list the named recipes")
+    methods.add_argument("--json", action="store_true")
+    methods.set_defaults(func=cmd_methods)
 
     info = sub.add_parser("info", help="model shape and KV bytes per token")
     _model_args(info)

@@ -78,12 +78,17 @@ class Conversation:
             pass
         return self.last_reply
 
-    def stream(self, message: str, context: str | None = None, **sampling) -> Iterator[str]:
+    def stream(self, message: str, context: str | None = None, force: list[int] | None = None,
+               logprobs: bool = False, **sampling) -> Iterator[str]:
         """Like send, yielding the reply's text as it is generated; the Reply lands in last_reply.
         Abandoning the iterator early undoes the turn (tokens a recipe already evicted stay evicted).
 
         With `context`, the user message is the context, a blank line, then `message`; a recipe with
-        schedule=context compresses the context before the question is prefilled."""
+        schedule=context compresses the context before the question is prefilled.
+
+        `force` feeds the given reply tokens instead of sampling them (teacher forcing), and
+        `logprobs` keeps each step's log-softmax in the Reply: together they measure how far a
+        compressed conversation's distributions drift from a reference along the same answer."""
         if not isinstance(message, str) or not message.strip():
             raise InvalidRequestError("the message is empty")
         if context is not None and (not isinstance(context, str) or not context.strip()):
@@ -106,7 +111,10 @@ class Conversation:
                 f"this turn needs {total} tokens of context plus one to generate, and the model holds "
                 f"{self.llm.max_model_len}; start a new conversation or /reset"
             )
-        return self._run_turn(messages, full_text, keep, new_ids, params, boundaries, context is not None)
+        if force is not None and (not force or not all(isinstance(t, int) for t in force)):
+            raise InvalidRequestError("force must be a non-empty list of token ids")
+        gen = self.llm.new_generation(self.kv, params, forced=force, keep_logprobs=logprobs)
+        return self._run_turn(messages, full_text, keep, new_ids, gen, boundaries, context is not None)
 
     def _system_text(self, full_text: str) -> int:
         """Characters of full_text that render the system prompt alone (0 without one)."""
@@ -130,7 +138,7 @@ class Conversation:
             start = cut
         return keep, ids, boundaries[:-1]
 
-    def _run_turn(self, messages, full_text, keep, new_ids, params, boundaries, has_context) -> Iterator[str]:
+    def _run_turn(self, messages, full_text, keep, new_ids, gen, boundaries, has_context) -> Iterator[str]:
         if self.kv.next_position > keep:
             self.kv.truncate(keep)  # the template no longer renders part of what was kept
         cached = self.kv.next_position
@@ -140,7 +148,6 @@ class Conversation:
         system_end = boundaries[0] if (not self.turns and self.system and boundaries) else 0
         segment_end = cached if self.turns else system_end
         observe = dict(window=st.window, accumulate=recipe.accumulates_attention)
-        gen = self.llm.new_generation(self.kv, params)
         finished = False
         try:
             if has_context:  # prefill up to the end of the context, compress, then the rest

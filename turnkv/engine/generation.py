@@ -18,7 +18,7 @@ class Reply:
 
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    finish_reason: str  # "stop" (EOS or a stop string), "length", or "forced" (teacher forcing ran out)
     prompt_tokens: int  # tokens prefilled for this turn
     cached_tokens: int  # earlier tokens whose kept KV the turn reused instead of recomputing
     completion_tokens: int
@@ -26,6 +26,7 @@ class Reply:
     decode_s: float
     kv_tokens: int  # tokens held in the KV store, summed over layers and heads
     kv_bytes: int
+    logprobs: torch.Tensor | None = None  # [completion_tokens, V] when asked for (fidelity metrics)
 
     @property
     def time_per_token_s(self) -> float:
@@ -40,8 +41,13 @@ class Generation:
     """Accepts one sampled token at a time and decides when to stop."""
 
     def __init__(self, seq: SequenceKV, params: SamplingParams, tokenizer, eos_ids: set[int],
-                 vocab_limit: int | None, max_positions: int, device: torch.device):
+                 vocab_limit: int | None, max_positions: int, device: torch.device,
+                 forced: list[int] | None = None, keep_logprobs: bool = False):
         self.seq, self.params = seq, params
+        # Teacher forcing: feed these tokens instead of sampling (to compare distributions along a
+        # reference answer); keep_logprobs records each step's log-softmax.
+        self.forced = forced
+        self.logprobs: list[torch.Tensor] | None = [] if keep_logprobs else None
         self.eos_ids = set() if params.ignore_eos else eos_ids
         self.vocab_limit, self.max_positions = vocab_limit, max_positions
         self.detok = IncrementalDetokenizer(tokenizer, params.stop) if tokenizer is not None else None
@@ -56,6 +62,10 @@ class Generation:
     def sample(self, logits: torch.Tensor) -> int:
         if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
             logits = logits[: self.vocab_limit]  # ids the tokenizer cannot decode are never produced
+        if self.logprobs is not None:
+            self.logprobs.append(logits.float().log_softmax(-1).cpu())
+        if self.forced is not None:
+            return self.forced[len(self.token_ids)]
         return int(sample(logits, self.params, self.generator))
 
     def accept(self, token: int) -> str:
@@ -74,6 +84,8 @@ class Generation:
             # The token is fed back at position next_position, which must stay inside the context.
             if len(self.token_ids) >= self.params.max_new_tokens or self.seq.next_position + 1 >= self.max_positions:
                 self.finish_reason = "length"
+            elif self.forced is not None and len(self.token_ids) >= len(self.forced):
+                self.finish_reason = "forced"
         if self.finish_reason is not None and self.detok is not None:
             piece += self.detok.flush()
         return piece
@@ -96,4 +108,5 @@ class Generation:
             decode_s=end - first,
             kv_tokens=self.seq.tokens(),
             kv_bytes=self.seq.bytes(),
+            logprobs=torch.stack(self.logprobs) if self.logprobs else None,
         )

@@ -103,8 +103,9 @@ class LLM:
             raise InvalidRequestError(f"model {self.name} has no tokenizer; pass tokenizer=... or token ids")
         return self.tokenizer
 
-    def new_generation(self, seq: SequenceKV, params: SamplingParams) -> Generation:
-        return Generation(seq, params, self.tokenizer, self.eos_ids, self.vocab_limit, self.max_model_len, self.device)
+    def new_generation(self, seq: SequenceKV, params: SamplingParams, **options) -> Generation:
+        return Generation(seq, params, self.tokenizer, self.eos_ids, self.vocab_limit, self.max_model_len,
+                          self.device, **options)
 
     def token_tensor(self, tokens: list[int]) -> torch.Tensor:
         return torch.tensor(tokens, dtype=torch.int64, device=self.device)
