@@ -116,6 +116,13 @@ class Conversation:
         gen = self.llm.new_generation(self.kv, params, forced=force, keep_logprobs=logprobs)
         return self._run_turn(messages, full_text, keep, new_ids, gen, boundaries, context is not None)
 
+    def _roll_back(self, position: int) -> None:
+        """Drop the KV from `position` on, and the recipe's bookkeeping of it."""
+        self.kv.truncate(position)
+        st = self.method_state
+        st.frozen_upto = min(st.frozen_upto, position)
+        st.since_compression = 0
+
     def _system_text(self, full_text: str) -> int:
         """Characters of full_text that render the system prompt alone (0 without one)."""
         if not self.system:
@@ -140,7 +147,7 @@ class Conversation:
 
     def _run_turn(self, messages, full_text, keep, new_ids, gen, boundaries, has_context) -> Iterator[str]:
         if self.kv.next_position > keep:
-            self.kv.truncate(keep)  # the template no longer renders part of what was kept
+            self._roll_back(keep)  # the template no longer renders part of what was kept
         cached = self.kv.next_position
         prompt = self.tokens[cached:keep] + new_ids
         recipe, st, inv_freq = self.recipe, self.method_state, self.llm.model.inv_freq
@@ -172,7 +179,7 @@ class Conversation:
             finished = True
         finally:
             if not finished:
-                self.kv.truncate(cached)
+                self._roll_back(cached)
         reply = gen.reply(prompt_tokens=len(prompt), cached_tokens=cached)
         self.tokens = self.tokens[:keep] + new_ids + reply.token_ids
         self.text = full_text + self.llm.tokenizer.decode(reply.token_ids, skip_special_tokens=False)

@@ -25,6 +25,14 @@ SCHEDULES = {
 }
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 @dataclass
 class Eviction:
     """Evict with `scorer`, split per head by `allocator`, down to `budget` tokens per KV head on
@@ -40,14 +48,14 @@ class Eviction:
     def __post_init__(self):
         if (self.budget is None) == (self.keep_ratio is None):
             raise ValueError("give exactly one of budget (tokens per KV head) or keep_ratio (fraction kept)")
-        if self.budget is not None and self.budget < 1:
-            raise ValueError("budget must be >= 1 token per head")
-        if self.keep_ratio is not None and not 0 < self.keep_ratio <= 1:
-            raise ValueError("keep_ratio must be in (0, 1]")
+        if self.budget is not None and not (_is_int(self.budget) and self.budget >= 1):
+            raise ValueError(f"budget must be an integer >= 1 (tokens per KV head), got {self.budget!r}")
+        if self.keep_ratio is not None and not (_is_number(self.keep_ratio) and 0 < self.keep_ratio <= 1):
+            raise ValueError(f"keep_ratio must be a number in (0, 1], got {self.keep_ratio!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}")
-        if self.every < 1:
-            raise ValueError("every must be >= 1")
+        if not (_is_int(self.every) and self.every >= 1):
+            raise ValueError(f"every must be an integer >= 1, got {self.every!r}")
 
     def target(self, layer: int, num_layers: int, virtual_len: int, available: int) -> int:
         base = self.budget if self.budget is not None else math.floor(self.keep_ratio * virtual_len)

@@ -45,4 +45,7 @@ class FlowKV:
         return segment_end if self.reading == "segment" else next_position
 
     def keep_total(self, heads: int, target: int, kept_before: int, candidates: int, keep_ratio: float | None) -> int:
-        return max(0, min(candidates, max(heads * target - kept_before, heads * self.min_size)))
+        room = heads * target - kept_before
+        if kept_before:  # the floor protects later segments; the first one is compressed as the baseline does
+            room = max(room, heads * self.min_size)
+        return max(0, min(candidates, room))

@@ -26,6 +26,7 @@ from turnkv.methods.resident import Resident
 
 EVICTION_KEYS = {"budget", "keep_ratio", "compression_ratio", "schedule", "every"}
 DEFAULT_BUDGET = 1024
+DEFAULT_EVERY = 64
 
 
 @dataclass
@@ -76,7 +77,10 @@ class Recipe:
         if path.suffix in (".yaml", ".yml"):
             import yaml
 
-            data = yaml.safe_load(text)
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as e:
+                raise InvalidRequestError(f"{path} is not valid YAML: {e}") from None
         else:
             try:
                 data = json.loads(text)
@@ -89,7 +93,8 @@ class Recipe:
     @classmethod
     def from_dict(cls, data: dict) -> Recipe:
         base = preset(data["preset"]) if "preset" in data else cls()
-        overrides = {k: (_component_string(v) if isinstance(v, dict) else str(v)) for k, v in data.items() if k != "preset"}
+        overrides = {k: (_component_string(v) if isinstance(v, dict) else "none" if v is None else str(v))
+                     for k, v in data.items() if k != "preset"}
         return base.with_overrides(overrides)
 
     def with_overrides(self, overrides: dict[str, str]) -> Recipe:
@@ -117,7 +122,7 @@ class Recipe:
             e = self.evict
             amount = f"budget={e.budget}" if e.budget is not None else f"keep_ratio={e.keep_ratio}"
             parts.append(f"evict={_term(e.scorer)}+{_term(e.allocator)} {amount} schedule={e.schedule}"
-                         + (f" every={e.every}" if e.schedule == "decode" else ""))
+                         + (f" every={e.every}" if e.schedule == "decode" or e.every != DEFAULT_EVERY else ""))
         else:
             parts.append("evict=none")
         parts += [f"turns={_term(self.turns)}", f"decode={_term(self.decode)}", f"state={_term(self.state)}"]
