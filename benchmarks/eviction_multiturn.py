@@ -26,11 +26,20 @@ from turnkv.methods.recipe import preset
 
 def documents(tokenizer, count: int, tokens_each: int) -> list[str]:
     """Distinct passages of English prose from docstrings that ship with Python, in a fixed order."""
-    import argparse as a, collections, csv, email, json as j, logging, os, pathlib, string, textwrap, unittest, zipfile
+    import argparse as a, collections, csv, email, json as j, logging, os, pathlib, string, subprocess, tarfile
+    import textwrap, threading, unittest, zipfile
 
-    text = "\n\n".join(inspect.getdoc(m) or "" for m in (collections, email, j, logging, os, pathlib, string, textwrap,
-                                                         unittest, a, inspect, csv, zipfile))
-    ids = tokenizer.encode(text)
+    pieces = []
+    for module in (collections, email, j, logging, os, pathlib, string, textwrap, unittest, a, inspect, csv, zipfile,
+                   subprocess, threading, tarfile):
+        pieces.append(inspect.getdoc(module) or "")
+        for name in sorted(dir(module)):  # then the public classes' and functions' docs, alphabetically
+            obj = getattr(module, name)
+            if not name.startswith("_") and (inspect.isclass(obj) or inspect.isfunction(obj)):
+                doc = inspect.getdoc(obj) or ""
+                if len(doc) > 200:
+                    pieces.append(doc)
+    ids = tokenizer.encode("\n\n".join(p for p in pieces if p))
     assert len(ids) >= count * tokens_each, "not enough text"
     return [tokenizer.decode(ids[i * tokens_each : (i + 1) * tokens_each]) for i in range(count)]
 

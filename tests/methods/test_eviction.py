@@ -344,10 +344,6 @@ def test_conversation_with_ada_snapkv_keeps_budget_and_frees_memory(chat_llm):
     assert [pool.used_pages(layer) for layer in range(pool.num_layers)] == used_before
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="BUG: conversation.py _run_turn rolls the KV back (kv.truncate) when a stream is abandoned "
-                          "or the template drops tokens, but never prunes the QueryWindow (engine/observe.py has no "
-                          "truncate), so the next compression scores with queries of tokens that no longer exist")
 def test_abandoned_stream_leaves_no_trace_in_the_observation_window(chat_llm):
     states = []
     for abandon in (False, True):

@@ -94,16 +94,20 @@ def assert_scores_equal_on_valid(actual: torch.Tensor, expected: torch.Tensor, v
 
 def naive_snapkv(view: LayerView, kernel: int = 7, pooling: str = "max") -> torch.Tensor:
     """Mean over window queries and over the group's query heads, pooled along the stored keys (stride
-    1, padding kernel//2), the window's tokens +inf."""
+    1, padding kernel//2) over the columns before the window, the window's tokens +inf."""
     W = view.queries.shape[0]
     S = view.keys.shape[1]
     out = torch.full((H, S), float("nan"), dtype=torch.float64)
     r = kernel // 2
     for h in range(H):
         a = sum(naive_window_attention(view, w, qh) for qh in range(h * G, h * G + G) for w in range(W)) / (G * W)
-        for j in range(int(view.valid[h].sum())):
-            neighbours = a[max(0, j - r) : j + r + 1]
-            out[h, j] = neighbours.max() if pooling == "max" else neighbours.mean()
+        n = int(view.valid[h].sum())
+        outside_window = [i for i in range(n) if int(view.positions[h, i]) < int(view.query_positions.min())]
+        for j in range(n):
+            # The window's own columns take no part in the pooling (spec §3.2).
+            neighbours = a[[i for i in range(max(0, j - r), j + r + 1) if i in outside_window]]
+            if len(neighbours):
+                out[h, j] = neighbours.max() if pooling == "max" else neighbours.mean()
             if int(view.positions[h, j]) >= int(view.query_positions.min()):
                 out[h, j] = INF
     return out
@@ -161,9 +165,6 @@ def test_snapkv_matches_spec_away_from_the_window():
     assert torch.isposinf(scores[:, n - W :]).all()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: SnapKV max-pools over the observation window's own columns, so the "
-                                       "kernel//2 tokens just before the window inherit the window's attention "
-                                       "(spec §3.2 / official SnapKV and kvpress pool only P[..., :n-win])")
 def test_snapkv_pooling_excludes_window_columns_as_in_spec():
     view = window_heavy_view()
     n, W = 40, 8

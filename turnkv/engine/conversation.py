@@ -116,12 +116,17 @@ class Conversation:
         gen = self.llm.new_generation(self.kv, params, forced=force, keep_logprobs=logprobs)
         return self._run_turn(messages, full_text, keep, new_ids, gen, boundaries, context is not None)
 
-    def _roll_back(self, position: int) -> None:
-        """Drop the KV from `position` on, and the recipe's bookkeeping of it."""
+    def _roll_back(self, position: int, window_snapshot=None) -> None:
+        """Drop the KV from `position` on, and the recipe's bookkeeping of it. An undone turn gets its
+        observation window back as it was before the turn."""
         self.kv.truncate(position)
         st = self.method_state
         st.frozen_upto = min(st.frozen_upto, position)
         st.since_compression = 0
+        if st.window is not None and window_snapshot is not None:
+            st.window.restore(window_snapshot)
+        elif st.window is not None:
+            st.window.truncate(position)
 
     def _system_text(self, full_text: str) -> int:
         """Characters of full_text that render the system prompt alone (0 without one)."""
@@ -155,6 +160,7 @@ class Conversation:
         system_end = boundaries[0] if (not self.turns and self.system and boundaries) else 0
         segment_end = cached if self.turns else system_end
         observe = dict(window=st.window, accumulate=recipe.accumulates_attention)
+        window_before = st.window.snapshot() if st.window is not None else None
         finished = False
         try:
             if has_context:  # prefill up to the end of the context, compress, then the rest
@@ -179,7 +185,7 @@ class Conversation:
             finished = True
         finally:
             if not finished:
-                self._roll_back(cached)
+                self._roll_back(cached, window_before)
         reply = gen.reply(prompt_tokens=len(prompt), cached_tokens=cached)
         self.tokens = self.tokens[:keep] + new_ids + reply.token_ids
         self.text = full_text + self.llm.tokenizer.decode(reply.token_ids, skip_special_tokens=False)

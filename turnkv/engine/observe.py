@@ -25,3 +25,18 @@ class QueryWindow:
     def clear(self) -> None:
         self.queries = [None] * len(self.queries)
         self.positions = [None] * len(self.positions)
+
+    def truncate(self, num_positions: int) -> None:
+        """Forget the queries of positions >= num_positions (a rolled-back turn)."""
+        for layer, positions in enumerate(self.positions):
+            if positions is not None:
+                keep = positions < num_positions
+                self.queries[layer] = self.queries[layer][keep] if keep.any() else None
+                self.positions[layer] = positions[keep] if keep.any() else None
+
+    def snapshot(self) -> tuple[list, list]:
+        """The current window; record() replaces tensors rather than mutating them, so this is cheap."""
+        return list(self.queries), list(self.positions)
+
+    def restore(self, snapshot: tuple[list, list]) -> None:
+        self.queries, self.positions = list(snapshot[0]), list(snapshot[1])

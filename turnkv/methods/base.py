@@ -14,7 +14,7 @@ class LayerView:
     """One layer of one conversation's KV, as a scorer sees it.
 
     keys/values: [H, S, D] post-RoPE, padded to the longest head; valid: [H, S] marks real entries.
-    positions: [H, S] original positions. queries: [Hq, W, D] the observation window (post-RoPE), at
+    positions: [H, S] original positions. queries: [W, Hq, D] the observation window (post-RoPE), at
     query_positions [W]. attention_mass: [H, S] what each token has received so far (H2O).
     target: the per-head token count this layer will keep (for scorers that split it, e.g. H2O).
     """

@@ -26,12 +26,18 @@ from turnkv.methods.base import LayerView, Scorer
 from turnkv.methods.registry import register
 
 
-def pool_along_keys(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
+def pool_along_keys(scores: torch.Tensor, kernel: int, pooling: str, include: torch.Tensor) -> torch.Tensor:
+    """Pool [H, S] scores along the keys over the `include`d columns only (not the window, not padding)."""
     if kernel <= 1:
         return scores
+    pad = kernel // 2
     if pooling == "max":
-        return F.max_pool1d(scores[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
-    return F.avg_pool1d(scores[:, None], kernel, stride=1, padding=kernel // 2, count_include_pad=False)[:, 0]
+        masked = scores.masked_fill(~include, float("-inf"))
+        return F.max_pool1d(masked[:, None], kernel, stride=1, padding=pad)[:, 0]
+    weight = include.float()[:, None]
+    total = F.avg_pool1d((scores * include)[:, None], kernel, stride=1, padding=pad, count_include_pad=True)
+    count = F.avg_pool1d(weight, kernel, stride=1, padding=pad, count_include_pad=True)
+    return (total / count.clamp(min=1e-12))[:, 0]
 
 
 @register("scorer", "snapkv")
@@ -51,6 +57,7 @@ class SnapKV(Scorer):
 
     def score(self, view: LayerView) -> torch.Tensor:
         attention = view.window_attention().mean(dim=1)  # [Hq, S]
-        scores = pool_along_keys(view.group_mean(attention), self.kernel, self.pooling)
         in_window = view.positions >= view.query_positions.min()
+        # As the spec and the reference code: the window's own columns take no part in the pooling.
+        scores = pool_along_keys(view.group_mean(attention), self.kernel, self.pooling, view.valid & ~in_window)
         return scores.masked_fill(in_window, float("inf"))
