@@ -3,6 +3,8 @@ decode steps. Owns no conversation logic; the engine decides what to feed."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from turnkv.engine.step import Step
@@ -28,12 +30,24 @@ class ModelRunner:
             positions = torch.tensor(before, device=self.device)[:, None] + torch.arange(T, device=self.device)
             step = Step(self.pool, seqs, slots, positions, self.model.config.sliding_window, windows, accumulate)
             last = None if all_logits else torch.full((B, 1), T - 1, device=self.device)
-            logits = self.model(token_ids.to(self.device), positions, step, logits_at=last)
+            with self._attention_backends(T):
+                logits = self.model(token_ids.to(self.device), positions, step, logits_at=last)
         except BaseException:
             for s, p in zip(seqs, before):
                 s.truncate(p)
             raise
         return logits if all_logits else logits[:, -1]
+
+    def _attention_backends(self, num_new: int):
+        """Decode on CUDA skips cuDNN attention: it builds an execution plan for every new key length,
+        and decode meets a new one at every step and in every layer whose length differs (measured on
+        an H100: 1.6 -> 38.5 tok/s for Ada-SnapKV's uneven heads, 11.4 -> 48.6 for dense). Prefill
+        keeps it, where it is the fastest backend."""
+        if self.device.type != "cuda" or num_new > 1:
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
     def prefill(self, seq: SequenceKV, token_ids: list[int], all_logits: bool = False, window=None,
                 accumulate: bool = False) -> torch.Tensor:

@@ -90,7 +90,8 @@ class Eviction:
                 # More protected tokens than budget: let them compete among themselves, by score order.
                 finite_max = scores[torch.isfinite(scores)].max() if torch.isfinite(scores).any() else 0.0
                 scores = torch.where(torch.isposinf(scores), finite_max + 1.0 + pos.float() * 1e-6, scores)
-            counts = self.allocator.allocate(scores, total).to(scores.device)
+            # Allocation is a few small integer decisions per head: done on the host, whatever the device.
+            counts = self.allocator.allocate(scores.cpu(), total).to(scores.device)
             order = scores.argsort(dim=1, descending=True, stable=True)
             chosen = torch.zeros_like(candidate)
             chosen.scatter_(1, order, torch.arange(S, device=scores.device)[None] < counts[:, None])
