@@ -17,10 +17,10 @@ import json
 import time
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 import turnkv
+from turnkv.bench.metrics import greedy_agreement, mean_kl
 from turnkv.methods.recipe import preset
 
 
@@ -70,10 +70,8 @@ def run(llm, recipe, system, messages, answers=None):
 
 
 def fidelity(full_turn, turn):
-    p = full_turn["logprobs"].exp()
-    kl = (p * (full_turn["logprobs"] - turn["logprobs"])).sum(-1)
-    agree = (turn["logprobs"].argmax(-1) == torch.tensor(full_turn["tokens"])).float()
-    return float(agree.mean()), float(kl.mean())
+    return (greedy_agreement(turn["logprobs"], full_turn["tokens"]),
+            mean_kl(full_turn["logprobs"], turn["logprobs"]))
 
 
 def main():
