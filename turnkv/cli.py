@@ -198,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     methods.add_argument("--json", action="store_true")
     methods.set_defaults(func=cmd_methods)
 
+    bench = sub.add_parser("bench", help="benchmarks: quality")
+    from turnkv.bench.cli import add_quality_parser
+
+    add_quality_parser(bench.add_subparsers(dest="suite", required=True))
+
     info = sub.add_parser("info", help="model shape and KV bytes per token")
     _model_args(info)
     info.add_argument("--json", action="store_true")

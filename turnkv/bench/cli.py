@@ -1,0 +1,94 @@
+"""`turnkv bench quality`: the command-line front of the quality runner."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+
+def _split(text: str) -> list[str]:
+    """Split on commas outside parentheses: recipe strings can hold their own."""
+    items, depth, current = [], 0, ""
+    for ch in text:
+        depth += (ch == "(") - (ch == ")")
+        if ch == "," and depth == 0:
+            items.append(current.strip())
+            current = ""
+        else:
+            current += ch
+    if current.strip():
+        items.append(current.strip())
+    return items
+
+
+def add_quality_parser(sub) -> None:
+    p = sub.add_parser("quality", help="multi-turn quality and fidelity of recipes")
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--kv-memory", default=None)
+    p.add_argument("--tasks", default="needle_qa,kv_retrieval,preferences,instructions,fewshot")
+    p.add_argument("--data", action="append", default=[], help="FORMAT:PATH of a public data file (repeatable)")
+    p.add_argument("--recipes", default="snapkv,ada-snapkv", help="comma-separated presets or recipe strings")
+    p.add_argument("--policies", default="recompress", help="turn policies crossed with every evicting recipe")
+    p.add_argument("--budget", type=int, default=None, help="tokens per KV head for every evicting recipe")
+    p.add_argument("--keep-ratio", default=None, help="fraction kept; a comma list sweeps several budgets")
+    p.add_argument("--positions", default="begin,middle,end")
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--n", type=int, default=2, help="instances per task")
+    p.add_argument("--context-tokens", type=int, default=300)
+    p.add_argument("--difficulty", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--no-fidelity", action="store_true")
+    p.add_argument("--out", default="benchmarks/quality/latest")
+    p.set_defaults(func=cmd_quality)
+
+
+def expand_recipes(args) -> dict[str, object]:
+    from turnkv.methods.recipe import Recipe, preset
+
+    out = {}
+    amounts = [("budget", str(args.budget))] if args.budget is not None else []
+    ratios = _split(args.keep_ratio) if args.keep_ratio else [None]
+    for spec in _split(args.recipes):
+        base = Recipe.parse(spec) if (" " in spec or "=" in spec) else preset(spec)
+        if base.evict is None:
+            out[spec] = base
+            continue
+        for ratio in ratios:
+            for policy in _split(args.policies):
+                overrides = dict(amounts) | ({"keep_ratio": ratio} if ratio else {}) | {"turns": policy}
+                label = spec + (f"@{policy}" if len(_split(args.policies)) > 1 else "") + (f"@{ratio}" if ratio else "")
+                out[label] = base.with_overrides(overrides)
+    out.pop("full", None)
+    return out
+
+
+def cmd_quality(args) -> int:
+    from turnkv import LLM
+    from turnkv.bench.datasets.loaders import load
+    from turnkv.bench.datasets.tasks import generate
+    from turnkv.bench.quality import QualityConfig, run_quality
+    from turnkv.bench.report import write_report
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory)
+    instances = []
+    for task in _split(args.tasks):
+        instances += generate(task, n=args.n, seed=args.seed, turns=args.turns, context_tokens=args.context_tokens,
+                              difficulty=args.difficulty, tokenizer=llm.tokenizer)
+    for item in args.data:
+        fmt, _, path = item.partition(":")
+        instances += load(fmt, path)
+    config = QualityConfig(recipes=expand_recipes(args), positions=tuple(_split(args.positions)),
+                           max_new_tokens=args.max_new_tokens, fidelity=not args.no_fidelity)
+    out = Path(args.out)
+    records = run_quality(llm, instances, config, out / "results.jsonl")
+    header = {"model": llm.name, "command": "turnkv bench quality " + " ".join(shlex.quote(a) for a in sys.argv[3:]),
+              "settings": {k: v for k, v in vars(args).items() if k != "func"},
+              "recipes": {name: str(r) for name, r in config.recipes.items()}}
+    write_report(records, out, header)
+    print((out / "report.md").read_text())
+    return 0
