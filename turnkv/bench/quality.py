@@ -68,7 +68,7 @@ def _evaluate(llm, inst: Instance, position: str, name: str, recipe, full: list[
         record = {
             "instance": inst.id, "task": inst.task, "position": position, "recipe": name,
             "recipe_spec": str(llm.resolve_recipe(recipe)), "turn": i, "depends_on": turn.depends_on,
-            "response": run["text"], "tokens": run["tokens"], "score": score_turn(turn, run["text"]),
+            "response": run["text"], "tokens": run["tokens"], "score": score_turn(turn, run["text"]) if turn.scored else None,
             "kv_bytes": run["kv_bytes"], "full_kv_bytes": full[i]["kv_bytes"], "history_tokens": run["history_tokens"],
             "first_divergence": first_divergence(run["tokens"], full[i]["tokens"]),
         }

@@ -26,6 +26,13 @@ class Turn:
         if self.metric not in METRICS:
             raise ValueError(f"metric must be one of {METRICS}")
 
+    @property
+    def scored(self) -> bool:
+        """False for turns that only set the scene (a stated preference, given chat history)."""
+        if self.metric == "instructions":
+            return bool(self.instructions)
+        return self.answer not in ("", [])
+
     def message(self) -> str:
         """The user message: the question before, inside (at a paragraph boundary near the middle),
         or after the context."""

@@ -1,0 +1,1 @@
+"""Quality-benchmark datasets: the instance schema, and loaders for public benchmark files."""
