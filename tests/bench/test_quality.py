@@ -85,3 +85,9 @@ def test_question_positions_in_the_message():
     assert Turn(turn.context, "QUESTION?", "x", position="begin").message().startswith("QUESTION?")
     middle = Turn(turn.context, "QUESTION?", "x", position="middle").message()
     assert middle == "first part.\n\nQUESTION?\n\nsecond part."
+
+
+def test_unknown_instruction_kinds_are_not_scored():
+    turn = Turn("", "q", "", metric="instructions", instructions=[{"kind": "lowercase"}, {"kind": "no_such_rule"}])
+    assert score_turn(turn, "all lower case") == 1.0 and score_turn(turn, "Not Lower") == 0.0
+    assert score_turn(Turn("", "q", "", metric="instructions", instructions=[{"kind": "no_such_rule"}]), "x") is None
