@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from turnkv.engine import chat_template
-from turnkv.engine.generation import Generation, Reply
+from turnkv.engine.generation import Reply
 from turnkv.errors import ContextLengthError, InvalidRequestError
 from turnkv.kv.sequence import SequenceKV
 

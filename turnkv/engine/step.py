@@ -44,7 +44,6 @@ class Step:
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B, T, Hq, D = q.shape
-        H = k.shape[2]
         self.pool.write(layer, self.slots[layer], k.transpose(1, 2).reshape(-1, D), v.transpose(1, 2).reshape(-1, D))
         if self.windows is not None:
             for b, window in enumerate(self.windows):

@@ -102,7 +102,7 @@ class Recipe:
         evict_params = {k: _value(overrides.pop(k)) for k in list(overrides) if k in EVICTION_KEYS}
         for axis, spec in overrides.items():
             if axis == "evict":
-                recipe = replace(recipe, evict=_parse_eviction(spec, {}) if spec not in ("none", "full") else None)
+                recipe = replace(recipe, evict=_parse_eviction(spec) if spec not in ("none", "full") else None)
             elif axis in ("prefill", "turns", "decode", "state"):
                 name, params = _parse_term(spec)
                 recipe = replace(recipe, **{axis: build(axis, name, params)})
@@ -273,13 +273,13 @@ def _value(text: str):
     return text.strip("'\"")
 
 
-def _parse_eviction(spec: str, extra: dict) -> Eviction:
+def _parse_eviction(spec: str) -> Eviction:
     terms = [t for t in re.split(r"\+(?![^(]*\))", spec) if t.strip()]
     if not 1 <= len(terms) <= 2:
         raise InvalidRequestError(f"evict={spec!r}: write scorer(...) or scorer(...)+allocator(...)")
     scorer_name, scorer_params = _parse_term(terms[0])
     allocator_name, allocator_params = _parse_term(terms[1]) if len(terms) == 2 else ("uniform", {})
-    eviction_params = dict(extra)
+    eviction_params = {}
     for params in (scorer_params, allocator_params):
         for k in list(params):
             if k in EVICTION_KEYS:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from turnkv.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "smollm2")
@@ -185,10 +187,8 @@ def shape_config(name: str, max_position_embeddings: int | None = None) -> Model
     return config
 
 
-def rope_inverse_frequencies(config: ModelConfig) -> "torch.Tensor":
+def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     """Per-channel-pair inverse frequencies, with linear or llama3 scaling applied."""
-    import torch
-
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = config.rope_scaling

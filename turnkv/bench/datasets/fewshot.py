@@ -17,7 +17,7 @@ import random
 from functools import lru_cache
 
 from turnkv.bench.datasets.filler import count_tokens
-from turnkv.bench.datasets.schema import Instance, Turn
+from turnkv.bench.datasets.schema import Instance, Turn, seeded_instances
 
 TASK = "fewshot"
 SYSTEM = "Classify each question into one of the types shown in the examples. Answer with the type only."
@@ -133,7 +133,4 @@ def make_instance(rng: random.Random, turns: int, context_tokens: int, difficult
 
 def generate(n: int, seed: int = 0, turns: int = 3, context_tokens: int = 300, difficulty: int = 1,
              tokenizer=None) -> list[Instance]:
-    return [Instance(TASK, f"{TASK}-s{seed}-t{turns}-c{context_tokens}-d{difficulty}-{i}",
-                     make_instance(random.Random(f"{TASK}:{seed}:{i}"), turns, context_tokens, difficulty, tokenizer),
-                     system=SYSTEM)
-            for i in range(n)]
+    return seeded_instances(TASK, SYSTEM, make_instance, n, seed, turns, context_tokens, difficulty, tokenizer)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 
 from turnkv.bench.datasets.filler import Filler, document
-from turnkv.bench.datasets.schema import Instance, Turn
+from turnkv.bench.datasets.schema import Instance, Turn, seeded_instances
 
 TASK = "instructions"
 SYSTEM = ("Follow every formatting instruction the user gives. An instruction stays in force for the rest of the "
@@ -119,7 +119,4 @@ def make_instance(rng: random.Random, turns: int, context_tokens: int, difficult
 
 def generate(n: int, seed: int = 0, turns: int = 3, context_tokens: int = 300, difficulty: int = 1,
              tokenizer=None) -> list[Instance]:
-    return [Instance(TASK, f"{TASK}-s{seed}-t{turns}-c{context_tokens}-d{difficulty}-{i}",
-                     make_instance(random.Random(f"{TASK}:{seed}:{i}"), turns, context_tokens, difficulty, tokenizer),
-                     system=SYSTEM)
-            for i in range(n)]
+    return seeded_instances(TASK, SYSTEM, make_instance, n, seed, turns, context_tokens, difficulty, tokenizer)

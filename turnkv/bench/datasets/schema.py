@@ -64,3 +64,16 @@ class Instance:
         from dataclasses import replace
 
         return replace(self, id=f"{self.id}-{position}", turns=[replace(t, position=position) for t in self.turns])
+
+
+def seeded_instances(task: str, system: str | None, make_turns, n: int, seed: int, turns: int,
+                     context_tokens: int, difficulty: int, tokenizer) -> list[Instance]:
+    """`n` instances of a task whose `make_turns(rng, turns, context_tokens, difficulty, tokenizer)`
+    builds one conversation. Instance i draws from its own seeded generator, so it is the same whatever
+    n is, and its id names the settings, so a results file never resumes onto other instances."""
+    import random
+
+    return [Instance(task, f"{task}-s{seed}-t{turns}-c{context_tokens}-d{difficulty}-{i}",
+                     make_turns(random.Random(f"{task}:{seed}:{i}"), turns, context_tokens, difficulty, tokenizer),
+                     system=system)
+            for i in range(n)]
