@@ -389,3 +389,12 @@ def test_step_sliding_window_uses_kept_positions(gen, T):
         for i, seq in enumerate([a, b]):
             _, loop = expected_step(seq, layer, q[i:i + 1], T, window=window)
             torch.testing.assert_close(out[i:i + 1].double(), loop, **TOL)
+
+
+@pytest.mark.parametrize("T,S", [(1, 9), (5, 5), (7, 40)])
+def test_causal_suffix_equals_the_masked_path(T, S):
+    torch.manual_seed(0)
+    q = torch.randn(2, 6, T, 16)
+    k, v = torch.randn(2, 3, S, 16), torch.randn(2, 3, S, 16)
+    mask = reference.causal_mask(torch.full((2, 1), S), T, S)
+    torch.testing.assert_close(reference.causal_suffix(q, k, v), reference.attention(q, k, v, mask), atol=1e-5, rtol=1e-5)

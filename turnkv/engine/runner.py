@@ -7,6 +7,8 @@ import contextlib
 
 import torch
 
+from turnkv.attention import decode as decode_kernel
+from turnkv.engine.cuda_graphs import GraphedDecode
 from turnkv.engine.step import Step
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
@@ -14,9 +16,15 @@ from turnkv.model.decoder import Transformer
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, pool: PagePool, prefill_chunk: int = 4096):
+    """cuda_graphs: replay decode steps from CUDA graphs for batches up to max_batch (CUDA only)."""
+
+    def __init__(self, model: Transformer, pool: PagePool, prefill_chunk: int = 4096, max_model_len: int = 0,
+                 cuda_graphs: bool = True, max_batch: int = 32):
         self.model, self.pool, self.prefill_chunk = model, pool, prefill_chunk
         self.device = pool.device
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda" and decode_kernel.uses_kernel(self.device):
+            self.graphs = GraphedDecode(model, pool, max_model_len or model.config.max_position_embeddings, max_batch)
 
     @torch.inference_mode()
     def forward(self, seqs: list[SequenceKV], token_ids: torch.Tensor, all_logits: bool = False,
@@ -73,4 +81,21 @@ class ModelRunner:
     def decode(self, seqs: list[SequenceKV], tokens: torch.Tensor, windows: list | None = None,
                accumulate: bool = False) -> torch.Tensor:
         """One decode step for a batch: tokens [B] -> logits [B, V]."""
-        return self.forward(seqs, tokens.view(-1, 1), windows=windows, accumulate=accumulate)
+        if self.graphs is None or accumulate or not self.graphs.fits(seqs):
+            return self.forward(seqs, tokens.view(-1, 1), windows=windows, accumulate=accumulate)
+        return self._graphed_decode(seqs, tokens, windows)
+
+    @torch.inference_mode()
+    def _graphed_decode(self, seqs, tokens, windows):
+        slots = []
+        try:
+            for s in seqs:
+                slots.append(s.reserve(1))
+            logits = self.graphs.step(seqs, tokens, slots)
+        except BaseException:
+            for s in seqs[: len(slots)]:
+                s.truncate(s.next_position - 1)
+            raise
+        if windows is not None:
+            self.graphs.record_windows(seqs, windows)
+        return logits.clone()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from turnkv.attention import reference
+from turnkv.attention import decode, reference
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
 
@@ -41,6 +41,13 @@ class Step:
             tables = [torch.nn.functional.pad(t, (0, width - t.shape[2])) for t in tables]
             self.tables = torch.stack(tables, dim=1)  # [L, B, H, P]
         self.query_positions = positions  # [B, T]
+        # Decode reads the kept keys through the indexed decode kernel (H2O's attention mass needs
+        # the weights themselves, so it stays on the reference path).
+        self.indexed = num_new == 1 and not self.fresh and not accumulate
+        if self.indexed:
+            self.tables = self.tables.to(torch.int32)
+            self.lengths = self.lengths.to(torch.int32)
+            self.splits = decode.num_splits(pool.device, len(seqs) * pool.num_kv_heads, max(self.max_len))
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B, T, Hq, D = q.shape
@@ -53,9 +60,19 @@ class Step:
         if self.fresh:
             out = reference.causal_prefill(q, k.transpose(1, 2), v.transpose(1, 2))
             return out.transpose(1, 2)
+        if self.indexed:
+            out = decode.indexed_decode(
+                q[:, :, 0], self.pool.k[layer], self.pool.v[layer], self.tables[layer], self.lengths[layer],
+                self.splits, window=self.sliding_window, key_positions=self.pool.positions[layer],
+                query_positions=self.query_positions[:, 0])
+            return out[:, None]
         S = self.max_len[layer]
         keys = reference.gather_pages(self.pool.k[layer], self.tables[layer], S)
         values = reference.gather_pages(self.pool.v[layer], self.tables[layer], S)
+        if not self.padded[layer] and self.sliding_window is None and not self.accumulate:
+            # Every head holds S tokens, the new ones last: causal from the bottom right, which
+            # flash attention runs without a mask tensor.
+            return reference.causal_suffix(q, keys, values).transpose(1, 2)
         mask = None
         if self.padded[layer]:
             mask = reference.causal_mask(self.lengths[layer], T, S)

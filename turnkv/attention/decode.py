@@ -1,0 +1,48 @@
+"""Indexed decode attention on any device: the Triton kernel on CUDA, the reference path elsewhere.
+Both take the same arguments (see reference.indexed_decode)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from turnkv.attention import reference
+
+
+@functools.cache
+def _kernel():
+    from turnkv.attention.triton import available
+
+    if not available():
+        return None
+    from turnkv.attention.triton import decode
+
+    return decode
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def uses_kernel(device: torch.device) -> bool:
+    return device.type == "cuda" and _kernel() is not None
+
+
+def num_splits(device: torch.device, batch_kv_heads: int, max_length: int) -> int:
+    """How many chunks the kernel cuts each key list into (1 off CUDA)."""
+    if not uses_kernel(device):
+        return 1
+    return _kernel().choose_splits(batch_kv_heads, max_length, _num_sms(device.index or 0))
+
+
+def indexed_decode(q, k_cache, v_cache, table, lengths, splits: int = 1, scale=None, window=None,
+                   key_positions=None, query_positions=None, out=None, workspace=None):
+    """q [B, Hq, D] -> [B, Hq, D]; table [B, H, P] and lengths [B, H] as int32 on q's device."""
+    if uses_kernel(q.device):
+        return _kernel().indexed_decode(q, k_cache, v_cache, table, lengths, splits, scale, window,
+                                        key_positions, query_positions, out, workspace)
+    result = reference.indexed_decode(q, k_cache, v_cache, table, lengths, scale, window, key_positions,
+                                      query_positions)
+    return result if out is None else out.copy_(result)

@@ -1,0 +1,163 @@
+"""Indexed decode attention: one query token per sequence over a list of token slots in the paged store.
+
+For each (sequence, KV head) the keys are named by a table and a length: table[b, h, i] is a page id
+and token t of the list lives at slot table[t // page_size] * page_size + t % page_size. A table of
+pages (dense decode, Ada-KV's uneven heads, Quest/LServe page selection) and a table of single slots
+(token selection, page_size=1) are the same thing, so one kernel serves every decode method.
+
+Flash-decoding: the list is cut into `num_splits` chunks, each program reads one chunk of one
+(sequence, KV head) for the whole query group (GQA: each K/V tile is loaded once for G heads), and a
+second kernel merges the chunks by log-sum-exp. Chunk sizes come from the lengths on the device, so a
+fixed grid serves any lengths and the launch can sit in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# Chosen on an H100 (benchmarks/gpu_decode_kernel.py --sweep): 0.85-1.0 of the copy bandwidth from
+# batch 1 x 32K to batch 32 x 16K keys, the most even of 36 settings.
+DEFAULT_CONFIG = dict(block_n=32, num_warps=2, num_stages=3)
+
+
+@triton.jit
+def _decode_chunk(
+    q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, key_pos_ptr, query_pos_ptr,
+    out_ptr, part_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_tb, stride_th, stride_lb, stride_ob, stride_oh,
+    scale_log2, window,
+    H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    length = tl.load(lengths_ptr + b * stride_lb + h)
+    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, length)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_ok = g < G
+    d_ok = d < D
+    q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    if HAS_WINDOW:
+        lowest = tl.load(query_pos_ptr + b) - window  # keys at or below this position are outside
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table = table_ptr + b * stride_tb + h * stride_th
+    for n0 in range(start, end, BLOCK_N):
+        t = n0 + tl.arange(0, BLOCK_N)
+        valid = t < end
+        page = tl.load(table + t // PAGE, mask=valid, other=0)
+        slot = page.to(tl.int64) * PAGE + t % PAGE
+        if HAS_WINDOW:
+            valid = valid & (tl.load(key_pos_ptr + slot, mask=valid, other=0) > lowest)
+        k = tl.load(k_ptr + slot[:, None] * D + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # A row that has seen only masked keys keeps m = -inf; shift by 0 then so exp2 gives 0, not NaN.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - shift[:, None])
+        alpha = tl.exp2(m - shift)
+        v = tl.load(v_ptr + slot[:, None] * D + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m = m_new
+
+    rows = h * G + g
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(out_ptr + b * stride_ob + rows[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=g_ok[:, None] & d_ok[None, :])
+    else:
+        # Partials [B, Hq, NUM_SPLITS, D] (normalised) and their log2-sum-exp [B, Hq, NUM_SPLITS].
+        base = (b * H * G + rows) * NUM_SPLITS + split
+        tl.store(part_ptr + base[:, None] * D + d[None, :], acc / tl.where(l > 0, l, 1.0)[:, None],
+                 mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(lse_ptr + base, tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf")), mask=g_ok)
+
+
+@triton.jit
+def _merge_chunks(part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, Hq: tl.constexpr,
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0)  # b * Hq + query head
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = s < NUM_SPLITS
+    lse = tl.load(lse_ptr + row * NUM_SPLITS + s, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - top))
+    part = tl.load(part_ptr + (row * NUM_SPLITS + s)[:, None] * D + d[None, :], mask=s_ok[:, None] & (d < D)[None, :],
+                   other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    b = row // Hq
+    h = row % Hq
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def choose_splits(batch_kv_heads: int, max_length: int, num_sms: int, min_chunk: int = 256) -> int:
+    """Enough chunks to give every SM a few programs, but none shorter than `min_chunk` keys."""
+    want = math.ceil(4 * num_sms / max(batch_kv_heads, 1))
+    return max(1, min(want, math.ceil(max_length / min_chunk), 128))
+
+
+def indexed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                   lengths: torch.Tensor, num_splits: int, scale: float | None = None,
+                   window: int | None = None, key_positions: torch.Tensor | None = None,
+                   query_positions: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                   workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   config: dict | None = None) -> torch.Tensor:
+    """q [B, Hq, D] over the keys named by table [B, H, P] (int32) and lengths [B, H] (int32).
+
+    k_cache, v_cache: one layer's pool [num_pages, page_size, D] (page_size 1 for slot lists).
+    window: attend only to keys whose position is above query_position - window (sliding window);
+    key_positions is the layer's position pool [num_pages, page_size], query_positions [B].
+    Returns [B, Hq, D] in q's dtype (into `out` when given). config overrides the launch settings
+    (block_n, num_warps, num_stages), for tuning.
+    """
+    B, Hq, D = q.shape
+    H = table.shape[1]
+    G = Hq // H
+    page = k_cache.shape[1]
+    assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert table.dtype == torch.int32 and lengths.dtype == torch.int32 and table.stride(-1) == 1
+    out = torch.empty_like(q) if out is None else out
+    scale = D**-0.5 if scale is None else scale
+    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_G = max(16, triton.next_power_of_2(G))
+    if num_splits > 1:
+        if workspace is None:
+            workspace = (torch.empty(B * Hq * num_splits * D, device=q.device, dtype=torch.float32),
+                         torch.empty(B * Hq * num_splits, device=q.device, dtype=torch.float32))
+        part, lse = workspace
+    else:
+        part = lse = out  # unused
+    has_window = window is not None
+    key_pos = key_positions if has_window else lengths
+    query_pos = query_positions if has_window else lengths
+    launch = {**DEFAULT_CONFIG, **(config or {})}
+    if D > 128:
+        launch["block_n"] = min(launch["block_n"], 32)
+    _decode_chunk[(B * H, num_splits)](
+        q, k_cache, v_cache, table, lengths, key_pos, query_pos, out, part, lse,
+        q.stride(0), q.stride(1), table.stride(0), table.stride(1), lengths.stride(0), out.stride(0), out.stride(1),
+        scale * LOG2E, window or 0,
+        H=H, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_N=launch["block_n"],
+        NUM_SPLITS=num_splits, HAS_WINDOW=has_window, num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+    )
+    if num_splits > 1:
+        _merge_chunks[(B * Hq,)](part, lse, out, out.stride(0), out.stride(1), Hq=Hq, D=D, BLOCK_D=BLOCK_D,
+                                 NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4)
+    return out
