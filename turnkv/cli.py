@@ -1,4 +1,4 @@
-"""The `turnkv` command: chat, generate, info."""
+"""The `turnkv` command: chat, generate, serve, info."""
 
 from __future__ import annotations
 
@@ -133,6 +133,23 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import logging
+    import os
+
+    from turnkv.serve.config import API_KEY_ENV, ServeConfig
+    from turnkv.serve.server import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    config = ServeConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                         served_model_name=args.served_model_name, max_running=args.max_running,
+                         max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk,
+                         max_body_bytes=args.max_body_bytes, default_max_tokens=args.max_tokens,
+                         reuse=not args.no_reuse, drain_timeout_s=args.drain_timeout)
+    serve(_load(args), config, idle_ttl_s=args.idle_ttl, log_level=args.log_level)
+    return 0
+
+
 def cmd_info(args) -> int:
     llm = _load(args)
     info = llm.info()
@@ -198,10 +215,29 @@ def build_parser() -> argparse.ArgumentParser:
     methods.add_argument("--json", action="store_true")
     methods.set_defaults(func=cmd_methods)
 
-    bench = sub.add_parser("bench", help="benchmarks: quality")
-    from turnkv.bench.cli import add_quality_parser
+    bench = sub.add_parser("bench", help="benchmarks: quality, speed")
+    from turnkv.bench.cli import add_quality_parser, add_speed_parser
 
-    add_quality_parser(bench.add_subparsers(dest="suite", required=True))
+    suites = bench.add_subparsers(dest="suite", required=True)
+    add_quality_parser(suites)
+    add_speed_parser(suites)
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server that keeps conversations between requests")
+    _model_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or set TURNKV_API_KEY)")
+    srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
+    srv.add_argument("--max-running", type=int, default=32, help="requests decoding together (the decode batch)")
+    srv.add_argument("--max-waiting", type=int, default=64, help="queued requests; beyond that 429 + Retry-After")
+    srv.add_argument("--prefill-chunk", type=int, default=512, help="prefill slice run between two decode steps")
+    srv.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    srv.add_argument("--max-tokens", type=int, default=256, help="reply length when a request sets no max_tokens")
+    srv.add_argument("--no-reuse", action="store_true", help="prefill every request from scratch (a baseline)")
+    srv.add_argument("--idle-ttl", type=float, default=None, help="drop conversations idle this many seconds")
+    srv.add_argument("--drain-timeout", type=float, default=30.0, help="seconds admitted requests get on SIGTERM")
+    srv.add_argument("--log-level", default="info")
+    srv.set_defaults(func=cmd_serve)
 
     info = sub.add_parser("info", help="model shape and KV bytes per token")
     _model_args(info)

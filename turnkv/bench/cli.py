@@ -46,6 +46,50 @@ def add_quality_parser(sub) -> None:
     p.set_defaults(func=cmd_quality)
 
 
+def add_speed_parser(sub) -> None:
+    p = sub.add_parser("speed", help="latency and throughput against the hardware floor and against peers")
+    p.add_argument("--model", default=None, help="a model file or folder, or a shape such as llama-3.1-8b")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--kv-memory", default=None, help="KV pool size; by default what the largest case needs")
+    p.add_argument("--contexts", default="1024,4096")
+    p.add_argument("--batch", default="1", help="comma-separated batch sizes")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--turns", type=int, default=2, help="later turns timed against kept history")
+    p.add_argument("--turn-tokens", type=int, default=256)
+    p.add_argument("--recipes", default="full", help="comma-separated presets or recipe strings")
+    p.add_argument("--peers", default="transformers,sdpa", help="comma-separated; 'none' for none")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--out", default="benchmarks/speed/latest")
+    p.set_defaults(func=cmd_speed)
+
+
+def cmd_speed(args) -> int:
+    from turnkv import LLM
+    from turnkv.bench import speed_report
+    from turnkv.bench.speed import SpeedConfig, run_speed
+    from turnkv.methods.recipe import Recipe
+
+    contexts = [int(c) for c in _split(args.contexts)]
+    batches = [int(b) for b in _split(args.batch)]
+    need = max(contexts) + args.new_tokens + args.turns * args.turn_tokens
+
+    def kv_memory(config, dtype):  # room for the largest batch at the largest context, and no more
+        tokens = max(need, (max(contexts) + args.new_tokens + 16) * max(batches))
+        return int(tokens * config.kv_bytes_per_token(dtype.itemsize) * 1.1) + (64 << 20)
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory or kv_memory,
+              max_model_len=need + 16)
+    recipes = {spec: Recipe.parse(spec) for spec in _split(args.recipes)}
+    config = SpeedConfig(contexts=contexts, batches=batches, new_tokens=args.new_tokens, turns=args.turns,
+                         turn_tokens=args.turn_tokens, recipes=recipes,
+                         peers=tuple(p for p in _split(args.peers) if p != "none"), repeat=args.repeat)
+    result = run_speed(llm, config)
+    command = "turnkv bench speed " + " ".join(shlex.quote(a) for a in sys.argv[3:])
+    print(speed_report.write(result, args.out, command))
+    return 0
+
+
 def expand_recipes(args) -> dict[str, object]:
     from turnkv.methods.recipe import Recipe, preset
 

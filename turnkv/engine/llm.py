@@ -36,12 +36,14 @@ class LLM:
     model: None (the embedded SmolLM2-135M-Instruct), a GGUF file, a Hugging Face safetensors
     folder, or a shape name for random weights (e.g. "llama-3.1-8b").
     kv_memory: bytes (or "2GiB") for the KV page pool; by default room for four full contexts on
-    CPU, and most of the free memory on a GPU.
+    CPU, and most of the free memory on a GPU; or a function (config, dtype) -> bytes.
+    cuda_graphs: replay decode steps from CUDA graphs (on CUDA).
     """
 
     def __init__(self, model: str | None = None, dtype=None, device: str | None = None,
                  kv_memory: int | str | None = None, page_size: int = 16, max_model_len: int | None = None,
-                 tokenizer: str | None = None, prefill_chunk: int = 4096, seed: int = 0, recipe=None):
+                 tokenizer: str | None = None, prefill_chunk: int | None = None, seed: int = 0, recipe=None,
+                 cuda_graphs: bool = True):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         loaded = load_model(model, dtype, self.device, seed)
         self.model, self.name, self.source = loaded.model, loaded.name, loaded.source
@@ -60,7 +62,11 @@ class LLM:
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         self.pool = PagePool.for_budget(self.config, self._kv_budget(kv_memory), page_size, self.dtype, self.device)
-        self.runner = ModelRunner(self.model, self.pool, prefill_chunk)
+        if prefill_chunk is None:
+            # Bigger chunks on a GPU: each chunk re-reads the kept history, and flash attention over
+            # 4K queries runs at about 60% of its rate over 32K (measured on an H100).
+            prefill_chunk = 32768 if self.device.type == "cuda" else 4096
+        self.runner = ModelRunner(self.model, self.pool, prefill_chunk, self.max_model_len, cuda_graphs)
         eos = set(self.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -83,6 +89,8 @@ class LLM:
         raise InvalidRequestError(f"a recipe is a Recipe, a string or a file path, not {type(recipe).__name__}")
 
     def _kv_budget(self, kv_memory) -> int:
+        if callable(kv_memory):  # sized from the loaded model: kv_memory(config, dtype) -> bytes
+            return int(kv_memory(self.config, self.dtype))
         if kv_memory is not None:
             return parse_bytes(kv_memory)
         per_token = self.config.kv_bytes_per_token(self.dtype.itemsize)

@@ -31,10 +31,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in fp32 and scale in the model dtype, as the reference implementation does.
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        # One fused kernel, which accumulates in fp32 for half-precision inputs. transformers rounds
+        # to the model dtype before scaling by the weight; the difference is one rounding, and the
+        # four passes of doing it its way cost 8% of a 32K bf16 prefill on an H100.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -65,3 +65,26 @@ def load_hf_weights(model: Transformer, tensors: Mapping[str, torch.Tensor]) -> 
         unfilled.discard("lm_head.weight")
     if unfilled:
         raise ModelLoadError(f"weights not found in the checkpoint: {sorted(unfilled)[:5]}")
+
+
+def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """The model's weights under Hugging Face names. Fused q/k/v and gate/up come back as row slices
+    of the fused tensors: views, so a transformers model built from them shares turnkv's memory."""
+    out = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight}
+    if not model.config.tie_word_embeddings:
+        out["lm_head.weight"] = model.lm_head.weight
+    c = model.config
+    sizes = {"self_attn.qkv_proj": [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim],
+             "mlp.gate_up_proj": [c.intermediate_size, c.intermediate_size]}
+    for i, block in enumerate(model.layers):
+        prefix = f"model.layers.{i}."
+        params = dict(block.named_parameters())
+        for hf_name, our_name in _DIRECT.items():
+            out[prefix + hf_name] = params[our_name]
+        for our_name, parts in _FUSED.items():
+            if our_name not in params:
+                continue
+            fused = params[our_name].split(sizes[our_name.rsplit(".", 1)[0]], dim=0)
+            for hf_name, piece in zip(parts, fused):
+                out[prefix + hf_name] = piece
+    return out

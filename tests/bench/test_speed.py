@@ -1,0 +1,82 @@
+"""`turnkv bench speed` on a tiny model: every planned figure is measured and set against its floor,
+the transformers peer runs on turnkv's own weights, and the report is written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import turnkv
+from turnkv.bench import hardware, peers, speed_report
+from turnkv.bench.speed import SpeedConfig, run_speed
+from turnkv.kv.sequence import SequenceKV
+from turnkv.methods.recipe import Recipe
+
+
+@pytest.fixture(scope="module")
+def tiny(chat_model_dir):
+    return turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="32MiB")
+
+
+def test_transformers_peer_shares_turnkv_weights_and_agrees(tiny):
+    hf = peers.transformers_model(tiny)
+    ours = {p.data_ptr() for p in tiny.model.parameters()}
+    assert hf.model.layers[0].self_attn.q_proj.weight.data_ptr() in ours  # a view, not a copy
+    ids = list(range(3, 40))
+    with torch.inference_mode():
+        theirs = hf(torch.tensor([ids])).logits[0, -1].float()
+    seq = SequenceKV(tiny.pool)
+    mine = tiny.runner.prefill(seq, ids)
+    seq.free()
+    torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_flops_by_hand(tiny):
+    c = tiny.config  # hidden 64, intermediate 128, 2 layers, 4 heads, 2 KV heads, head dim 16
+    per_token = 2 * (64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128)
+    attention = 2 * 4 * 4 * 16 * (3 * 10 + 3 * 4 / 2)  # 3 new tokens after 10 kept
+    assert hardware.prefill_flops(c, 3, history=10) == 2 * per_token * 3 + 2 * 64 * c.vocab_size + attention
+
+
+def test_run_speed_measures_every_planned_figure(tiny, tmp_path):
+    cfg = SpeedConfig(contexts=[24, 48], batches=[1, 2], new_tokens=4, turns=2, turn_tokens=8,
+                      recipes={"full": Recipe(), "snapkv": Recipe.parse("snapkv budget=16")}, repeat=1)
+    result = run_speed(tiny, cfg, progress=False)
+    hw = result["hardware"]
+    assert hw["copy_bandwidth"] > 0 and hw["matmul_rate"] > 0
+    assert hw["weight_bytes"] == sum(p.numel() * 4 for p in tiny.model.parameters())
+    rows = result["rows"]
+    ours = [r for r in rows if r["engine"] == "turnkv" and "turns" not in r]
+    assert len(ours) == 2 * 2 * 2  # recipes x contexts x batches
+    for r in ours:
+        assert r["tpot_s"] > 0 and r["tpot_floor_s"] > 0
+        assert r["tpot_of_floor"] == pytest.approx(r["tpot_floor_s"] / r["tpot_s"])
+    # SnapKV at 16 tokens per head holds less KV than the full cache at 48 tokens.
+    kv = {(r["recipe"], r["context"], r["batch"]): r["kv_bytes"] for r in ours}
+    assert kv[("snapkv", 48, 1)] < kv[("full", 48, 1)]
+    batch2 = next(r for r in ours if (r["recipe"], r["context"], r["batch"]) == ("full", 48, 2))
+    assert batch2["kv_read_bytes"] == 2 * (48 + 3) * tiny.config.kv_bytes_per_token(4)  # after 3 warm-up steps
+    turns = [r for r in rows if "turns" in r]
+    assert [t["history_tokens"] for t in turns[0]["turns"]] == [24, 32]
+    assert "reprefill_whole_history_s" in turns[0]["turns"][-1]
+    hf = [r for r in rows if r["engine"] == "transformers"]
+    assert len(hf) == 4 and all(r["tpot_s"] > 0 and r["ttft_s"] > 0 for r in hf)
+    assert {r["context"] for r in rows if r["engine"] == "sdpa"} == {24, 48}
+    assert tiny.pool.bytes_in_use() == 0  # every measurement gave its pages back
+
+    text = speed_report.write(result, tmp_path, "turnkv bench speed (test)")
+    assert "| turnkv | snapkv | 48 | 1 |" in text and "Later turns" in text
+    assert json.loads((tmp_path / "speed.json").read_text())["command"] == "turnkv bench speed (test)"
+    assert (tmp_path / "tpot.png").stat().st_size > 0 and (tmp_path / "ttft.png").stat().st_size > 0
+
+
+def test_a_peer_that_cannot_run_is_reported(tiny, monkeypatch):
+    def unavailable(llm):
+        raise peers.PeerUnavailable("transformers is not installed")
+
+    monkeypatch.setattr(peers, "transformers_model", unavailable)
+    result = run_speed(tiny, SpeedConfig(contexts=[16], new_tokens=2, turns=0, repeat=1), progress=False)
+    row = next(r for r in result["rows"] if r["engine"] == "transformers")
+    assert row["unavailable"] == "transformers is not installed"

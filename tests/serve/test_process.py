@@ -1,0 +1,75 @@
+"""`turnkv serve` as a process: loopback by default, the API key from the environment, and a graceful
+drain on SIGTERM (in-flight streams finish, /health turns 503, the process exits 0)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from turnkv.cli import build_parser
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_binds_loopback_by_default():
+    args = build_parser().parse_args(["serve"])
+    assert args.host == "127.0.0.1" and args.api_key is None and not args.no_reuse
+
+
+def test_sigterm_drains_in_flight_streams_then_exits(chat_model_dir):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "TURNKV_API_KEY": "from-env", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "turnkv.cli", "serve", "--model", str(chat_model_dir),
+                             "--port", str(port), "--kv-memory", "16MiB", "--served-model-name", "tiny",
+                             "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()
+            time.sleep(0.2)
+        key = {"Authorization": "Bearer from-env"}
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.get(url + "/v1/models", headers=key).json()["data"][0]["id"] == "tiny"
+
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 400,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        lines, started = [], threading.Event()
+
+        def consume():
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=key, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        started.set()
+
+        reader = threading.Thread(target=consume)
+        reader.start()
+        assert started.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        reader.join(60)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # The stream that was running when SIGTERM came finished whole.
+    assert lines[-1] == "data: [DONE]"
+    usage = json.loads(lines[-2].removeprefix("data: "))["usage"]
+    assert usage["completion_tokens"] == 400

@@ -1,0 +1,175 @@
+"""`turnkv bench speed`: latency and throughput against the hardware floor and against peers, in one run.
+
+For each recipe, context and batch size it measures TTFT, time per output token, decode throughput,
+peak device memory, and the prefill of later turns against kept history; each figure is set beside
+its floor, computed from the copy bandwidth and matmul rate measured in the same run:
+    decode floor  = (weight bytes + KV bytes the step reads) / copy bandwidth
+    prefill floor = matmul FLOPs / matmul rate
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+
+from turnkv.bench import hardware, peers
+from turnkv.kv.sequence import SequenceKV
+
+
+@dataclass
+class SpeedConfig:
+    contexts: list[int]
+    batches: list[int] = field(default_factory=lambda: [1])
+    new_tokens: int = 64
+    turns: int = 2  # later turns timed against kept history
+    turn_tokens: int = 256  # tokens of each later turn
+    recipes: dict = field(default_factory=dict)  # label -> Recipe; {} means dense only
+    peers: tuple[str, ...] = ("transformers", "sdpa")
+    repeat: int = 3
+    seed: int = 0
+
+
+def _prompt(ctx: int, vocab: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, min(vocab, 32000), (ctx,), generator=gen).tolist()
+
+
+def _peak_reset(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gb(device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+
+
+def measure_single(llm, recipe, ctx: int, cfg: SpeedConfig, hw: dict) -> dict:
+    """Batch 1 through the public API: TTFT, time per token, KV kept, peak memory."""
+    ids = _prompt(ctx, llm.config.vocab_size, cfg.seed)
+    llm.generate(ids[: min(ctx, 512)], recipe=recipe, max_new_tokens=4, ignore_eos=True)  # warm-up
+    replies = []
+    _peak_reset(llm.device)
+    for _ in range(cfg.repeat):
+        replies.append(llm.generate(ids, recipe=recipe, max_new_tokens=cfg.new_tokens, ignore_eos=True))
+    ttft = statistics.median(r.ttft_s for r in replies)
+    tpot = statistics.median(r.time_per_token_s for r in replies)
+    kv_bytes = replies[0].kv_bytes  # pages held at the end: the floor counts up to a page per head too many
+    decode_floor = hardware.decode_bytes(hw["weight_bytes"], kv_bytes) / hw["copy_bandwidth"]
+    prefill_floor = hardware.prefill_flops(llm.config, ctx) / hw["matmul_rate"]
+    return {"ttft_s": ttft, "ttft_floor_s": prefill_floor, "ttft_of_floor": prefill_floor / ttft,
+            "tpot_s": tpot, "tpot_floor_s": decode_floor, "tpot_of_floor": decode_floor / tpot,
+            "tokens_per_s": 1 / tpot, "kv_bytes": kv_bytes, "peak_gb": _peak_gb(llm.device)}
+
+
+@torch.inference_mode()
+def measure_batch(llm, recipe, ctx: int, batch: int, cfg: SpeedConfig, hw: dict) -> dict:
+    """Batched decode at the runner, as a server's scheduler drives it: B conversations prefilled
+    (and compressed by the recipe), then steps whose greedy tokens stay on the device."""
+    seqs = [SequenceKV(llm.pool) for _ in range(batch)]
+    try:
+        last = []
+        states = [recipe.new_state(llm.config.num_layers) for _ in seqs]
+        for b, (seq, st) in enumerate(zip(seqs, states)):
+            ids = _prompt(ctx, llm.config.vocab_size, cfg.seed + b)
+            last.append(llm.runner.prefill(seq, ids, window=st.window, accumulate=recipe.accumulates_attention))
+            recipe.after_prompt(seq, st, ctx, llm.model.inv_freq, turn=1)
+        tokens = torch.stack(last).argmax(-1)
+        _peak_reset(llm.device)
+        for _ in range(3):  # warm-up (captures the graph of this batch size)
+            tokens = llm.runner.decode(seqs, tokens).argmax(-1)
+        kv_bytes = sum(s.bytes() for s in seqs)  # pages held
+        kv_read = sum(s.tokens() for s in seqs) * 2 * llm.config.head_dim * llm.dtype.itemsize  # what a step reads
+        steps = cfg.new_tokens
+
+        def run():
+            nonlocal tokens
+            for _ in range(steps):
+                tokens = llm.runner.decode(seqs, tokens).argmax(-1)
+
+        seconds = hardware.median_time(run, llm.device, repeat=1, warmup=0)
+        for s in seqs:  # leave the context where it was for the next repeat
+            s.truncate(ctx)
+    finally:
+        for s in seqs:
+            s.free()
+    tpot = seconds / steps
+    floor = hardware.decode_bytes(hw["weight_bytes"], kv_read) / hw["copy_bandwidth"]
+    return {"tpot_s": tpot, "tpot_floor_s": floor, "tpot_of_floor": floor / tpot, "tokens_per_s": batch / tpot,
+            "kv_bytes": kv_bytes, "kv_read_bytes": kv_read, "peak_gb": _peak_gb(llm.device)}
+
+
+@torch.inference_mode()
+def measure_turns(llm, ctx: int, cfg: SpeedConfig, hw: dict) -> list[dict]:
+    """Turn k+1's prefill of `turn_tokens` new tokens against a kept history of ctx + k turns, beside
+    re-prefilling that whole history (what an engine without conversation state pays)."""
+    seq = SequenceKV(llm.pool)
+    rows = []
+    try:
+        llm.runner.prefill(seq, _prompt(ctx, llm.config.vocab_size, cfg.seed))
+        for k in range(cfg.turns):
+            new = _prompt(cfg.turn_tokens, llm.config.vocab_size, cfg.seed + 100 + k)
+            history = seq.next_position
+            kept = hardware.median_time(lambda: (llm.runner.prefill(seq, new), seq.truncate(history)), llm.device,
+                                        repeat=cfg.repeat)
+            llm.runner.prefill(seq, new)
+            rows.append({"turn": k + 2, "history_tokens": history, "new_tokens": cfg.turn_tokens, "prefill_s": kept,
+                         "floor_s": hardware.prefill_flops(llm.config, cfg.turn_tokens, history) / hw["matmul_rate"]})
+        whole = _prompt(seq.next_position, llm.config.vocab_size, cfg.seed)
+        seq.free()  # the pool needs room for the history once, not twice
+        fresh = SequenceKV(llm.pool)
+        rows[-1]["reprefill_whole_history_s"] = hardware.median_time(
+            lambda: (llm.runner.prefill(fresh, whole), fresh.truncate(0)), llm.device, repeat=max(1, cfg.repeat - 1))
+        fresh.free()
+    finally:
+        seq.free()
+    return rows
+
+
+def measure_hardware(llm) -> dict:
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters())
+    return {"device": torch.cuda.get_device_name(llm.device) if llm.device.type == "cuda" else "cpu",
+            "copy_bandwidth": hardware.copy_bandwidth(llm.device),
+            "matmul_rate": hardware.matmul_rate(llm.device, llm.dtype), "weight_bytes": weight_bytes}
+
+
+def run_speed(llm, cfg: SpeedConfig, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    from turnkv.methods.recipe import Recipe
+
+    recipes = cfg.recipes or {"full": Recipe()}
+    hw = measure_hardware(llm)
+    plan = [("turnkv", name, ctx, b) for name in recipes for ctx in cfg.contexts for b in cfg.batches]
+    plan += [("turns", "full", ctx, 1) for ctx in cfg.contexts if cfg.turns > 0]
+    plan += [(peer, "full", ctx, b) for peer in cfg.peers for ctx in cfg.contexts
+             for b in (cfg.batches if peer == "transformers" else [1])]
+    rows, hf_model = [], None
+    for kind, name, ctx, batch in tqdm(plan, desc="bench speed", disable=not progress):
+        row = {"engine": kind if kind != "turns" else "turnkv", "recipe": name, "context": ctx, "batch": batch}
+        try:
+            if kind == "turnkv" and batch == 1:
+                row |= measure_single(llm, recipes[name], ctx, cfg, hw)
+            elif kind == "turnkv":
+                row |= measure_batch(llm, recipes[name], ctx, batch, cfg, hw)
+            elif kind == "turns":
+                row["turns"] = measure_turns(llm, ctx, cfg, hw)
+            elif kind == "sdpa":
+                row["ttft_s"] = peers.sdpa_prefill(llm.config, ctx, llm.device, llm.dtype)
+                row["note"] = "causal SDPA alone over all layers: the attention part of prefill"
+            elif kind == "transformers":
+                hf_model = hf_model or peers.transformers_model(llm)
+                prompts = torch.tensor([_prompt(ctx, llm.config.vocab_size, cfg.seed + b) for b in range(batch)],
+                                       device=llm.device)
+                row |= peers.transformers_generate(hf_model, prompts, cfg.new_tokens, llm.device)
+        except peers.PeerUnavailable as e:
+            row["unavailable"] = str(e)
+        except torch.OutOfMemoryError as e:
+            torch.cuda.empty_cache()
+            row["unavailable"] = f"out of memory: {str(e).splitlines()[0]}"
+        rows.append(row)
+    return {"hardware": hw, "model": llm.name, "dtype": str(llm.dtype).removeprefix("torch."),
+            "config": {k: v for k, v in vars(cfg).items() if k != "recipes"},
+            "recipes": {name: str(r) for name, r in recipes.items()}, "rows": rows}

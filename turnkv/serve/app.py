@@ -1,0 +1,329 @@
+"""The FastAPI app: OpenAI routes on top of the scheduler, plus /health, /metrics and /flush_cache.
+
+Routes read the body themselves (size cap, strict UTF-8, JSON) so that every bad input gets an
+OpenAI-style error with a precise message rather than a framework default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from turnkv.errors import InvalidRequestError
+from turnkv.methods.recipe import Recipe
+from turnkv.serve import protocol
+from turnkv.serve.config import ServeConfig
+from turnkv.serve.errors import APIError, from_engine, install_handlers, validation_error
+from turnkv.serve.job import Job, Outcome, check_max_tokens
+from turnkv.serve.metrics import Metrics
+from turnkv.serve.scheduler import Scheduler
+from turnkv.serve.store import ConversationStore, TierHook
+
+SESSION_HEADER = "x-session-id"
+MAX_SESSION_ID = 256
+
+
+def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | None = None,
+               idle_ttl_s: float | None = None) -> FastAPI:
+    config = config or ServeConfig()
+    model_name = config.served_model_name or llm.name
+    metrics = Metrics(model_name)
+    store = ConversationStore(llm, reuse=config.reuse, tiers=tiers, idle_ttl_s=idle_ttl_s)
+    scheduler = Scheduler(llm, store, config, metrics)
+    metrics.bind(llm, scheduler, store)
+    recipes = Recipes(llm.recipe)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(scheduler.stop, config.drain_timeout_s)
+
+    app = FastAPI(title="turnkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.scheduler, app.state.store, app.state.metrics, app.state.config = scheduler, store, metrics, config
+    install_handlers(app)
+
+    async def require_key(request: Request) -> None:
+        if config.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+            raise APIError(401, "missing or wrong API key; send the header Authorization: Bearer <key>",
+                           code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+
+    @app.get("/health")
+    async def health():
+        if not scheduler.alive:
+            return JSONResponse({"status": "unavailable", "reason": "worker stopped"}, status_code=503)
+        if not scheduler.accepting:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/flush_cache", dependencies=[Depends(require_key)])
+    async def flush_cache():
+        """Drop every idle conversation (SGLang's name for it)."""
+        return {"flushed": await asyncio.to_thread(scheduler.flush)}
+
+    @v1.get("/models")
+    async def models():
+        return {"object": "list", "data": [protocol.model_card(model_name, llm.max_model_len)]}
+
+    def common(req: protocol.SamplingRequest) -> tuple[Recipe, str, int | None]:
+        if req.model is not None and req.model != model_name:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_name!r}",
+                           type="not_found_error", param="model", code="model_not_found")
+        try:
+            recipe, key = recipes.resolve(req.recipe)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param="recipe", code="invalid_recipe") from None
+        try:
+            max_tokens = check_max_tokens(req.requested_max_tokens(), llm.max_model_len)
+            llm.sampling_params(**req.sampling())  # bad sampling values fail here, before queueing
+        except InvalidRequestError as e:
+            raise APIError(400, str(e)) from None
+        return recipe, key, max_tokens
+
+    async def submit(request: Request, req, **inputs) -> tuple[Stream, Job]:
+        recipe, key, max_tokens = common(req)
+        stream = Stream(asyncio.get_running_loop())
+        job = Job(stream.push, req.sampling(), max_tokens, config.default_max_tokens, recipe, key, **inputs)
+        scheduler.submit(job)
+        try:
+            first = await stream.next(request)
+        except (ClientGone, asyncio.CancelledError):
+            scheduler.cancel(job)
+            raise
+        if first[0] == "error":
+            raise from_engine(first[1], config.retry_after_s)
+        return stream, job
+
+    @v1.post("/chat/completions")
+    async def chat(request: Request):
+        req = parse(protocol.ChatCompletionRequest, await read_json(request, config.max_body_bytes))
+        session = session_id(request)
+        messages = [m.as_template_message() for m in req.messages]
+        stream, job = await submit(request, req, messages=messages, session=session)
+        rid, created = protocol.new_id("chatcmpl"), int(time.time())
+        headers = {"X-Session-Id": session} if session else {}
+        if req.stream:
+            def chunk(delta=None, finish=None, usage=None, choices=True):
+                body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                        "choices": [{"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}]
+                        if choices else []}
+                if req.include_usage:
+                    body["usage"] = usage
+                return body
+
+            return sse(scheduler, job, stream, chunk({"role": "assistant", "content": ""}),
+                       lambda text: chunk({"content": text}),
+                       lambda o: [chunk(finish=o.finish_reason)] + (
+                           [chunk(usage=usage_of(o), choices=False)] if req.include_usage else []), headers)
+        outcome = await finish(request, scheduler, job, stream)
+        return JSONResponse({
+            "id": rid, "object": "chat.completion", "created": created, "model": model_name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": outcome.text},
+                         "logprobs": None, "finish_reason": outcome.finish_reason}],
+            "usage": usage_of(outcome)}, headers=headers)
+
+    @v1.post("/completions")
+    async def completions(request: Request):
+        req = parse(protocol.CompletionRequest, await read_json(request, config.max_body_bytes))
+        stream, job = await submit(request, req, prompt=req.prompt)
+        rid, created = protocol.new_id("cmpl"), int(time.time())
+
+        def chunk(text="", finish=None, usage=None, choices=True):
+            body = {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+                    if choices else []}
+            if req.stream and req.include_usage:
+                body["usage"] = usage
+            return body
+
+        if req.stream:
+            return sse(scheduler, job, stream, None, lambda text: chunk(text),
+                       lambda o: [chunk(finish=o.finish_reason)] + (
+                           [chunk(usage=usage_of(o), choices=False)] if req.include_usage else []), {})
+        outcome = await finish(request, scheduler, job, stream)
+        body = chunk(outcome.text, outcome.finish_reason)
+        body["usage"] = usage_of(outcome)
+        return JSONResponse(body)
+
+    app.include_router(v1)
+    return app
+
+
+class Recipes:
+    """Request recipes, parsed once per distinct string. Only recipe strings: an HTTP request never
+    names a file for the server to read."""
+
+    def __init__(self, default: Recipe):
+        self.default = default
+        self.cache: dict[str, tuple[Recipe, str]] = {}
+
+    def resolve(self, text: str | None) -> tuple[Recipe, str]:
+        if text is None:
+            return self.default, str(self.default)
+        if text not in self.cache:
+            if "/" in text or "\\" in text or text.strip().endswith((".json", ".yaml", ".yml")):
+                raise InvalidRequestError("recipe files are not accepted over HTTP; send the recipe string")
+            try:
+                recipe = Recipe.parse(text)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"recipe: {e}") from None
+            self.cache[text] = (recipe, str(recipe))
+        return self.cache[text]
+
+
+# ---- request reading ----------------------------------------------------------------------------------
+async def read_json(request: Request, limit: int) -> dict:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body is {declared} bytes; the limit is {limit}", code="body_too_large")
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise APIError(413, f"the request body exceeds the limit of {limit} bytes", code="body_too_large")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not valid UTF-8 (byte {e.start})", code="invalid_utf8") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def parse(model, data: dict):
+    try:
+        req = model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    try:  # lone surrogates are valid JSON escapes but no text: the tokenizer cannot take them
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "the request contains a lone surrogate (\\ud800-\\udfff), not text",
+                       code="invalid_utf8") from None
+    return req
+
+
+def session_id(request: Request) -> str | None:
+    value = request.headers.get(SESSION_HEADER)
+    if value is None:
+        return None
+    if not value or len(value) > MAX_SESSION_ID or not value.isprintable():
+        raise APIError(400, f"{SESSION_HEADER} must be 1 to {MAX_SESSION_ID} printable characters",
+                       param=SESSION_HEADER)
+    return value
+
+
+def usage_of(o: Outcome) -> dict:
+    return protocol.usage(o.prompt_tokens, o.completion_tokens, o.cached_tokens)
+
+
+# ---- the stream of one request's events ----------------------------------------------------------------
+class ClientGone(APIError):
+    """The client disconnected before its reply was ready (nginx's 499; nobody reads the response)."""
+
+    def __init__(self):
+        super().__init__(499, "the client closed the request", code="client_closed_request")
+
+
+class Stream:
+    """Events from the worker thread ("start", "text", "done", "error") delivered on the event loop."""
+
+    POLL_S = 0.25  # how often a waiting request checks that its client is still there
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue()
+        self.ended = False
+        self.checked_at = time.monotonic()
+
+    def push(self, kind: str, payload) -> None:  # worker thread
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
+        except RuntimeError:  # the loop is gone (server stopped): nobody is listening
+            pass
+
+    async def next(self, request: Request | None = None):
+        """The next event; with `request`, raises ClientGone once its client has disconnected (checked
+        every POLL_S, also while events keep coming)."""
+        getter = asyncio.ensure_future(self.queue.get())
+        try:
+            while True:
+                done, _ = await asyncio.wait({getter}, timeout=self.POLL_S)
+                now = time.monotonic()
+                if request is not None and now - self.checked_at >= self.POLL_S:
+                    self.checked_at = now
+                    if await request.is_disconnected():
+                        raise ClientGone
+                if done:
+                    event = getter.result()
+                    self.ended = event[0] in ("done", "error")
+                    return event
+        finally:
+            getter.cancel()
+
+
+async def finish(request: Request, scheduler: Scheduler, job: Job, stream: Stream) -> Outcome:
+    """Wait for a non-streamed request's end; a client that leaves first frees its slot."""
+    try:
+        while True:
+            kind, payload = await stream.next(request)
+            if kind == "done":
+                return payload
+            if kind == "error":
+                raise from_engine(payload, scheduler.config.retry_after_s)
+    except (ClientGone, asyncio.CancelledError):
+        scheduler.cancel(job)
+        raise
+
+
+def sse(scheduler: Scheduler, job: Job, stream: Stream, opening: dict | None, text_chunk, closing, headers: dict):
+    """Server-sent events: `data: {json}` per chunk, then `data: [DONE]`. A client that disconnects
+    closes the generator, and its request is cancelled."""
+
+    def line(obj) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    async def events():
+        try:
+            if opening is not None:
+                yield line(opening)
+            while True:
+                kind, payload = await stream.next()
+                if kind == "text":
+                    yield line(text_chunk(payload))
+                elif kind == "done":
+                    for c in closing(payload):
+                        yield line(c)
+                    break
+                elif kind == "error":  # headers are sent: the error travels in the stream
+                    yield line(from_engine(payload, scheduler.config.retry_after_s).body())
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            if not stream.ended:
+                scheduler.cancel(job)
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", **headers})

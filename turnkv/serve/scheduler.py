@@ -1,0 +1,299 @@
+"""The worker: one thread makes every model call, so torch never runs on the asyncio loop and the KV
+pool has a single writer.
+
+Each iteration:
+1. requests whose client went away are dropped, and their turn undone;
+2. waiting requests are admitted while the batch has room: each finds its conversation (the store)
+   and is checked against the context;
+3. prompts prefill in slices of `prefill_chunk` tokens. While other requests decode, one slice runs
+   per iteration (chunked prefill: a long prompt delays running decodes by one slice per step, never
+   by its whole prefill); when nothing decodes, admitted prompts prefill in full. Slice boundaries
+   do not depend on load, so a request's tokens do not either;
+4. ONE batched decode step runs over every decoding request: a single runner.decode call over all
+   their sequences (one call per group when recipes differ in what the step must record).
+When the KV pool is full, idle conversations leave it, least recently used first, and the step is
+retried. With none left, a prompt waits for running requests to finish, and a decode step fails its
+newest request (503) so that the others go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+from turnkv.errors import KVCacheFullError
+from turnkv.serve.errors import APIError
+from turnkv.serve.job import Job
+
+log = logging.getLogger("turnkv.serve")
+
+
+class Scheduler:
+    def __init__(self, llm, store, config, metrics):
+        self.llm, self.store, self.config, self.metrics = llm, store, config, metrics
+        self.cond = threading.Condition()
+        self.waiting: deque[Job] = deque()
+        self.prefilling: list[Job] = []
+        self.decoding: list[Job] = []
+        self.accepting = True
+        self._stop = False
+        self._flush_asked = False
+        self._flushed = threading.Event()
+        self._flush_count = 0
+        self._expired_at = time.monotonic()
+        self.thread: threading.Thread | None = None
+
+    # ---- HTTP side -----------------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.prefilling) + len(self.decoding)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def submit(self, job: Job) -> None:
+        retry = {"Retry-After": str(self.config.retry_after_s)}
+        with self.cond:
+            if not self.accepting:
+                self.metrics.labels(self.metrics.rejected, "draining").inc()
+                raise APIError(503, "the server is shutting down", type="server_error", code="draining", headers=retry)
+            if self.num_running + len(self.waiting) >= self.config.max_running + self.config.max_waiting:
+                self.metrics.labels(self.metrics.rejected, "queue_full").inc()
+                raise APIError(429, f"the server is busy ({self.config.max_running} requests running, "
+                               f"{self.config.max_waiting} waiting); retry after {self.config.retry_after_s} s",
+                               type="rate_limit_error", code="queue_full", headers=retry)
+            self.waiting.append(job)
+            self.cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: the worker undoes the request at its next iteration."""
+        with self.cond:
+            job.cancelled = True
+            self.cond.notify()
+
+    def flush(self, timeout: float = 10.0) -> int:
+        """Drop every idle conversation (on the worker, between two steps); returns how many."""
+        self._flushed.clear()
+        with self.cond:
+            self._flush_asked = True
+            self.cond.notify()
+        self._flushed.wait(timeout)
+        return self._flush_count
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="turnkv-worker", daemon=True)
+        self.thread.start()
+
+    def begin_drain(self) -> None:
+        with self.cond:
+            self.accepting = False
+
+    def stop(self, timeout: float) -> None:
+        """Refuse new requests, let the admitted ones finish (up to `timeout`), then stop the worker and
+        hand idle conversations to the tiers."""
+        self.begin_drain()
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while (self.waiting or self.num_running) and time.monotonic() < deadline:
+                self.cond.wait(0.05)
+            self._stop = True
+            self.cond.notify()
+        if self.thread is not None:
+            self.thread.join()
+
+    # ---- worker --------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not (self.waiting or self.num_running or self._stop or self._flush_asked):
+                    self.cond.wait(1.0)
+                    self._expire()
+                if self._stop:
+                    break
+                gone = [j for j in (*self.waiting, *self.prefilling, *self.decoding) if j.cancelled]
+                for job in gone:
+                    self._remove(job)
+                admitted = self._pop_admissible()
+            for job in gone:
+                self.metrics.labels(self.metrics.failed, "disconnected").inc()
+                self._safely(job.abandon, self.store)
+            if self._flush_asked:
+                self._flush_asked = False
+                self._flush_count = self.store.flush()
+                self._flushed.set()
+            self._expire()
+            try:
+                self._admit(admitted)
+                self._prefill()
+                self._decode()
+            except Exception as e:  # a bug, not bad input: fail what is in flight and keep serving
+                log.exception("worker step failed")
+                for job in [*self.prefilling, *self.decoding]:
+                    self._fail(job, e)
+            with self.cond:
+                self.cond.notify_all()  # stop() waits for the queue to empty
+        for job in [*self.waiting, *self.prefilling, *self.decoding]:
+            self._fail(job, APIError(503, "the server stopped", type="server_error"))
+        self.store.persist_idle()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        if now - self._expired_at >= 1.0:
+            self._expired_at = now
+            for _ in range(self.store.expire()):
+                self.metrics.labels(self.metrics.evictions, "idle_ttl").inc()
+
+    def _pop_admissible(self) -> list[Job]:
+        """Waiting requests that fit in the batch, in arrival order; a request whose session is busy
+        stays queued (with its place) until that session's request ends."""
+        room = self.config.max_running - self.num_running
+        taken, kept = [], deque()
+        while self.waiting and room > 0:
+            job = self.waiting.popleft()
+            if job.session is not None and (self.store.session_busy(job.session)
+                                            or any(j.session == job.session for j in taken)):
+                kept.append(job)
+                continue
+            taken.append(job)
+            room -= 1
+        self.waiting.extendleft(reversed(kept))
+        return taken
+
+    def _admit(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            try:
+                self._with_room(lambda j=job: j.prepare(self.llm, self.store))
+            except Exception as e:
+                self._fail(job, e)
+                continue
+            self.prefilling.append(job)
+
+    def _prefill(self) -> None:
+        budget = self.config.prefill_chunk if self.decoding else float("inf")
+        while self.prefilling and budget > 0:
+            job = self.prefilling[0]
+            size = min(self.config.prefill_chunk, job.prefill_left)
+            try:
+                piece, done = self._with_room(lambda: job.prefill(self.llm, self.config.prefill_chunk))
+            except KVCacheFullError as e:
+                self.prefilling.pop(0)
+                if self.decoding:  # memory comes back as they finish: wait for it, from the start
+                    job.abandon(self.store)
+                    with self.cond:
+                        self.waiting.appendleft(job)
+                    return
+                self._fail(job, e)
+                continue
+            except Exception as e:
+                self.prefilling.pop(0)
+                self._fail(job, e)
+                continue
+            budget -= size
+            if job.prefill_left:
+                continue
+            self.prefilling.pop(0)
+            self._first_token(job, piece, done)
+
+    def _first_token(self, job: Job, piece: str, done: bool) -> None:
+        m, now = self.metrics, time.perf_counter()
+        m.labels(m.ttft).observe(now - job.arrived)
+        job.last_token_at = now
+        job.sink("start", None)
+        if piece:
+            job.sink("text", piece)
+        if done:
+            self._finish(job)
+        else:
+            self.decoding.append(job)
+
+    def _decode(self) -> None:
+        groups: dict[bool, list[Job]] = {}
+        for job in self.decoding:
+            groups.setdefault(job.conv.recipe.accumulates_attention, []).append(job)
+        for accumulate, jobs in groups.items():
+            logits = self._decode_step(jobs, accumulate)
+            self.metrics.labels(self.metrics.batch).observe(len(jobs))
+            now = time.perf_counter()
+            for job, row in zip(jobs, logits):
+                try:
+                    piece, done = job.after_decode(row, self.llm)
+                except Exception as e:
+                    self.decoding.remove(job)
+                    self._fail(job, e)
+                    continue
+                self.metrics.labels(self.metrics.itl).observe(now - job.last_token_at)
+                job.last_token_at = now
+                if piece:
+                    job.sink("text", piece)
+                if done:
+                    self.decoding.remove(job)
+                    self._finish(job)
+
+    def _decode_step(self, jobs: list[Job], accumulate: bool):
+        """One runner.decode call over `jobs`; on a full pool, evict idle conversations, then the
+        newest request, until the step fits. Returns the logits of the jobs still in `jobs`."""
+        llm = self.llm
+        while True:
+            try:
+                return self._with_room(lambda: llm.runner.decode(
+                    [j.conv.kv for j in jobs], llm.token_tensor([j.last_token for j in jobs]),
+                    windows=[j.conv.method_state.window for j in jobs], accumulate=accumulate))
+            except KVCacheFullError as e:
+                victim = max(jobs, key=lambda j: j.arrived)
+                jobs.remove(victim)
+                self.decoding.remove(victim)
+                self._fail(victim, e)
+                if not jobs:
+                    return []
+
+    def _with_room(self, step):
+        while True:
+            try:
+                return step()
+            except KVCacheFullError:
+                how = self.store.evict_one()
+                if how is None:
+                    raise
+                self.metrics.labels(self.metrics.evictions, how).inc()
+
+    # ---- endings -----------------------------------------------------------------------------------
+    def _finish(self, job: Job) -> None:
+        try:
+            outcome = job.finish(self.llm, self.store)
+        except Exception as e:
+            self._fail(job, e)
+            return
+        m = self.metrics
+        m.labels(m.e2e).observe(time.perf_counter() - job.arrived)
+        m.labels(m.success, outcome.finish_reason).inc()
+        m.labels(m.prompt_tokens).inc(outcome.prompt_tokens)
+        m.labels(m.generation_tokens).inc(outcome.completion_tokens)
+        m.labels(m.prefix_queries).inc(outcome.prompt_tokens)
+        m.labels(m.prefix_hits).inc(outcome.cached_tokens)
+        m.labels(m.reused_tokens).inc(outcome.cached_tokens)
+        m.labels(m.prefilled_tokens).inc(outcome.prompt_tokens - outcome.cached_tokens)
+        job.sink("done", outcome)
+
+    def _fail(self, job: Job, error: Exception) -> None:
+        self._safely(job.abandon, self.store)
+        self.metrics.labels(self.metrics.failed, type(error).__name__).inc()
+        job.sink("error", error)
+
+    def _remove(self, job: Job) -> None:
+        for queue in (self.waiting, self.prefilling, self.decoding):
+            if job in queue:
+                queue.remove(job)
+
+    @staticmethod
+    def _safely(fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("could not undo a request cleanly")

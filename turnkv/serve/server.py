@@ -1,0 +1,50 @@
+"""Running the app under uvicorn, with a graceful drain on SIGTERM/SIGINT: /health turns 503 at once
+(so a router stops sending), new requests get 503, admitted ones finish, idle conversations go to the
+tiers, then the process exits."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import signal
+
+import uvicorn
+
+from turnkv.serve.app import create_app
+from turnkv.serve.config import ServeConfig
+
+log = logging.getLogger("turnkv.serve")
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, scheduler):
+        super().__init__(config)
+        self.scheduler = scheduler
+
+    def handle_exit(self, sig, frame) -> None:
+        self.scheduler.begin_drain()
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises the signal once it has shut down; after a completed drain SIGTERM is the
+        # normal way to stop, so the process exits 0 instead of "killed by SIGTERM".
+        captured = getattr(self, "_captured_signals", None)
+        if captured is not None and sig == signal.SIGTERM:
+            captured.remove(sig)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(llm, config: ServeConfig, idle_ttl_s: float | None = None, log_level: str = "info") -> None:
+    app = create_app(llm, config, idle_ttl_s=idle_ttl_s)
+    if not is_loopback(config.host) and config.api_key is None:
+        log.warning("listening on %s without an API key: anyone who reaches this address can use the model",
+                    config.host)
+    uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
+                        timeout_graceful_shutdown=int(config.drain_timeout_s))
+    DrainingServer(uv, app.state.scheduler).run()
