@@ -122,7 +122,10 @@ def test_context_overflow_leaves_the_conversation_usable(chat_model_dir):
 
 
 def test_full_kv_pool_fails_the_turn_and_keeps_every_conversation(chat_model_dir):
-    llm = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory=8 * 2 * (2 * 16 * 16 * 4))  # pages x layers x page bytes
+    # No CPU tier (state_cpu_memory=0): an idle conversation has nowhere to go, so the pool stays full
+    # (with one, it would be demoted instead; tests/state/test_tiers_engine.py covers that).
+    llm = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory=8 * 2 * (2 * 16 * 16 * 4),  # pages x layers x page bytes
+                     state_cpu_memory=0)
     # 8 pages of 16 tokens per layer: 2 KV heads -> 64 tokens fit.
     assert llm.pool.num_pages == 8
     a = llm.conversation()

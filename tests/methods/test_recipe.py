@@ -295,7 +295,7 @@ def test_describe_lists_every_component_with_its_defaults():
         assert row["doc"], row
     assert list(by_axis) == list(registry.AXES)
     assert by_axis == {"prefill": ["dense"], "scorer": SCORERS, "allocator": ALLOCATORS, "turns": TURNS,
-                       "decode": ["all"], "state": ["gpu"]}
+                       "decode": ["all"], "state": ["gpu", "krul", "krul_fix", "load", "minicache", "partial", "recompute"]}
     params = {(r["axis"], r["name"]): r["params"] for r in rows}
     assert params[("scorer", "snapkv")] == {"window": 32, "kernel": 7, "pooling": "max"}
     assert params[("scorer", "pyramidkv")] == {"window": 32, "kernel": 7, "pooling": "max", "beta": 20}

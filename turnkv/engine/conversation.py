@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,12 +34,14 @@ class Conversation:
         self.llm = llm
         self.system = system
         self.recipe = llm.resolve_recipe(recipe)
+        self.id = uuid.uuid4().hex  # the key of its stored state in the CPU and disk tiers
         self.kv = SequenceKV(llm.pool)
         self.reset()
 
     def reset(self) -> None:
-        """Forget every turn and free the KV."""
+        """Forget every turn and free the KV, wherever it is stored."""
         self.kv.free()
+        self.llm.state.discard(self)
         self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
         self.tokens: list[int] = []  # the whole history as the model saw it
         self.text = ""  # what `tokens` render to
@@ -67,6 +70,17 @@ class Conversation:
 
     def close(self) -> None:
         self.kv.free()
+        self.llm.state.discard(self)
+
+    def offload(self, tier: str = "cpu") -> str:
+        """Move this conversation's state off the GPU now, to "cpu" or "disk", in the form the
+        recipe's state strategy stores; the next turn brings it back. Returns the tier it is in."""
+        return self.llm.state.offload(self, tier)
+
+    @property
+    def location(self) -> str | None:
+        """Where the state is: "gpu", "cpu", "disk", or None before the first turn."""
+        return self.llm.state.where(self)
 
     @property
     def kv_bytes(self) -> int:
@@ -151,6 +165,7 @@ class Conversation:
         return keep, ids, boundaries[:-1]
 
     def _run_turn(self, messages, full_text, keep, new_ids, gen, boundaries, has_context) -> Iterator[str]:
+        self.llm.state.before_turn(self, len(new_ids) + gen.params.max_new_tokens)  # restore; counts in TTFT
         if self.kv.next_position > keep:
             self._roll_back(keep)  # the template no longer renders part of what was kept
         cached = self.kv.next_position
@@ -186,9 +201,11 @@ class Conversation:
         finally:
             if not finished:
                 self._roll_back(cached, window_before)
+                self.llm.state.abort_turn(self)
         reply = gen.reply(prompt_tokens=len(prompt), cached_tokens=cached)
         self.tokens = self.tokens[:keep] + new_ids + reply.token_ids
         self.text = full_text + self.llm.tokenizer.decode(reply.token_ids, skip_special_tokens=False)
         self.messages = [*messages, {"role": "assistant", "content": reply.text}]
         self.turns.append(Turn(cached, keep + len(new_ids), len(self.tokens), reply, system_end))
         self.last_reply = reply
+        self.llm.state.after_turn(self)

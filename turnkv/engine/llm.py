@@ -15,6 +15,7 @@ from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
 from turnkv.model.load import DEFAULT_MODEL, embedded_model_path, load_model
 from turnkv.model.tokenizer import load_gguf_tokenizer
+from turnkv.state.manager import StateManager
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -30,6 +31,10 @@ def parse_bytes(size: int | str) -> int:
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
 
 
+def _optional_bytes(size: int | str | None) -> int | None:
+    return None if size is None else parse_bytes(size)
+
+
 class LLM:
     """Load a model and serve conversations on it.
 
@@ -38,12 +43,16 @@ class LLM:
     kv_memory: bytes (or "2GiB") for the KV page pool; by default room for four full contexts on
     CPU, and most of the free memory on a GPU; or a function (config, dtype) -> bytes.
     cuda_graphs: replay decode steps from CUDA graphs (on CUDA).
+    state_cpu_memory / state_disk_dir / state_disk_memory / state_gpu_memory: the tiers conversation
+    state moves to between turns (turnkv.state): a host pool (pinned with CUDA, allocated on first
+    use), a directory (kept across restarts), and optional caps on disk and resident bytes.
     """
 
     def __init__(self, model: str | None = None, dtype=None, device: str | None = None,
                  kv_memory: int | str | None = None, page_size: int = 16, max_model_len: int | None = None,
                  tokenizer: str | None = None, prefill_chunk: int | None = None, seed: int = 0, recipe=None,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, state_cpu_memory: int | str = "1GiB", state_disk_dir: str | None = None,
+                 state_disk_memory: int | str | None = None, state_gpu_memory: int | str | None = None):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         loaded = load_model(model, dtype, self.device, seed)
         self.model, self.name, self.source = loaded.model, loaded.name, loaded.source
@@ -73,6 +82,8 @@ class LLM:
         self.eos_ids = eos
         self.vocab_limit = len(self.tokenizer) if self.tokenizer is not None else None
         self.recipe = self.resolve_recipe(recipe)
+        self.state = StateManager(self, parse_bytes(state_cpu_memory), state_disk_dir,
+                                  _optional_bytes(state_disk_memory), _optional_bytes(state_gpu_memory))
 
     def resolve_recipe(self, recipe):
         """A Recipe, a recipe string or file path, or None for this engine's default (full cache)."""
@@ -121,6 +132,10 @@ class LLM:
     # ---- public API -----------------------------------------------------------------------------
     def conversation(self, system: str | None = None, recipe=None) -> Conversation:
         return Conversation(self, system, recipe)
+
+    def resume(self, conversation_id: str) -> Conversation:
+        """A conversation stored in the state tiers (the disk tier survives restarts), by its id."""
+        return self.state.resume(conversation_id)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

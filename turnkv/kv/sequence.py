@@ -69,6 +69,35 @@ class SequenceKV:
         self.next_position += num_tokens
         return slots
 
+    def reserve_layout(self, lengths: np.ndarray, next_position: int) -> list[torch.Tensor]:
+        """Give an empty sequence pages for lengths[layer, head] tokens each (heads may differ, as after
+        eviction) and set its next position; the state tiers restore stored KV through this.
+
+        Returns per layer the flat slots [sum over heads of lengths] in (head, token) order, where the
+        caller writes K/V, positions and attention mass. All-or-nothing, like reserve()."""
+        if self.next_position or self.lengths.any():
+            raise ValueError("reserve_layout needs an empty sequence")
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if lengths.shape != self.lengths.shape or (lengths < 0).any():
+            raise ValueError(f"lengths must be non-negative, of shape {self.lengths.shape}")
+        ps = self.pool.page_size
+        needed = -(-lengths // ps)
+        self._place_pages(needed, self.pool.allocate(needed.sum(axis=1).tolist()))
+        self.lengths = lengths.copy()
+        self.next_position = int(next_position)
+        # Slots are computed on the pool's device: a 32K-token history has millions of them.
+        device = self.pool.device
+        table = self.device_table()
+        heads_all = torch.arange(lengths.shape[1], device=device)
+        slots = []
+        for layer in range(lengths.shape[0]):
+            counts = torch.from_numpy(lengths[layer]).to(device)
+            heads = torch.repeat_interleave(heads_all, counts)
+            starts = torch.cumsum(counts, 0) - counts
+            index = torch.arange(heads.numel(), device=device) - torch.repeat_interleave(starts, counts)
+            slots.append(table[layer, heads, index // ps] * ps + index % ps)
+        return slots
+
     def _place_pages(self, needed: np.ndarray, taken: list[list[int]]) -> None:
         new_total = self.num_pages + needed
         if new_total.max(initial=0) > self.table.shape[2]:

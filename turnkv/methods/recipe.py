@@ -131,7 +131,7 @@ class Recipe:
     # ---- engine hooks -----------------------------------------------------------------------------
     def new_state(self, num_layers: int) -> MethodState:
         window = self.evict.scorer.window if self.evict is not None else 0
-        return MethodState(QueryWindow(num_layers, window) if window else None)
+        return MethodState(self.state.query_window(num_layers, window))
 
     @property
     def accumulates_attention(self) -> bool:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from turnkv.methods.registry import register
+from turnkv.state.load import Load
 
 
 @register("state", "gpu")
 @dataclass
-class Resident:
-    """Keep each conversation's KV resident on its device between turns."""
+class Resident(Load):
+    """Keep each conversation's KV resident on its device between turns. When the GPU tier needs
+    room, the least recently used conversation moves down with its full KV (restored like `load`)."""
+
+    offloads_between_turns: ClassVar[bool] = False

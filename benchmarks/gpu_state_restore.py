@@ -1,0 +1,256 @@
+"""TTFT of a returning conversation restored from the CPU tier (pinned host pool), per restoration
+strategy: recompute, load, partial, krul, minicache (and krul_fix). Llama-3.1-8B shape, bf16, random
+weights, histories of 8K/16K/32K tokens. Also the disk tier after a process restart.
+
+For each history length the script prefills the history, runs one more "turn" (a prompt and a few
+decode steps, with Krul's query recorder on, as a real turn end would have), packs the state with
+each strategy into the CPU tier, and times the returning turn: restore + prefill of the new prompt +
+the first token, synchronised, best of --repeats. For the split strategies it also times the
+recompute stream alone and the load stream alone (overlap = T_both / max(T_C, T_L)).
+
+Printed last: one table. JSON goes to --out (or $OUT).
+Usage: python benchmarks/gpu_state_restore.py [--histories 8192,16384,32768] [--out DIR]
+       [--cpu-memory 20GiB] [--repeats 3] [--skip-disk]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+import turnkv
+from turnkv.kv.sequence import SequenceKV
+from turnkv.methods.recipe import Recipe
+from turnkv.methods.registry import build
+from turnkv.state import schedule
+from turnkv.state.estimator import TurnQueries
+from turnkv.state.split import restore_split
+
+# Random weights have no Initial-Recent attention (it is near uniform: ~0.2 of the mass on the first
+# and last 10%), so Krul's I-R test would exclude every layer; ir_threshold=0 lets it pair layers by
+# attention distance alone. With real weights use plain "krul".
+STRATEGIES = ["recompute", "load", "partial", "krul(ir_threshold=0)", "minicache", "krul_fix"]
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def make_state(llm, n: int, turn_prompt: int, turn_decode: int):
+    """A resident history of n tokens whose last turn (prompt + decode) was recorded for Krul."""
+    ids = torch.randint(0, 32000, (n,)).tolist()
+    seq = SequenceKV(llm.pool)
+    window = TurnQueries(llm.config.num_layers, 0)
+    llm.runner.prefill(seq, ids[: n - turn_prompt - turn_decode])
+    llm.runner.prefill(seq, ids[n - turn_prompt - turn_decode : n - turn_decode], window=window)
+    for t in ids[n - turn_decode :]:
+        llm.runner.decode([seq], torch.tensor([t], device=llm.device), windows=[window])
+    sync()
+    return ids, seq, window
+
+
+def ttft(llm, fn, new_prompt, repeats):
+    """Best wall time of: fn(seq) (the restore) + prefill of the new prompt + the first token."""
+    best, detail = float("inf"), None
+    for _ in range(repeats):
+        seq = SequenceKV(llm.pool)
+        sync()
+        t = time.perf_counter()
+        fn(seq)
+        logits = llm.runner.prefill(seq, new_prompt)
+        int(logits.argmax())
+        elapsed = time.perf_counter() - t
+        sync()
+        best = min(best, elapsed)
+        seq.free()
+    return best, detail
+
+
+def stream_times(llm, ids, meta, tensors, repeats):
+    """(T_compute alone, T_load alone, T_both) of a split restore, each best of `repeats`."""
+    out = []
+    for parts in (dict(load=False), dict(recompute=False), dict()):
+        best = float("inf")
+        for _ in range(repeats):
+            seq = SequenceKV(llm.pool)
+            sync()
+            t = time.perf_counter()
+            restore_split(llm.state.ctx, seq, ids, meta, tensors, gate=False, **parts).wait_all()
+            sync()
+            best = min(best, time.perf_counter() - t)
+            seq.free()
+        out.append(best)
+    return out
+
+
+def run_length(llm, n, args):
+    ctx, tiers = llm.state.ctx, llm.state.tiers
+    ids, seq, window = make_state(llm, n, args.turn_prompt, args.turn_decode)
+    new_prompt = torch.randint(0, 32000, (args.new_prompt,)).tolist()
+    full = n * llm.config.kv_bytes_per_token(2)
+    rc = ctx.recompute_ratio(n, "cpu")
+    rows = []
+    for spec in args.strategies.split(";"):
+        strategy = Recipe.parse(f"state={spec}").state
+        name = strategy.name
+        row = {"history": n, "strategy": name, "spec": spec, "calibrated_rc": rc}
+        try:
+            saved = [list(layer) for layer in window.turn]  # Krul's estimator consumes the recorded turn
+            t = time.perf_counter()
+            stored = strategy.pack(ctx, seq, window, "cpu")
+            sync()
+            row["pack_s"] = time.perf_counter() - t
+            window.turn = saved
+            key = f"bench-{n}-{name}"
+            tiers.put(key, {"state": stored.meta}, stored.tensors, "cpu")
+            _, meta, host = tiers.get(key)
+            if llm.device.type == "cuda":
+                assert all(t.is_pinned() for t in host.values()), "the CPU tier must be pinned for async copies"
+            row["stored_bytes"] = stored.nbytes
+            row["stored_share"] = stored.nbytes / full
+            for key_ in ("starts", "pairs", "recompute_ratio", "ir_score"):
+                if key_ in stored.meta:
+                    row[key_] = stored.meta[key_]
+
+            def restore(s, strategy=strategy, meta=meta, host=host):
+                strategy.restore(ctx, s, ids, meta["state"], host)
+
+            row["ttft_s"], _ = ttft(llm, restore, new_prompt, args.repeats)
+            if "starts" in stored.meta and name != "load":
+                row["t_compute_s"], row["t_load_s"], row["t_both_s"] = stream_times(llm, ids, meta["state"], host,
+                                                                                    args.repeats)
+                row["overlap"] = row["t_both_s"] / max(row["t_compute_s"], row["t_load_s"])
+            tiers.delete(key)
+        except Exception as e:  # one strategy failing must not lose the others' figures
+            row["error"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "ir_score"}), flush=True)
+    seq.free()
+    return rows
+
+
+RESTART = """
+import json, sys, time, torch, turnkv
+from turnkv.kv.sequence import SequenceKV
+from turnkv.kv.tiers import TieredStore
+from turnkv.methods.registry import build
+t0 = time.perf_counter()
+llm = turnkv.LLM(sys.argv[3], dtype="bfloat16", device=sys.argv[4], kv_memory=sys.argv[2], state_cpu_memory=0)
+startup = time.perf_counter() - t0
+store = TieredStore(0, sys.argv[1])
+ids = json.load(open(sys.argv[1] + "/../ids.json"))
+prompt = ids[-128:]
+rows = []
+for key in store.keys("disk"):
+    for attempt in range(2):  # the first read is cold; the second finds the file in the page cache
+        seq = SequenceKV(llm.pool)
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        t = time.perf_counter()
+        _, meta, tensors = store.get(key)
+        strategy = build("state", meta["strategy"], {})  # restore reads its plan from meta, not params
+        strategy.restore(llm.state.ctx, seq, ids, meta["state"], tensors)
+        int(llm.runner.prefill(seq, prompt).argmax())
+        rows.append({"strategy": meta["strategy"], "attempt": attempt, "ttft_s": time.perf_counter() - t,
+                     "history": meta["state"]["next_position"], "startup_s": startup})
+        seq.free()
+print(json.dumps(rows))
+"""
+
+
+def disk_restart(llm, n, args, out_dir):
+    """Store the state on disk, then restore it in a new process (a restart)."""
+    store_dir = os.path.join(out_dir, "disk_store")
+    os.makedirs(store_dir, exist_ok=True)
+    from turnkv.kv.tiers import TieredStore
+
+    store = TieredStore(0, store_dir)
+    ids, seq, window = make_state(llm, n, args.turn_prompt, args.turn_decode)
+    with open(os.path.join(out_dir, "ids.json"), "w") as f:  # beside the store, not in it
+        json.dump(ids, f)
+    for name in ("load", "krul"):
+        strategy = build("state", name, {"ir_threshold": 0.0} if name == "krul" else {})
+        stored = strategy.pack(llm.state.ctx, seq, window, "disk")
+        store.put(f"restart-{name}", {"strategy": name, "state": stored.meta}, stored.tensors, "disk")
+    seq.free()
+    result = subprocess.run([sys.executable, "-c", RESTART, store_dir, args.kv_memory, args.shape, str(llm.device)],
+                            capture_output=True, text=True)
+    if result.returncode:
+        return [{"error": result.stderr[-2000:]}]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="llama-3.1-8b")
+    p.add_argument("--histories", default="8192,16384,32768")
+    p.add_argument("--strategies", default=";".join(STRATEGIES), help="state terms separated by ;")
+    p.add_argument("--new-prompt", type=int, default=128)
+    p.add_argument("--turn-prompt", type=int, default=256)
+    p.add_argument("--turn-decode", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--kv-memory", default="24GiB")
+    p.add_argument("--cpu-memory", default="20GiB")
+    p.add_argument("--skip-disk", action="store_true")
+    p.add_argument("--device", default="cuda", help="cpu only to smoke-test the script with a small shape")
+    p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(0)
+    llm = turnkv.LLM(args.shape, dtype="bfloat16", device=args.device, kv_memory=args.kv_memory,
+                     state_cpu_memory=args.cpu_memory)
+    ctx = llm.state.ctx
+    cost = ctx.cost("cpu")  # calibrated here: recompute a, b and the pinned H2D bandwidth
+    result = {"command": "python benchmarks/gpu_state_restore.py " + " ".join(sys.argv[1:]),
+              "device": torch.cuda.get_device_name() if llm.device.type == "cuda" else "cpu", "shape": args.shape,
+              "dtype": "bfloat16",
+              "h2d_pinned_gb_s": cost.bytes_per_s / 1e9,
+              "h2d_pageable_gb_s": schedule.measure_bandwidth(llm.device, pinned=False) / 1e9,
+              "recompute_a_s_per_token_layer": cost.per_token_layer_s,
+              "recompute_b_s_per_token2_layer": cost.per_token2_layer_s, "rows": []}
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
+    for n in map(int, args.histories.split(",")):
+        result["rows"] += run_length(llm, n, args)
+        with open(os.path.join(args.out, "gpu_state_restore.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    if not args.skip_disk:
+        n = max(map(int, args.histories.split(",")))
+        with tempfile.TemporaryDirectory(dir=args.out) as tmp:
+            result["disk_restart"] = disk_restart(llm, n, args, tmp)
+        print(json.dumps(result["disk_restart"]), flush=True)
+    with open(os.path.join(args.out, "gpu_state_restore.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+    print(f"\nH2D pinned {result['h2d_pinned_gb_s']:.1f} GB/s, pageable {result['h2d_pageable_gb_s']:.1f} GB/s; "
+          f"{result['device']}")
+    header = f"{'history':>8} {'strategy':>10} {'TTFT ms':>9} {'x recomp':>8} {'x load':>7} {'stored/full':>11} " \
+             f"{'r_c':>5} {'T_C ms':>7} {'T_L ms':>7} {'overlap':>7}"
+    print(header)
+    for n in sorted({r["history"] for r in result["rows"]}):
+        rows = {r["strategy"]: r for r in result["rows"] if r["history"] == n}
+        base_re = rows.get("recompute", {}).get("ttft_s")
+        base_ld = rows.get("load", {}).get("ttft_s")
+        for name, r in rows.items():
+            if "error" in r:
+                print(f"{n:>8} {name:>10} error: {r['error'][:80]}")
+                continue
+            t = r["ttft_s"]
+            print(f"{n:>8} {name:>10} {1000 * t:9.1f} {base_re / t if base_re else float('nan'):8.2f} "
+                  f"{base_ld / t if base_ld else float('nan'):7.2f} {r['stored_share']:11.3f} "
+                  f"{r.get('recompute_ratio', 0) or 0:5.2f} {1000 * r.get('t_compute_s', 0):7.1f} "
+                  f"{1000 * r.get('t_load_s', 0):7.1f} {r.get('overlap', float('nan')):7.2f}")
+    for r in result.get("disk_restart", []):
+        print("disk restart:", json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""Conversations across the tiers: LRU demotion when the GPU tier is full, restart durability of the
+disk tier, recompute when a stored file is corrupt, clear errors that lose nothing when every tier is
+full; and the pieces under Krul checked against brute force (estimator, pyramid recompute)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import turnkv
+from conftest import save_tiny
+from turnkv.attention.reference import attention_weights
+from turnkv.kv.sequence import SequenceKV
+from turnkv.kv.tiers import StateTiersFullError
+from turnkv.state.estimator import TurnQueries, attention_statistics, ir_regions
+from turnkv.state.split import pack_split, restore_split
+
+MESSAGES = ["Hello, who are you?", "Tell me about the sea.", "And about mountains?"]
+LAYERS = 6
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, smol_tokenizer):
+    path = tmp_path_factory.mktemp("tiny-chat-6")
+    save_tiny(path, "llama", vocab_size=len(smol_tokenizer), tokenizer=smol_tokenizer, num_hidden_layers=LAYERS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return turnkv.LLM(str(model_dir), device="cpu", kv_memory="64MiB")
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    """Replies of resident conversations: for system prompts "A" and "B"."""
+    out = {}
+    for system in ("A", "B"):
+        conv = llm.conversation(system=system)
+        out[system] = [conv.send(m, max_new_tokens=10).token_ids for m in MESSAGES]
+        conv.close()
+    return out
+
+
+def test_lru_demotion_moves_the_idle_conversation_down_and_back(model_dir, reference):
+    # 13 pages per layer: both fit after turn 1; from turn 2 on, each turn demotes the other one.
+    llm = turnkv.LLM(str(model_dir), device="cpu", kv_memory=13 * 2048 * LAYERS, page_size=16)
+    a, b = llm.conversation(system="A"), llm.conversation(system="B")
+    got = {"A": [], "B": []}
+    for m in MESSAGES:
+        got["A"].append(a.send(m, max_new_tokens=10).token_ids)
+        got["B"].append(b.send(m, max_new_tokens=10).token_ids)
+    assert b.location == "gpu" and a.location == "cpu"
+    assert got == reference  # demoted (full KV, like load) and restored without a change
+    demoted = [e["conversation"] for e in llm.state.events if e["event"] == "demoted"]
+    # Each demotion took the idle one, so they alternate, and the last one was a (b's last turn).
+    assert len(demoted) >= 3 and demoted[-1] == a.id
+    assert all(x != y for x, y in zip(demoted, demoted[1:]))
+    assert all(e["tier"] == "cpu" for e in llm.state.events if e["event"] == "demoted")
+
+
+def test_a_conversation_mid_turn_is_never_demoted(model_dir, reference):
+    """a's stream is paused mid-reply while b needs room: b must not take a's pages (a's next decode
+    step reads them), so b's turn fails cleanly instead, and a finishes its reply unchanged."""
+    llm = turnkv.LLM(str(model_dir), device="cpu", kv_memory=13 * 2048 * LAYERS, page_size=16)
+    a, b = llm.conversation(system="A"), llm.conversation(system="B")
+    assert a.send(MESSAGES[0], max_new_tokens=10).token_ids == reference["A"][0]
+    assert b.send(MESSAGES[0], max_new_tokens=10).token_ids == reference["B"][0]
+    stream = a.stream(MESSAGES[1], max_new_tokens=10)
+    next(stream)  # a's turn is under way: its KV is in use
+    with pytest.raises(turnkv.KVCacheFullError):
+        b.send(MESSAGES[1] + " " + "and more " * 40, max_new_tokens=10)
+    assert a.location == "gpu"
+    for _ in stream:
+        pass
+    assert a.last_reply.token_ids == reference["A"][1]
+    # Once a's turn is over it is idle again and may move down for b.
+    assert b.send(MESSAGES[1], max_new_tokens=10).token_ids == reference["B"][1]
+    assert a.location == "cpu"
+
+
+def test_full_tiers_give_a_clear_error_and_lose_nothing(model_dir, reference):
+    # 9 pages per layer hold one conversation; the CPU tier holds 4 KiB and there is no disk tier.
+    llm = turnkv.LLM(str(model_dir), device="cpu", kv_memory=9 * 2048 * LAYERS, state_cpu_memory=4096)
+    a, b = llm.conversation(system="A"), llm.conversation(system="B")
+    first = a.send(MESSAGES[0], max_new_tokens=10).token_ids
+    with pytest.raises(StateTiersFullError, match="no room"):
+        b.send(MESSAGES[0], max_new_tokens=10)  # b needs a's pages, and a has nowhere to go
+    assert a.location == "gpu" and b.location is None and b.turns == []
+    with pytest.raises(StateTiersFullError):
+        a.offload("cpu")
+    assert a.location == "gpu"
+    second = a.send(MESSAGES[1], max_new_tokens=10).token_ids
+    assert [first, second] == reference["A"][:2]  # a continues as if nothing happened
+    # A strategy that offloads after each turn keeps the state on the GPU when it cannot store it.
+    a.close()
+    c = llm.conversation(system="A", recipe="state=load")
+    replies = [c.send(m, max_new_tokens=10).token_ids for m in MESSAGES[:2]]
+    assert replies == reference["A"][:2] and c.location == "gpu"
+    assert any(e["event"] == "kept_on_gpu" and e["conversation"] == c.id for e in llm.state.events)
+
+
+@pytest.mark.parametrize("state", ["load", "partial(recompute_ratio=0.5)", "gpu"])
+def test_disk_state_survives_a_restart(model_dir, reference, tmp_path, state):
+    llm = turnkv.LLM(str(model_dir), device="cpu", kv_memory="64MiB", state_disk_dir=tmp_path)
+    conv = llm.conversation(system="A", recipe=f"state={state}")
+    first = [conv.send(m, max_new_tokens=10).token_ids for m in MESSAGES[:2]]
+    assert conv.offload("disk") == "disk"
+    conversation_id = conv.id
+    del llm, conv
+    restarted = turnkv.LLM(str(model_dir), device="cpu", kv_memory="64MiB", state_disk_dir=tmp_path)
+    conv = restarted.resume(conversation_id)
+    assert conv.location == "disk" and conv.turns[-1].reply.token_ids == first[-1]
+    third = conv.send(MESSAGES[2], max_new_tokens=10)
+    assert [*first, third.token_ids] == reference["A"]
+    assert third.cached_tokens == conv.turns[-1].start  # the history came from the disk, not a re-prefill
+    assert not [e for e in restarted.state.events if e["event"] == "corrupt_state_recomputed"]
+
+
+def test_a_corrupt_file_falls_back_to_recompute(model_dir, reference, tmp_path):
+    llm = turnkv.LLM(str(model_dir), device="cpu", kv_memory="64MiB", state_disk_dir=tmp_path)
+    conv = llm.conversation(system="A", recipe="state=load")
+    first = [conv.send(m, max_new_tokens=10).token_ids for m in MESSAGES[:2]]
+    conv.offload("disk")
+    [tensors_file] = list(tmp_path.glob("*.safetensors"))
+    data = bytearray(tensors_file.read_bytes())
+    tensors_file.write_bytes(bytes(data[: len(data) // 2]))  # truncated
+    restarted = turnkv.LLM(str(model_dir), device="cpu", kv_memory="64MiB", state_disk_dir=tmp_path)
+    conv = restarted.resume(conv.id)
+    third = conv.send(MESSAGES[2], max_new_tokens=10)
+    assert [*first, third.token_ids] == reference["A"]
+    [event] = [e for e in restarted.state.events if e["conversation"] == conv.id]
+    assert event["event"] == "corrupt_state_recomputed" and "truncated or corrupt" in event["error"]
+
+
+def test_estimator_matches_the_full_attention_maps(llm):
+    conv = llm.conversation(system="A")
+    conv.send(MESSAGES[0], max_new_tokens=4)
+    window = TurnQueries(LAYERS, 0)
+    conv.method_state.window = window
+    conv.send(MESSAGES[1], max_new_tokens=6)  # a prefill block and decode rows
+    queries, positions, is_decode = window.take()
+    assert is_decode.sum() == 5 and (~is_decode).sum() == len(positions) - 5
+    ir, distance = attention_statistics(conv.kv, queries, positions, is_decode)
+    P = conv.kv.next_position
+    (i0, i1), (r0, r1) = ir_regions(P)
+    maps = []
+    for layer in range(LAYERS):
+        k, _, pos = conv.kv.gather(layer)
+        mask = (pos[:, None, :] <= positions[None, :, None])[None]  # [1, H, T, S]
+        w = attention_weights(queries[layer].transpose(0, 1)[None], k[None], mask)[0]  # [Hq, T, S]
+        maps.append(w)
+    H = maps[0].shape[0]
+    for i in range(LAYERS):
+        score = (maps[i][..., i0:i1].sum(-1) + maps[i][..., r0:r1].sum(-1)).mean()
+        assert torch.allclose(ir[i], score, atol=1e-5)
+        for j in range(LAYERS):
+            expected = torch.stack([(maps[i][h] - maps[j][h]).norm() for h in range(H)]).mean()
+            assert torch.allclose(distance[i, j], expected, atol=1e-4, rtol=1e-4)
+    conv.close()
+
+
+def test_pyramid_recompute_rebuilds_the_kv(llm):
+    conv = llm.conversation(system="A")
+    for m in MESSAGES:
+        conv.send(m, max_new_tokens=8)
+    n = conv.kv.next_position
+    starts = [n, n - 5, 20, 20, 3, 0]  # recompute all of layer 0, nothing of layer 5
+    meta, tensors = pack_split(conv.kv, starts)
+    assert tensors["k.0"].shape[0] == 0 and tensors["k.5"].shape[0] == 2 * n
+    seq = SequenceKV(llm.pool)
+    restore_split(llm.state.ctx, seq, conv.tokens, meta, tensors)
+    for layer in range(LAYERS):
+        for a, b in zip(seq.gather(layer)[:2], conv.kv.gather(layer)[:2]):
+            assert torch.allclose(a, b, atol=1e-5)
+    with pytest.raises(ValueError, match="must not increase"):
+        restore_split(llm.state.ctx, SequenceKV(llm.pool), conv.tokens, {**meta, "starts": [0, 5, 0, 0, 0, 0]}, tensors)
+    seq.free()
+    conv.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the stream overlap needs CUDA")
+def test_recompute_and_load_streams_overlap_on_gpu():
+    llm = turnkv.LLM("llama-3.2-1b", dtype="bfloat16", device="cuda", kv_memory="8GiB", state_cpu_memory="2GiB")
+    ids = torch.randint(0, 32000, (8192,)).tolist()
+    seq = SequenceKV(llm.pool)
+    llm.runner.prefill(seq, ids)
+    n = seq.next_position
+    ctx = llm.state.ctx
+    ratio = ctx.recompute_ratio(n, "cpu")
+    meta, tensors = pack_split(seq, [int(round(ratio * n))] * llm.config.num_layers)
+    seq.free()
+    host = llm.state.tiers.host.store(tensors)
+
+    def timed(**parts):
+        best = float("inf")
+        for _ in range(3):
+            s = SequenceKV(llm.pool)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            restore_split(ctx, s, ids, meta, host, gate=False, **parts).wait_all()
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+            s.free()
+        return best
+
+    t_compute, t_load, t_both = timed(load=False), timed(recompute=False), timed()
+    assert t_both <= 1.15 * max(t_compute, t_load), (t_both, t_compute, t_load, ratio)

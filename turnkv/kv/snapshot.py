@@ -1,0 +1,129 @@
+"""A SequenceKV taken out of the page pool and put back, exactly.
+
+What a conversation's KV is, apart from its K/V rows: how many tokens each (layer, kv_head) holds,
+the original position of each (not contiguous after eviction), the attention mass H2O keeps beside
+them, and the next position. Rows are flattened per layer in (head, token) order, the order
+SequenceKV.reserve_layout hands slots back in, so a stored layer is one contiguous tensor per kind.
+
+Positions and masses are stored only when they carry information: a head holding 0..n-1 needs no
+position list, and a mass that is all zero (no accumulating scorer) is not kept. Stored bytes are
+then what a restoration strategy chose to keep, not bookkeeping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from turnkv.kv.sequence import SequenceKV
+
+
+@dataclass
+class Layout:
+    lengths: np.ndarray  # [L, H] tokens held per (layer, head)
+    next_position: int
+    positions: list[torch.Tensor | None]  # per layer [sum lengths] int64, None when each head holds 0..len-1
+    masses: list[torch.Tensor | None]  # per layer [sum lengths] fp32, None when all zero
+
+    def layer_positions(self, layer: int, device=None) -> torch.Tensor:
+        """Positions of layer's tokens in (head, token) order, contiguous or not."""
+        if self.positions[layer] is not None:
+            return self.positions[layer].to(device) if device is not None else self.positions[layer]
+        return torch.cat([torch.arange(int(n), device=device) for n in self.lengths[layer]])
+
+    def meta(self) -> dict:
+        return {"lengths": self.lengths.tolist(), "next_position": self.next_position}
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for layer, (pos, mass) in enumerate(zip(self.positions, self.masses)):
+            if pos is not None:
+                out[f"pos.{layer}"] = pos
+            if mass is not None:
+                out[f"mass.{layer}"] = mass
+        return out
+
+    @classmethod
+    def from_stored(cls, meta: dict, tensors: dict[str, torch.Tensor]) -> Layout:
+        lengths = np.asarray(meta["lengths"], dtype=np.int64)
+        L = lengths.shape[0]
+        return cls(lengths, int(meta["next_position"]),
+                   [tensors.get(f"pos.{layer}") for layer in range(L)],
+                   [tensors.get(f"mass.{layer}") for layer in range(L)])
+
+    def is_contiguous(self) -> bool:
+        """Every head of every layer holds exactly positions 0..next_position-1 (nothing evicted)."""
+        return all(p is None for p in self.positions) and bool((self.lengths == self.next_position).all())
+
+
+def _flat(seq: SequenceKV, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K, V [n, D], positions [n], mass [n] of one layer in (head, token) order."""
+    k, v, pos = seq.gather(layer)
+    mass = seq.gather_attention_mass(layer)
+    lengths = torch.from_numpy(seq.lengths[layer]).to(pos.device)
+    valid = torch.arange(pos.shape[1], device=pos.device)[None, :] < lengths[:, None]
+    return k[valid], v[valid], pos[valid], mass[valid]
+
+
+def layout_of(seq: SequenceKV) -> Layout:
+    positions, masses = [], []
+    for layer in range(seq.pool.num_layers):
+        _, _, pos, mass = _flat(seq, layer)
+        contiguous = torch.cat([torch.arange(int(n), device=pos.device) for n in seq.lengths[layer]])
+        positions.append(None if torch.equal(pos, contiguous) else pos.clone())
+        masses.append(mass.clone() if bool((mass != 0).any()) else None)
+    return Layout(seq.lengths.copy(), seq.next_position, positions, masses)
+
+
+def export_rows(seq: SequenceKV, layer: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V rows [n, D] of the layer's tokens at positions >= start, in (head, token) order."""
+    k, v, pos, _ = _flat(seq, layer)
+    if start <= 0:
+        return k, v
+    keep = pos >= start
+    return k[keep], v[keep]
+
+
+def reserve_for(seq: SequenceKV, layout: Layout) -> list[torch.Tensor]:
+    """Take pages for the layout in an empty sequence and write positions and masses; returns the
+    per-layer slots in (head, token) order. All-or-nothing (KVCacheFullError leaves it empty)."""
+    slots = seq.reserve_layout(layout.lengths, layout.next_position)
+    pool = seq.pool
+    for layer, s in enumerate(slots):
+        pool.positions[layer].view(-1).index_copy_(0, s, layout.layer_positions(layer, pool.device))
+        mass = layout.masses[layer]
+        if mass is not None:
+            pool.attention_mass[layer].view(-1).index_copy_(0, s, mass.to(pool.device, torch.float32))
+        else:
+            pool.attention_mass[layer].view(-1).index_fill_(0, s, 0.0)
+    return slots
+
+
+def slots_of(seq: SequenceKV, layer: int) -> torch.Tensor:
+    """Flat pool slots of the layer's tokens in (head, token) order."""
+    device, ps = seq.pool.device, seq.pool.page_size
+    counts = torch.from_numpy(seq.lengths[layer]).to(device)
+    heads = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
+    index = torch.arange(heads.numel(), device=device) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    return seq.device_table()[layer, heads, index // ps] * ps + index % ps
+
+
+def export_kv(seq: SequenceKV) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The whole KV as (meta, tensors): k.{l}, v.{l} plus the layout's tensors."""
+    layout = layout_of(seq)
+    tensors = layout.tensors()
+    for layer in range(seq.pool.num_layers):
+        tensors[f"k.{layer}"], tensors[f"v.{layer}"] = export_rows(seq, layer)
+    return layout.meta(), tensors
+
+
+def import_kv(seq: SequenceKV, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Put an exported KV back into an empty sequence, exactly as it was."""
+    layout = Layout.from_stored(meta, tensors)
+    slots = reserve_for(seq, layout)
+    pool = seq.pool
+    for layer, s in enumerate(slots):
+        pool.write(layer, s, tensors[f"k.{layer}"].to(pool.device, pool.dtype),
+                   tensors[f"v.{layer}"].to(pool.device, pool.dtype))

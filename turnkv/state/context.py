@@ -1,0 +1,35 @@
+"""What a restoration strategy may use of the engine: the model, the page pool, the runner, and the
+restore costs calibrated on this machine (per tier, measured once, on first need)."""
+
+from __future__ import annotations
+
+from turnkv.state.schedule import CostModel, best_ratio, measure_bandwidth, measure_compute
+
+
+class RestoreContext:
+    def __init__(self, model, pool, runner, costs: dict[str, CostModel] | None = None):
+        self.model, self.pool, self.runner = model, pool, runner
+        self.config = model.config
+        self._costs = dict(costs or {})
+        self._compute: tuple[float, float] | None = None
+
+    @property
+    def element_size(self) -> int:
+        return self.pool.k.element_size()
+
+    def cost(self, tier: str = "cpu") -> CostModel:
+        """The cost model of restoring from `tier`; calibrated here unless one was given."""
+        if tier not in self._costs:
+            if self._compute is None:
+                self._compute = measure_compute(self.model, self.pool.device)
+            # The disk tier reads the file into host memory first (pageable), then copies it.
+            bandwidth = measure_bandwidth(self.pool.device, pinned=(tier == "cpu") if self.pool.device.type == "cuda" else False)
+            self._costs[tier] = CostModel(*self._compute, bandwidth)
+        return self._costs[tier]
+
+    def set_cost(self, tier: str, cost: CostModel) -> None:
+        self._costs[tier] = cost
+
+    def recompute_ratio(self, n: int, tier: str = "cpu") -> float:
+        c = self.config
+        return best_ratio(n, c.num_layers, self.cost(tier), c.num_kv_heads, c.head_dim, self.element_size)

@@ -1,0 +1,124 @@
+"""Krul: per-conversation cross-layer sharing of the stored KV and a bubble-free recompute/load
+restore; and its baselines MiniCache (fixed latter-half pairs) and Krul (Fix).
+
+At turn end Krul
+  1. recomputes the turn's attention rows from the recorded queries (estimator.py: the spec's
+     deviation, the default) and scores each layer's I-R pattern;
+  2. pairs I-R layers greedily by attention distance until N * layer_ratio layers are paired;
+  3. picks per-layer recompute lengths, a non-increasing pyramid within the storage budget, from
+     the costs calibrated on this machine (schedule.py);
+  4. stores the loaded part, MiniCache-merged for each pair (split.py, merge.py).
+Restore runs the prefix recompute on the current stream and the loads on the side stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from turnkv.methods.registry import register
+from turnkv.state import pairing, schedule
+from turnkv.state.base import StateStrategy, Stored
+from turnkv.state.estimator import TurnQueries, attention_statistics
+from turnkv.state.split import pack_split, restore_split
+
+
+@dataclass
+class SharedLayers(StateStrategy):
+    """What Krul and its baselines share: pairs are merged, the rest is split recompute/load."""
+
+    layer_ratio: float = 0.5
+    recompute_ratio: float | None = None
+    allocation: str = "budget"
+    tau: float = 0.6
+    retain_threshold: float = 0.05
+    max_retained: float = 0.05
+
+    def __post_init__(self):
+        if not 0 <= self.layer_ratio <= 1:
+            raise ValueError("layer_ratio must be in [0, 1]")
+        if self.recompute_ratio is not None and not 0 <= self.recompute_ratio <= 1:
+            raise ValueError("recompute_ratio must be in [0, 1]")
+        if self.allocation not in ("budget", "min_storage"):
+            raise ValueError("allocation is budget or min_storage")
+        if not 0 <= self.max_retained <= 1:
+            raise ValueError("max_retained must be in [0, 1]")
+
+    def pairs(self, ctx, seq, window) -> tuple[list[tuple[int, int]], dict]:
+        raise NotImplementedError
+
+    def pack(self, ctx, seq, window, tier="cpu") -> Stored:
+        c = ctx.config
+        pairs, info = self.pairs(ctx, seq, window)
+        n = seq.next_position
+        ratio = self.recompute_ratio if self.recompute_ratio is not None else ctx.recompute_ratio(n, tier)
+        if ratio == 0 and self.allocation == "min_storage":
+            starts = [0] * c.num_layers
+        else:
+            starts = schedule.pyramid(n, c.num_layers, pairs, ctx.cost(tier), ratio, c.num_kv_heads, c.head_dim,
+                                      ctx.element_size, self.allocation, retained_share=self.max_retained)
+        meta, tensors = pack_split(seq, starts, pairs, self.tau, self.retain_threshold, self.max_retained)
+        return Stored({**meta, **info, "recompute_ratio": ratio}, tensors)
+
+    def restore(self, ctx, seq, tokens, meta, tensors):
+        return restore_split(ctx, seq, tokens, meta, tensors)
+
+
+@register("state", "krul")
+@dataclass
+class Krul(SharedLayers):
+    """Krul: I-R layers paired per conversation by attention similarity, merged MiniCache-style, and
+    a pyramid recompute/load split calibrated to leave no bubble.
+
+    ir_threshold : float, default 0.3
+        gamma: a layer is I-R when at least this share of its attention falls on the first and last
+        10% of the tokens. The paper gives no value; 0.3 makes about three quarters of SmolLM2's layers
+        I-R (scores 0.14-0.43 in layers 0-11, 0.45-0.83 deeper), the paper's Table 3 share.
+    layer_ratio : float, default 0.5
+        r_l: pair layers until N * r_l of them are paired.
+    recompute_ratio : float or None, default None
+        r_c; None calibrates it on this machine.
+    allocation : "budget" or "min_storage", default "budget"
+        budget: hand the shared layers' storage to deeper layers (faster); min_storage: keep it saved.
+    tau, retain_threshold, max_retained : MiniCache's SLERP weight and token-retention threshold, and
+        the cap on the retained share (merge.py says why)."""
+
+    ir_threshold: float = 0.3
+    region_share: float = 0.1
+
+    def query_window(self, num_layers, size):
+        return TurnQueries(num_layers, size)
+
+    def pairs(self, ctx, seq, window):
+        queries, positions, is_decode = window.take() if isinstance(window, TurnQueries) else ([None], None, None)
+        if queries[0] is None or not len(positions):
+            # Nothing recorded since the last store (e.g. a demotion right after a restore): keep
+            # the pairs chosen last time for this conversation.
+            last = getattr(window, "last_pairs", [])
+            return last, {"selection": "previous"}
+        ir, distance = attention_statistics(seq, queries, positions, is_decode, self.region_share)
+        pairs = pairing.select_pairs(ir, distance, self.ir_threshold, self.layer_ratio)
+        window.last_pairs = pairs
+        return pairs, {"ir_score": [round(float(x), 4) for x in ir], "selection": "estimated"}
+
+
+@register("state", "minicache")
+@dataclass
+class MiniCache(SharedLayers):
+    """MiniCache as a restoration baseline (FKC): adjacent pairs of the latter half merged for every
+    conversation, everything loaded (recompute_ratio 0, no pyramid)."""
+
+    recompute_ratio: float | None = 0.0
+    allocation: str = "min_storage"
+
+    def pairs(self, ctx, seq, window):
+        return pairing.minicache_pairs(ctx.config.num_layers, self.layer_ratio), {"selection": "fixed"}
+
+
+@register("state", "krul_fix")
+@dataclass
+class KrulFix(SharedLayers):
+    """Krul (Fix): fixed adjacent pairs in layers 9-24 (of 32, scaled to the depth) with Krul's
+    calibrated pyramid restore."""
+
+    def pairs(self, ctx, seq, window):
+        return pairing.krul_fix_pairs(ctx.config.num_layers, self.layer_ratio), {"selection": "fixed"}

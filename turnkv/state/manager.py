@@ -1,0 +1,190 @@
+"""Moves conversations between the GPU (the page pool) and the CPU and disk tiers.
+
+The engine calls it at three points of a conversation: before a turn (bring the state back, and make
+room on the GPU by demoting the least recently used resident conversations), after a turn (release
+what the restore read; with a strategy that offloads between turns, store the state now), and on
+reset/close (forget what is stored). `conv.offload(tier)` moves a conversation down on demand.
+
+A stored entry's meta carries the conversation's record (token history, messages, turns, recipe), so
+the disk tier alone can bring a conversation back after a restart (`resume`), and a corrupt tensors
+file falls back to recomputing that history. The strategy that stored an entry restores it, whatever
+the conversation's recipe says now.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import fields
+
+from turnkv.engine.generation import Reply
+from turnkv.kv.disk import CorruptStateError
+from turnkv.kv.tiers import StateTiersFullError, TieredStore
+from turnkv.methods.registry import build
+from turnkv.state.base import StateStrategy
+from turnkv.state.context import RestoreContext
+from turnkv.state.recompute import Recompute, full_layout_meta
+
+
+class StateManager:
+    def __init__(self, llm, cpu_memory: int = 0, disk_dir=None, disk_memory: int | None = None,
+                 gpu_memory: int | None = None, pin: bool | None = None, costs=None):
+        self.llm = llm
+        self.ctx = RestoreContext(llm.model, llm.pool, llm.runner, costs)
+        self.tiers = TieredStore(cpu_memory, disk_dir, disk_memory, pin)
+        self.gpu_memory = gpu_memory
+        self.resident: OrderedDict[str, object] = OrderedDict()  # conversations on the GPU, LRU first
+        self._pending: dict[str, object] = {}  # load streams of restores whose copies may be in flight
+        self.events: list[dict] = []  # what happened that the caller did not ask for (fallbacks, demotions)
+        # Conversations whose turn is under way (a stream not yet exhausted): never demoted, since
+        # their next decode step reads the pages.
+        self.busy: set[str] = set()
+
+    # ---- queries ----------------------------------------------------------------------------
+    def where(self, conv) -> str | None:
+        """"gpu", "cpu", "disk", or None for a conversation that holds nothing yet."""
+        if conv.id in self.resident:
+            return "gpu"
+        return self.tiers.tier_of(conv.id)
+
+    def stored_bytes(self, conv) -> int:
+        return self.tiers.stored_bytes(conv.id)
+
+    # ---- engine hooks -----------------------------------------------------------------------
+    def before_turn(self, conv, new_tokens: int) -> None:
+        self._settle(conv)
+        self.busy.add(conv.id)
+        tier = self.tiers.tier_of(conv.id)
+        if tier is None or conv.id in self.resident:
+            if tier is not None:  # a stale copy of a state that is back on the GPU
+                self.tiers.delete(conv.id)
+            self._make_room(conv, conv.kv.next_position + new_tokens)
+            self.resident[conv.id] = conv
+            self.resident.move_to_end(conv.id)
+            return
+        meta = self.tiers.meta(conv.id)
+        self._make_room(conv, meta["state"]["next_position"] + new_tokens)
+        try:
+            _, meta, tensors = self.tiers.get(conv.id)
+            strategy = _strategy(meta["strategy"])
+            state = meta["state"]
+        except CorruptStateError as e:
+            # The tensors are gone; the history beside them is not. Recompute it (uncompressed).
+            c = self.llm.config
+            strategy, tensors = Recompute(), {}
+            state = full_layout_meta(c.num_layers, c.num_kv_heads, meta["state"]["next_position"])
+            self.events.append({"conversation": conv.id, "event": "corrupt_state_recomputed", "error": str(e)})
+        self._pending[conv.id] = strategy.restore(self.ctx, conv.kv, conv.tokens, state, tensors)
+        self.resident[conv.id] = conv
+        # The stored entry stays until the restore's copies are done (after_turn): its host memory
+        # is being read.
+
+    def abort_turn(self, conv) -> None:
+        """The turn failed or its stream was abandoned: the conversation is idle again."""
+        self.busy.discard(conv.id)
+
+    def after_turn(self, conv) -> None:
+        self.busy.discard(conv.id)
+        self._settle(conv)
+        if self.tiers.tier_of(conv.id) is not None:
+            self.tiers.delete(conv.id)
+        if conv.recipe.state.offloads_between_turns:
+            try:
+                self.offload(conv, "cpu")
+            except StateTiersFullError as e:  # it stays on the GPU: nothing is lost
+                self.events.append({"conversation": conv.id, "event": "kept_on_gpu", "error": str(e)})
+
+    def offload(self, conv, tier: str = "cpu") -> str:
+        """Store the conversation's state in `tier` (or lower) and free its GPU pages; returns the
+        tier it landed in. On StateTiersFullError the conversation stays as it was."""
+        self._settle(conv)
+        where = self.where(conv)
+        if where is None:
+            return "gpu"  # nothing to store yet
+        if where != "gpu":
+            if where == "cpu" and tier == "disk":
+                self.tiers.demote(conv.id)
+            return self.tiers.tier_of(conv.id)
+        strategy = conv.recipe.state
+        stored = strategy.pack(self.ctx, conv.kv, conv.method_state.window, tier)
+        meta = {"strategy": {"name": strategy.name, "params": _params(strategy)}, "state": stored.meta,
+                "conversation": conversation_record(conv)}
+        landed = self.tiers.put(conv.id, meta, stored.tensors, tier)
+        conv.kv.free()
+        del self.resident[conv.id]
+        return landed
+
+    def discard(self, conv) -> None:
+        """Forget a conversation's stored state (reset, close)."""
+        self._settle(conv)
+        self.resident.pop(conv.id, None)
+        self.tiers.delete(conv.id)
+
+    def resume(self, conversation_id: str):
+        """The conversation stored under this id (e.g. on disk before a restart); its state comes
+        back at its next turn."""
+        from turnkv.engine.conversation import Conversation, Turn
+
+        meta = self.tiers.meta(conversation_id)
+        record = meta["conversation"]
+        conv = Conversation(self.llm, record["system"], record["recipe"])
+        conv.id = conversation_id
+        conv.messages, conv.tokens, conv.text = record["messages"], record["tokens"], record["text"]
+        conv.turns = [Turn(t["start"], t["prompt_end"], t["end"], Reply(**t["reply"]), t["system_end"])
+                      for t in record["turns"]]
+        conv.last_reply = conv.turns[-1].reply if conv.turns else None
+        conv.method_state.frozen_upto = record["frozen_upto"]
+        return conv
+
+    # ---- internals --------------------------------------------------------------------------
+    def _settle(self, conv) -> None:
+        """Wait for a restore's copies, so its sources can be freed or reused."""
+        stream = self._pending.pop(conv.id, None)
+        if stream is not None:
+            stream.synchronize()
+
+    def _make_room(self, conv, tokens: int) -> None:
+        """Demote least recently used resident conversations until `conv` can hold `tokens`."""
+        pool = self.llm.pool
+        H = pool.num_kv_heads
+        need = H * (-(-tokens // pool.page_size) + 1) - int(conv.kv.num_pages.sum(axis=1).min(initial=0))
+        need_bytes = need * pool.num_layers * pool.page_bytes
+
+        def short() -> bool:
+            free = min(pool.free_pages(layer) for layer in range(pool.num_layers))
+            if free < need:
+                return True
+            if self.gpu_memory is None:
+                return False
+            held = sum(c.kv.bytes() for c in self.resident.values())
+            return held + need_bytes > self.gpu_memory
+
+        for victim_id in list(self.resident):
+            if not short():
+                return
+            if victim_id != conv.id and victim_id not in self.busy:
+                try:
+                    landed = self.offload(self.resident[victim_id], "cpu")
+                except StateTiersFullError as e:
+                    raise StateTiersFullError(
+                        f"KV pool full: this turn needs {need} pages per layer and the idle conversation "
+                        f"{victim_id} cannot move down: {e}") from None
+                self.events.append({"conversation": victim_id, "event": "demoted", "tier": landed})
+
+
+def conversation_record(conv) -> dict:
+    """What it takes to rebuild a Conversation around a stored state (JSON)."""
+    return {
+        "system": conv.system, "recipe": str(conv.recipe), "messages": conv.messages, "tokens": conv.tokens,
+        "text": conv.text, "frozen_upto": conv.method_state.frozen_upto,
+        "turns": [{"start": t.start, "prompt_end": t.prompt_end, "end": t.end, "system_end": t.system_end,
+                   "reply": {f.name: getattr(t.reply, f.name) for f in fields(t.reply) if f.name != "logprobs"}}
+                  for t in conv.turns],
+    }
+
+
+def _params(strategy) -> dict:
+    return {f.name: getattr(strategy, f.name) for f in fields(strategy) if f.init}
+
+
+def _strategy(spec: dict) -> StateStrategy:
+    return build("state", spec["name"], spec["params"])

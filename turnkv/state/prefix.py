@@ -1,0 +1,49 @@
+"""Recompute the KV of a history prefix whose length may shrink with depth (Krul's pyramid).
+
+Layer l recomputes the tokens at positions [0, R[l]) with R non-increasing, so the hidden states it
+needs are the first R[l] rows of layer l-1's output, which always exist (Krul §6.2, Eq. 4-5). Under
+causal attention the prefix needs no key from outside itself, so this never waits for the load
+stream. The forward drives the decoder's blocks one at a time with its own attention step: a plain
+causal attention over the layer's prefix that writes the K/V rows the conversation holds into the
+page pool (after eviction a head may hold only some of the positions it recomputes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from turnkv.attention import reference
+
+
+class PrefixStep:
+    """AttentionStep for the recompute: writes rows (positions `rows[l]` of KV heads `heads[l]`) of
+    each layer's fresh K/V to `slots[l]` of the pool."""
+
+    def __init__(self, pool, slots: list[torch.Tensor], heads: list[torch.Tensor], rows: list[torch.Tensor]):
+        self.pool, self.slots, self.heads, self.rows = pool, slots, heads, rows
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.slots[layer].numel():
+            rows, heads = self.rows[layer], self.heads[layer]
+            self.pool.write(layer, self.slots[layer], k[0, rows, heads], v[0, rows, heads])
+        out = reference.causal_prefill(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return out.transpose(1, 2)
+
+
+@torch.inference_mode()
+def recompute_prefix(model, token_ids: list[int], lengths: list[int], step: PrefixStep) -> None:
+    """Run the blocks over the first lengths[l] tokens at layer l (lengths non-increasing)."""
+    if any(b > a for a, b in zip(lengths, lengths[1:])):
+        raise ValueError(f"per-layer recompute lengths must not increase with depth: {lengths}")
+    n = lengths[0] if lengths else 0
+    if n == 0:
+        return
+    device = model.embed_tokens.weight.device
+    ids = torch.tensor([token_ids[:n]], dtype=torch.int64, device=device)
+    x = model.embed_tokens(ids)
+    cos, sin = model.rope(torch.arange(n, device=device)[None], x.dtype)
+    for layer, block in enumerate(model.layers):
+        r = lengths[layer]
+        if r == 0:
+            break
+        x = block(x[:, :r], cos[:, :r], sin[:, :r], step)

@@ -1,0 +1,133 @@
+"""Krul's bubble-free restoration scheduler: the calibrated recompute/load split r_c and the
+per-layer recompute lengths (the "pyramid").
+
+Costs are modelled and calibrated on the machine (spec §3.5.1): recomputing R[l] tokens at layer l
+costs a * R[l] + b * R[l]^2 (dense layers, then attention), and loading costs bytes / bandwidth of
+the tier. r_c is the uniform split minimising max(T_C, T_L) (= min |T_C - T_L| where they cross).
+The pyramid keeps R non-increasing with depth (the hidden states layer l needs exist only for
+tokens layer l-1 recomputed) and searches a linear ramp R[l] = R0 + k ((N-1)/2 - l), cut to
+[0, n] and made non-increasing, for the least max(T_C, T_L) whose stored bytes stay within Krul's
+budget C = c (1 - r_c) N (spec §3.5.2, "budget" mode). Shared layers free load time and budget,
+which the ramp hands to deeper layers; "min_storage" keeps the uniform split and banks the savings.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class CostModel:
+    per_token_layer_s: float  # a: recompute seconds per token per layer
+    per_token2_layer_s: float  # b: attention's quadratic term, per token^2 per layer
+    bytes_per_s: float  # load bandwidth of the tier the state comes back from
+
+    def compute_s(self, starts: np.ndarray) -> np.ndarray:
+        """starts [..., N] -> recompute seconds [...]."""
+        s = np.asarray(starts, dtype=np.float64)
+        return (self.per_token_layer_s * s + self.per_token2_layer_s * s * s).sum(-1)
+
+    def load_s(self, nbytes) -> np.ndarray:
+        return np.asarray(nbytes, dtype=np.float64) / self.bytes_per_s
+
+
+def layer_token_bytes(num_kv_heads: int, head_dim: int, element_size: int) -> int:
+    """K and V bytes of one token in one layer."""
+    return 2 * num_kv_heads * head_dim * element_size
+
+
+def stored_bytes(starts: np.ndarray, n: int, pairs, num_kv_heads: int, head_dim: int, element_size: int,
+                 retained_share: float = 0.0) -> np.ndarray:
+    """Bytes the split form stores (before retained outliers beyond `retained_share`) for starts
+    [..., N]: unpaired layers their loaded rows; a pair one direction over the deeper layer's loaded
+    rows, four fp32 magnitudes per row, and both originals of the retained rows."""
+    starts = np.asarray(starts, dtype=np.int64)
+    per_row = 2 * head_dim * element_size  # K and V of one (token, head)
+    loaded = (n - starts) * num_kv_heads  # rows per layer
+    paired = {layer for pair in pairs for layer in pair}
+    unpaired = [layer for layer in range(starts.shape[-1]) if layer not in paired]
+    total = loaded[..., unpaired].sum(-1) * per_row
+    for i, _ in pairs:
+        rows = loaded[..., i]
+        total = total + rows * (per_row + 4 * 4) + np.ceil(rows * retained_share) * 2 * (per_row + 2 * 4)
+    return total
+
+
+def pyramid(n: int, num_layers: int, pairs, cost: CostModel, recompute_ratio: float, num_kv_heads: int,
+            head_dim: int, element_size: int, mode: str = "budget", grid: int = 41,
+            retained_share: float = 0.0) -> list[int]:
+    """Per-layer recompute lengths R[l] (non-increasing) for a history of n tokens."""
+    N = num_layers
+    r0 = int(round(recompute_ratio * n))
+    if mode == "min_storage" or n == 0:
+        return [r0] * N
+    if mode != "budget":
+        raise ValueError(f"allocation mode is budget or min_storage, not {mode!r}")
+    budget = N * (n - r0) * layer_token_bytes(num_kv_heads, head_dim, element_size)
+    centre = (N - 1) / 2 - np.arange(N)
+    bases = np.linspace(0, n, grid)
+    slopes = np.linspace(0, 2 * n / max(1, N), grid)
+    ramps = bases[:, None, None] + slopes[None, :, None] * centre  # [grid, grid, N]
+    starts = np.minimum.accumulate(np.clip(np.round(ramps), 0, n), axis=-1).reshape(-1, N)
+    store = stored_bytes(starts, n, pairs, num_kv_heads, head_dim, element_size, retained_share)
+    t = np.maximum(cost.compute_s(starts), cost.load_s(store))
+    t = np.where(store <= budget, t, np.inf)
+    best = np.lexsort((store, t))[0]  # fastest, then the least storage
+    if not np.isfinite(t[best]):
+        return [r0] * N
+    return [int(s) for s in starts[best]]
+
+
+def best_ratio(n: int, num_layers: int, cost: CostModel, num_kv_heads: int, head_dim: int, element_size: int) -> float:
+    """The uniform split r_c minimising max(T_C, T_L) for a history of n tokens (Eq. 1)."""
+    ratios = np.linspace(0, 1, 101)
+    starts = np.repeat(np.round(ratios * n)[:, None], num_layers, axis=1)
+    load = cost.load_s((n - starts[:, 0]) * num_layers * layer_token_bytes(num_kv_heads, head_dim, element_size))
+    return float(ratios[np.argmin(np.maximum(cost.compute_s(starts), load))])
+
+
+# ---- calibration on this machine --------------------------------------------------------------
+def _timed(fn, device, repeats: int = 3) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def measure_bandwidth(device: torch.device, nbytes: int = 64 << 20, pinned: bool | None = None) -> float:
+    """Host -> device copy bandwidth (bytes/s); on a CPU device, a host memcpy into the pool."""
+    pinned = device.type == "cuda" if pinned is None else pinned
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned and torch.cuda.is_available())
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return nbytes / _timed(lambda: dst.copy_(src, non_blocking=pinned), device)
+
+
+def measure_compute(model, device: torch.device, lengths=(256, 1024)) -> tuple[float, float]:
+    """(a, b) of the recompute cost, fitted on prefix recomputes of two lengths over every layer."""
+    from turnkv.state.prefix import recompute_prefix
+
+    class Discard:
+        def attention(self, layer, q, k, v):
+            from turnkv.attention import reference
+
+            return reference.causal_prefill(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+    N = len(model.layers)
+    lengths = [min(x, model.config.max_position_embeddings) for x in lengths]
+    times = [_timed(lambda n=n: recompute_prefix(model, [0] * n, [n] * N, Discard()), device) for n in lengths]
+    (n1, n2), (t1, t2) = lengths, times
+    # t = N (a n + b n^2): solve the 2x2 system, keeping both terms non-negative.
+    b = max(0.0, (t2 / n2 - t1 / n1) / (n2 - n1)) / N
+    a = max(1e-12, (t1 / n1) / N - b * n1)
+    return a, b

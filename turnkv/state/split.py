@@ -1,0 +1,134 @@
+"""The stored form shared by load, partial, Krul and MiniCache, and its two-stream restore.
+
+Layer l keeps the K/V of its tokens at positions >= starts[l] (the "loaded" part) and recomputes the
+rest from the token history. starts never increases with depth (a pyramid, or a constant for the
+uniform partial split, or 0 for a full load). Layer pairs (i, j), i > j, keep their loaded part
+merged the MiniCache way: one direction over layer i's loaded rows, which cover layer j's because
+starts[i] <= starts[j].
+
+Tensors: the layout's (positions, masses when they carry information), k.{l}/v.{l} per unpaired
+layer, and per pair {i}.{j}.{dir_k, dir_v, mag_k_i, mag_k_j, mag_v_i, mag_v_j, idx_k, idx_v,
+ret_k_i, ret_k_j, ret_v_i, ret_v_j}.
+
+Restore: pages and positions first; then the load stream copies layer by layer and writes the loaded
+rows (rebuilding merged pairs on the device), while the current stream recomputes the prefixes; the
+next forward's layer l waits only for layer l's copies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from turnkv.kv.snapshot import Layout, export_rows, layout_of, reserve_for
+from turnkv.state import merge
+from turnkv.state.prefix import PrefixStep, recompute_prefix
+from turnkv.state.streams import LoadStream
+
+
+def _same_tokens(layout: Layout, i: int, j: int) -> bool:
+    if not (layout.lengths[i] == layout.lengths[j]).all():
+        return False
+    pi, pj = layout.positions[i], layout.positions[j]
+    return (pi is None and pj is None) or (pi is not None and pj is not None and torch.equal(pi, pj))
+
+
+def pack_split(seq, starts: list[int], pairs: list[tuple[int, int]] = (), tau: float = 0.6,
+               retain_threshold: float = 0.05, max_retained: float = 0.05) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(meta, tensors) of the split form. Pairs whose layers hold different tokens (uneven eviction)
+    cannot share rows; they are stored unmerged and listed under meta["unmergeable"]."""
+    layout = layout_of(seq)
+    tensors = layout.tensors()
+    merged, unmergeable = [], []
+    for i, j in pairs:
+        (merged if _same_tokens(layout, i, j) else unmergeable).append((i, j))
+    paired = {layer for pair in merged for layer in pair}
+    retained = {}
+    for layer in range(seq.pool.num_layers):
+        if layer not in paired:
+            tensors[f"k.{layer}"], tensors[f"v.{layer}"] = export_rows(seq, layer, starts[layer])
+    for i, j in merged:
+        ki, vi = export_rows(seq, i, starts[i])
+        kj, vj = export_rows(seq, j, starts[i])  # the pair's direction covers layer i's longer loaded part
+        name = f"{i}.{j}"
+        for kind, xi, xj in (("k", ki, kj), ("v", vi, vj)):
+            m = merge.merge_rows(xi, xj, tau, retain_threshold, max_retained)
+            tensors.update({f"{name}.dir_{kind}": m["dir"], f"{name}.mag_{kind}_i": m["mag_i"],
+                            f"{name}.mag_{kind}_j": m["mag_j"], f"{name}.idx_{kind}": m["idx"],
+                            f"{name}.ret_{kind}_i": m["ret_i"], f"{name}.ret_{kind}_j": m["ret_j"]})
+            retained[f"{name}.{kind}"] = int(m["idx"].numel())
+    meta = {**layout.meta(), "starts": [int(s) for s in starts], "pairs": [list(p) for p in merged],
+            "unmergeable": [list(p) for p in unmergeable], "retained": retained}
+    return meta, tensors
+
+
+def restore_split(ctx, seq, tokens: list[int], meta: dict, tensors: dict[str, torch.Tensor],
+                  load: bool = True, recompute: bool = True, gate: bool = True) -> LoadStream:
+    """Rebuild the KV into the empty `seq`; returns the load stream (its copies may still be in flight).
+    With `gate`, the next forward's layers wait for their own layer's copies (hooks that fire once);
+    without, the caller waits (stream.wait_all()). load / recompute False skip one stream, to time the
+    other alone (calibration, overlap checks)."""
+    layout = Layout.from_stored(meta, tensors)
+    starts, pairs = meta["starts"], [tuple(p) for p in meta["pairs"]]
+    pool, device = seq.pool, seq.pool.device
+    if any(b > a for a, b in zip(starts, starts[1:])):
+        raise ValueError(f"stored recompute lengths must not increase with depth: {starts}")
+    if layout.next_position > len(tokens):
+        raise ValueError(f"the stored state covers {layout.next_position} tokens and the history has {len(tokens)}")
+    slots = reserve_for(seq, layout)
+    H = pool.num_kv_heads
+    rec_slots, rec_heads, rec_rows, load_slots, positions = [], [], [], [], []
+    for layer, s in enumerate(slots):
+        pos = layout.layer_positions(layer, device)
+        heads = torch.repeat_interleave(torch.arange(H, device=device), torch.from_numpy(layout.lengths[layer]).to(device))
+        recomputed = pos < starts[layer]
+        rec_slots.append(s[recomputed])
+        rec_heads.append(heads[recomputed])
+        rec_rows.append(pos[recomputed])
+        load_slots.append(s[~recomputed])
+        positions.append(pos)
+
+    # Everything the load stream reads that the current stream computes is made before start().
+    pair_rows = {}
+    for i, j in pairs:
+        region = positions[i][positions[i] >= starts[i]]  # layer i's loaded rows = the pair's rows
+        pair_rows[j] = region >= starts[j]  # layer j's loaded rows among them
+    stream = LoadStream(device)
+    stream.start()
+    partner = {j: i for i, j in pairs}
+    deeper = set(partner.values())
+    dtype = pool.dtype
+    for layer in range(pool.num_layers if load else 0):
+        if layer in deeper:
+            continue  # loaded with its shallower partner
+        if layer in partner:
+            i, j = partner[layer], layer
+            name = f"{i}.{j}"
+            pair_tensors = {key[len(name) + 1:]: t for key, t in tensors.items() if key.startswith(name + ".")}
+            j_rows = pair_rows[j]
+
+            def work(i=i, j=j, p=pair_tensors, j_rows=j_rows):
+                d = {key: stream.to_device(t) for key, t in p.items()}
+                for kind in ("k", "v"):
+                    xi = merge.restore_rows(d[f"dir_{kind}"], d[f"mag_{kind}_i"], d[f"idx_{kind}"], d[f"ret_{kind}_i"])
+                    xj = merge.restore_rows(d[f"dir_{kind}"], d[f"mag_{kind}_j"], d[f"idx_{kind}"], d[f"ret_{kind}_j"])
+                    if kind == "k":
+                        ki, kj = xi, xj[j_rows]
+                    else:
+                        pool.write(i, load_slots[i], ki.to(dtype), xi.to(dtype))
+                        pool.write(j, load_slots[j], kj.to(dtype), xj[j_rows].to(dtype))
+
+            stream.run(j, work, *pair_tensors.values(), load_slots[i], load_slots[j], j_rows)
+            if stream.cuda:
+                stream.events[i] = stream.events[j]
+        else:
+            k, v = tensors[f"k.{layer}"], tensors[f"v.{layer}"]
+
+            def work(layer=layer, k=k, v=v):
+                pool.write(layer, load_slots[layer], stream.to_device(k, dtype), stream.to_device(v, dtype))
+
+            stream.run(layer, work, k, v, load_slots[layer])
+    if recompute:
+        recompute_prefix(ctx.model, tokens, list(starts), PrefixStep(pool, rec_slots, rec_heads, rec_rows))
+    if gate:
+        stream.gate(ctx.model)
+    return stream
