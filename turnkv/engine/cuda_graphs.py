@@ -127,5 +127,4 @@ class GraphedDecode:
         for b, (seq, window) in enumerate(zip(seqs, windows)):
             if window is not None:
                 position = torch.tensor([seq.next_position - 1], device=self.pool.device)
-                for layer in range(self.pool.num_layers):
-                    window.record(layer, self.queries[layer, b][None], position)
+                window.record_all(self.queries[:, b, None], position)

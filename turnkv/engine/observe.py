@@ -5,38 +5,79 @@ from __future__ import annotations
 
 import torch
 
+FLUSH_EVERY = 64  # decode steps held back before they are filed per layer
+
 
 class QueryWindow:
-    """The last `size` post-RoPE queries of every layer for one conversation, across steps."""
+    """The last `size` post-RoPE queries of every layer for one conversation, across steps.
+
+    Decode steps hand in all layers at once (record_all): one copy per step, filed per layer only
+    when someone reads the window or FLUSH_EVERY steps have piled up, so observing costs a decode
+    step almost nothing."""
 
     def __init__(self, num_layers: int, size: int):
         self.size = size
-        self.queries: list[torch.Tensor | None] = [None] * num_layers  # [W, Hq, D]
-        self.positions: list[torch.Tensor | None] = [None] * num_layers  # [W]
+        self._queries: list[torch.Tensor | None] = [None] * num_layers  # [W, Hq, D]
+        self._positions: list[torch.Tensor | None] = [None] * num_layers  # [W]
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # ([L, T, Hq, D], [T])
+
+    @property
+    def queries(self) -> list[torch.Tensor | None]:
+        self.flush()
+        return self._queries
+
+    @property
+    def positions(self) -> list[torch.Tensor | None]:
+        self.flush()
+        return self._positions
 
     def record(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> None:
         """q: [T, Hq, D], positions: [T]."""
-        if self.queries[layer] is not None and q.shape[0] < self.size:
-            q = torch.cat([self.queries[layer], q])
-            positions = torch.cat([self.positions[layer], positions])
-        self.queries[layer] = q[-self.size :].detach().clone()
-        self.positions[layer] = positions[-self.size :].clone()
+        self.flush()
+        self._file(layer, q, positions)
+
+    def record_all(self, q: torch.Tensor, positions: torch.Tensor) -> None:
+        """Every layer's queries of one step: q [L, T, Hq, D], positions [T]."""
+        self._pending.append((q.detach().clone(), positions.clone()))
+        if len(self._pending) >= FLUSH_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        q = torch.cat([p[0] for p in pending], dim=1)
+        positions = torch.cat([p[1] for p in pending])
+        for layer in range(q.shape[0]):
+            self._file(layer, q[layer], positions)
+
+    def _file(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> None:
+        """Subclasses that keep more than the window hook in here."""
+        if self._queries[layer] is not None and q.shape[0] < self.size:
+            q = torch.cat([self._queries[layer], q])
+            positions = torch.cat([self._positions[layer], positions])
+        self._queries[layer] = q[-self.size :].detach().clone()
+        self._positions[layer] = positions[-self.size :].clone()
 
     def clear(self) -> None:
-        self.queries = [None] * len(self.queries)
-        self.positions = [None] * len(self.positions)
+        self._pending = []
+        self._queries = [None] * len(self._queries)
+        self._positions = [None] * len(self._positions)
 
     def truncate(self, num_positions: int) -> None:
         """Forget the queries of positions >= num_positions (a rolled-back turn)."""
-        for layer, positions in enumerate(self.positions):
+        self.flush()
+        for layer, positions in enumerate(self._positions):
             if positions is not None:
                 keep = positions < num_positions
-                self.queries[layer] = self.queries[layer][keep] if keep.any() else None
-                self.positions[layer] = positions[keep] if keep.any() else None
+                self._queries[layer] = self._queries[layer][keep] if keep.any() else None
+                self._positions[layer] = positions[keep] if keep.any() else None
 
     def snapshot(self) -> tuple[list, list]:
-        """The current window; record() replaces tensors rather than mutating them, so this is cheap."""
-        return list(self.queries), list(self.positions)
+        """The current window; filing replaces tensors rather than mutating them, so this is cheap."""
+        self.flush()
+        return list(self._queries), list(self._positions)
 
     def restore(self, snapshot: tuple[list, list]) -> None:
-        self.queries, self.positions = list(snapshot[0]), list(snapshot[1])
+        self._pending = []
+        self._queries, self._positions = list(snapshot[0]), list(snapshot[1])

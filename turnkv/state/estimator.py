@@ -34,13 +34,13 @@ class TurnQueries(QueryWindow):
         super().__init__(num_layers, size)
         self.turn: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(num_layers)]
 
-    def record(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> None:
+    def _file(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> None:
         if self.size:
-            super().record(layer, q, positions)
+            super()._file(layer, q, positions)
         self.turn[layer].append((q.detach().clone(), positions.clone()))
 
     def truncate(self, num_positions: int) -> None:
-        super().truncate(num_positions)
+        super().truncate(num_positions)  # files what is pending first
         self.turn = [[(q[p < num_positions], p[p < num_positions]) for q, p in layer] for layer in self.turn]
 
     def snapshot(self):
@@ -57,6 +57,7 @@ class TurnQueries(QueryWindow):
 
     def take(self) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """(queries per layer [T, Hq, D], positions [T], is_decode [T]) of the turn, and forget them."""
+        self.flush()
         records = self.turn[0]
         positions = torch.cat([p for _, p in records]) if records else torch.zeros(0, dtype=torch.int64)
         is_decode = torch.cat([torch.full((len(p),), len(p) == 1) for _, p in records]) if records else torch.zeros(0, dtype=torch.bool)
