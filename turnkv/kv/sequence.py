@@ -56,9 +56,11 @@ class SequenceKV:
         taken = self.pool.allocate(needed_pages.sum(axis=1).tolist())
         self._place_pages(needed_pages, taken)
 
-        index = self.lengths[:, :, None] + np.arange(num_tokens)
-        pages = np.take_along_axis(self.table, index // ps, axis=2)
-        slots = torch.from_numpy(pages * ps + index % ps).to(self.pool.device)
+        # On the device: a long prefill reserves layers x heads x tokens slots (8M for 32K tokens of
+        # an 8B model), which numpy on the host would build and then copy over.
+        device = self.pool.device
+        index = torch.from_numpy(self.lengths).to(device)[:, :, None] + torch.arange(num_tokens, device=device)
+        slots = self.device_table().gather(2, index // ps) * ps + index % ps
         L, H = self.lengths.shape
         positions = torch.arange(self.next_position, self.next_position + num_tokens, device=self.pool.device)
         layer_base = torch.arange(L, device=self.pool.device)[:, None, None] * self.pool.positions[0].numel()
