@@ -63,3 +63,4 @@ def test_pool_pages_return_after_generation(engines):
     before = graphed.pool.bytes_in_use()
     graphed.generate(_prompts(4, graphed.config.vocab_size, seed=9), max_new_tokens=8)
     assert graphed.pool.bytes_in_use() == before
+

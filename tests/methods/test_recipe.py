@@ -187,7 +187,11 @@ def test_str_round_trips_every_on_other_schedules():
 def test_every_preset_builds():
     table = presets()
     assert list(table) == list(PRESET_DOCS)
-    assert len(table) == 14
+    assert len(table) == 20
+    # The prefill-pattern and decode-selection presets: (prefill, decode) per name, nothing evicted.
+    patterns = {"loopserve": ("loopserve", "loopserve"), "loopserve-p": ("loopserve", "all"),
+                "loopserve-d": ("dense", "loopserve"), "a-shape": ("a_shape", "all"),
+                "tri-shape": ("tri_shape", "all"), "minference": ("minference", "all")}
     scorers = {"streaming-llm": "streaming_llm", "h2o": "h2o", "snapkv": "snapkv", "pyramidkv": "pyramidkv",
                "tova": "tova", "knorm": "knorm", "expected-attention": "expected_attention", "random": "random",
                "ada-snapkv": "snapkv", "ada-pyramidkv": "pyramidkv", "ada-expected-attention": "expected_attention",
@@ -198,6 +202,12 @@ def test_every_preset_builds():
         if name == "full":
             assert recipe.evict is None
             continue
+        if name in patterns:
+            assert (recipe.prefill.name, recipe.decode.name, recipe.evict) == (*patterns[name], None)
+            # They combine with the eviction axis.
+            assert Recipe.parse(f"{name} evict=snapkv budget=24").evict.budget == 24
+            continue
+        assert (recipe.prefill.name, recipe.decode.name) == ("dense", "all")
         e = recipe.evict
         assert e.scorer.name == scorers[name]
         assert type(e.allocator) is (AdaKV if "ada-" in name else Uniform)
@@ -294,9 +304,13 @@ def test_describe_lists_every_component_with_its_defaults():
         by_axis.setdefault(row["axis"], []).append(row["name"])
         assert row["doc"], row
     assert list(by_axis) == list(registry.AXES)
-    assert by_axis == {"prefill": ["dense"], "scorer": SCORERS, "allocator": ALLOCATORS, "turns": TURNS,
-                       "decode": ["all"], "state": ["gpu", "krul", "krul_fix", "load", "minicache", "partial", "recompute"]}
+    assert by_axis == {"prefill": ["a_shape", "dense", "loopserve", "minference", "tri_shape"], "scorer": SCORERS,
+                       "allocator": ALLOCATORS, "turns": TURNS, "decode": ["all", "loopserve"], "state": ["gpu", "krul", "krul_fix", "load", "minicache", "partial", "recompute"]}
     params = {(r["axis"], r["name"]): r["params"] for r in rows}
+    assert params[("decode", "loopserve")] == {"budget": 1024, "interval": 16, "warmup": 16, "window": None,
+                                               "granularity": "query", "sinks": 0}
+    assert params[("prefill", "a_shape")] == {"sink": 128, "local": 4096}
+    assert params[("prefill", "loopserve")]["alpha"] == 0.955 and params[("prefill", "loopserve")]["samples"] == 48
     assert params[("scorer", "snapkv")] == {"window": 32, "kernel": 7, "pooling": "max"}
     assert params[("scorer", "pyramidkv")] == {"window": 32, "kernel": 7, "pooling": "max", "beta": 20}
     assert params[("scorer", "expected_attention")] == {"window": 64, "future": 512, "sinks": 4,

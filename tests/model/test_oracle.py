@@ -8,6 +8,7 @@ import torch
 
 from tests.conftest import save_tiny
 from turnkv.engine.runner import ModelRunner
+from turnkv.errors import ModelLoadError
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
 from turnkv.model.load import embedded_model_path, load_model
@@ -109,7 +110,10 @@ def test_smollm2_gguf_matches_transformers_gguf_loader():
     transformers' own GGUF loader."""
     from transformers import AutoModelForCausalLM
 
-    path = embedded_model_path()
+    try:
+        path = embedded_model_path()
+    except ModelLoadError:
+        pytest.skip("the embedded model is not installed (the GPU machine lacks it)")
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     loaded = load_model(None, dtype="float32")
     assert loaded.source == "gguf"

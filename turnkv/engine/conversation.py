@@ -55,6 +55,12 @@ class Conversation:
         and the tokens each (layer, head) kept afterwards."""
         return self.method_state.log
 
+    @property
+    def method_stats(self) -> list[dict]:
+        """Per turn, what a sparse prefill pattern computed (density, lines per head, recovered mass,
+        seconds per stage) and what a decode selection did; empty for dense recipes."""
+        return self.method_state.stats
+
     def segment_counts(self) -> np.ndarray:
         """Tokens held per segment [segments, layers, kv_heads]; segment 0 is what precedes the first
         turn's prompt (the system prompt), segment i the tokens of turn i."""
@@ -174,7 +180,8 @@ class Conversation:
         turn = len(self.turns) + 1
         system_end = boundaries[0] if (not self.turns and self.system and boundaries) else 0
         segment_end = cached if self.turns else system_end
-        observe = dict(window=st.window, accumulate=recipe.accumulates_attention)
+        observe = dict(window=st.window, accumulate=recipe.accumulates_attention, pattern=recipe.pattern_hook(st),
+                       selector=st.decode)
         window_before = st.window.snapshot() if st.window is not None else None
         finished = False
         try:
@@ -194,7 +201,7 @@ class Conversation:
                 if gen.done:
                     break
                 logits = self.llm.runner.decode([self.kv], self.llm.token_tensor([token]), windows=[st.window],
-                                                accumulate=observe["accumulate"])[0]
+                                                accumulate=observe["accumulate"], selectors=[st.decode])[0]
                 recipe.after_decode_step(self.kv, st, inv_freq, turn)
             recipe.at_turn_end(self.kv, st, inv_freq, turn)
             finished = True

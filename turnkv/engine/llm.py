@@ -166,7 +166,8 @@ class LLM:
         try:
             gens = [self.new_generation(seq, params) for seq in seqs]
             for gen, ids, st in zip(gens, encoded, states):
-                logits = self.runner.prefill(gen.seq, ids, window=st.window, accumulate=accumulate)
+                logits = self.runner.prefill(gen.seq, ids, window=st.window, accumulate=accumulate,
+                                             pattern=recipe.pattern_hook(st), selector=st.decode)
                 recipe.after_prompt(gen.seq, st, len(ids), inv_freq, turn=1)
                 gen.accept(gen.sample(logits))
             while True:
@@ -175,7 +176,8 @@ class LLM:
                     break
                 logits = self.runner.decode([gens[i].seq for i in active],
                                             self.token_tensor([gens[i].token_ids[-1] for i in active]),
-                                            windows=[states[i].window for i in active], accumulate=accumulate)
+                                            windows=[states[i].window for i in active], accumulate=accumulate,
+                                            selectors=[states[i].decode for i in active])
                 for row, i in zip(logits, active):
                     recipe.after_decode_step(gens[i].seq, states[i], inv_freq, turn=1)
                     gens[i].accept(gens[i].sample(row))

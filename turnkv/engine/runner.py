@@ -28,15 +28,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, seqs: list[SequenceKV], token_ids: torch.Tensor, all_logits: bool = False,
-                windows: list | None = None, accumulate: bool = False) -> torch.Tensor:
+                windows: list | None = None, accumulate: bool = False, pattern=None,
+                selectors: list | None = None, decoding: bool = False) -> torch.Tensor:
         """Append token_ids [B, T] to each sequence and return fp32 logits: [B, V] at the last token,
-        or [B, T, V] with all_logits. On any failure every sequence is rolled back as it was."""
+        or [B, T, V] with all_logits. On any failure every sequence is rolled back as it was.
+        pattern / selectors: a recipe's sparse prefill and per-sequence decode selection (see Step)."""
         B, T = token_ids.shape
         before = [s.next_position for s in seqs]
         try:
             slots = [s.reserve(T) for s in seqs]
             positions = torch.tensor(before, device=self.device)[:, None] + torch.arange(T, device=self.device)
-            step = Step(self.pool, seqs, slots, positions, self.model.config.sliding_window, windows, accumulate)
+            step = Step(self.pool, seqs, slots, positions, self.model.config.sliding_window, windows, accumulate,
+                        pattern, selectors, decoding)
             last = None if all_logits else torch.full((B, 1), T - 1, device=self.device)
             with self._attention_backends(T):
                 logits = self.model(token_ids.to(self.device), positions, step, logits_at=last)
@@ -58,9 +61,11 @@ class ModelRunner:
         return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
     def prefill(self, seq: SequenceKV, token_ids: list[int], all_logits: bool = False, window=None,
-                accumulate: bool = False) -> torch.Tensor:
+                accumulate: bool = False, pattern=None, selector=None) -> torch.Tensor:
         """Prefill one sequence's new tokens in chunks; returns the logits at the last token ([V]), or
-        at every new token ([T, V]) with all_logits."""
+        at every new token ([T, V]) with all_logits. pattern: the recipe's sparse prefill (applied to
+        every chunk against all kept history); selector: the sequence's decode selection state, which
+        watches the prompt's queries."""
         ids = torch.tensor([token_ids], dtype=torch.int64)
         before = seq.next_position
         outputs = []
@@ -68,7 +73,8 @@ class ModelRunner:
             for start in range(0, ids.shape[1], self.prefill_chunk):
                 chunk = ids[:, start : start + self.prefill_chunk]
                 last_chunk = start + self.prefill_chunk >= ids.shape[1]
-                observe = dict(windows=[window], accumulate=accumulate)
+                observe = dict(windows=[window], accumulate=accumulate, pattern=pattern,
+                               selectors=[selector] if selector is not None else None)
                 if all_logits or last_chunk:
                     outputs.append(self.forward([seq], chunk, all_logits, **observe)[0])
                 else:
@@ -79,23 +85,19 @@ class ModelRunner:
         return torch.cat(outputs) if all_logits else outputs[-1]
 
     def decode(self, seqs: list[SequenceKV], tokens: torch.Tensor, windows: list | None = None,
-               accumulate: bool = False) -> torch.Tensor:
-        """One decode step for a batch: tokens [B] -> logits [B, V]."""
-        if self.graphs is None or accumulate or not self.graphs.fits(seqs):
-            return self.forward(seqs, tokens.view(-1, 1), windows=windows, accumulate=accumulate)
+               accumulate: bool = False, selectors: list | None = None) -> torch.Tensor:
+        """One decode step for a batch: tokens [B] -> logits [B, V]. selectors: per sequence, a decode
+        selection state or None (read every kept token)."""
+        # A selection changes the slot lists every step, which the captured graphs cannot replay.
+        selecting = selectors is not None and any(s is not None for s in selectors)
+        if self.graphs is None or accumulate or selecting or not self.graphs.fits(seqs):
+            return self.forward(seqs, tokens.view(-1, 1), windows=windows, accumulate=accumulate,
+                                selectors=selectors if selecting else None, decoding=True)
         return self._graphed_decode(seqs, tokens, windows)
 
     @torch.inference_mode()
     def _graphed_decode(self, seqs, tokens, windows):
-        slots = []
-        try:
-            for s in seqs:
-                slots.append(s.reserve(1))
-            logits = self.graphs.step(seqs, tokens, slots)
-        except BaseException:
-            for s in seqs[: len(slots)]:
-                s.truncate(s.next_position - 1)
-            raise
+        logits = self.graphs.step(seqs, tokens)  # reserves the new token's slots; all or nothing
         if windows is not None:
             self.graphs.record_windows(seqs, windows)
         return logits.clone()

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from turnkv.attention import decode, reference
+from turnkv.attention import decode, lines, reference
+from turnkv.engine import selection
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
 
@@ -19,8 +20,17 @@ class Step:
     """
 
     def __init__(self, pool: PagePool, seqs: list[SequenceKV], slots: list[torch.Tensor], positions: torch.Tensor,
-                 sliding_window: int | None = None, windows: list | None = None, accumulate: bool = False):
+                 sliding_window: int | None = None, windows: list | None = None, accumulate: bool = False,
+                 pattern=None, selectors: list | None = None, decoding: bool = False):
         num_new = positions.shape[1]
+        # Methods' hooks (None for dense prefill and decode over every kept token, whose paths below
+        # are untouched): `pattern(layer, lines.Keys) -> out` computes a prefill chunk's attention
+        # (a sparse pattern); `selectors[b]` picks the slots sequence b reads in each layer of a decode
+        # step (decoding: this step is one, not a prefill of one token), and watches every step's queries.
+        self.pattern = pattern if num_new > 1 else None
+        self.selectors = selectors if selectors and any(s is not None for s in selectors) else None
+        self.observers = self.selectors
+        self.seqs = seqs
         # Observation for the methods: per sequence a QueryWindow (or None), and whether to add each
         # query's attention weights to the attention mass stored beside the keys (H2O).
         self.windows = windows if windows and any(w is not None for w in windows) else None
@@ -48,6 +58,15 @@ class Step:
             self.tables = self.tables.to(torch.int32)
             self.lengths = self.lengths.to(torch.int32)
             self.splits = decode.num_splits(pool.device, len(seqs) * pool.num_kv_heads, max(self.max_len))
+        if self.pattern is not None:
+            before = [s.next_position - num_new for s in seqs]
+            self.span = (min(before), max(before) + num_new)  # host ints: no device read per layer
+        if self.selectors is not None:
+            for sel in self.selectors:
+                if sel is not None:
+                    sel.begin(decoding)
+            if not (self.indexed and decoding):
+                self.selectors = None
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B, T, Hq, D = q.shape
@@ -56,7 +75,23 @@ class Step:
             for b, window in enumerate(self.windows):
                 if window is not None:
                     window.record(layer, q[b], self.query_positions[b])
+        if self.observers is not None:
+            for b, sel in enumerate(self.observers):
+                if sel is not None:
+                    sel.observe(layer, q[b], self.query_positions[b])
         q = q.transpose(1, 2)
+        if self.pattern is not None:
+            return self._pattern_attention(layer, q, k, v).transpose(1, 2)
+        if self.selectors is not None:
+            picked = selection.tables(self, layer, q[:, :, 0])
+            if picked is not None:  # some sequence reads a selection: every row becomes a slot list
+                table, lengths, splits = picked
+                D = q.shape[-1]
+                out = decode.indexed_decode(
+                    q[:, :, 0], self.pool.k[layer].view(-1, 1, D), self.pool.v[layer].view(-1, 1, D), table, lengths,
+                    splits, window=self.sliding_window, key_positions=self.pool.positions[layer].view(-1, 1),
+                    query_positions=self.query_positions[:, 0])
+                return out[:, None]
         if self.fresh:
             out = reference.causal_prefill(q, k.transpose(1, 2), v.transpose(1, 2))
             return out.transpose(1, 2)
@@ -85,6 +120,21 @@ class Step:
         if self.accumulate:
             self._accumulate_attention(layer, q, keys, mask)
         return reference.attention(q, keys, values, mask).transpose(1, 2)
+
+    def _pattern_attention(self, layer, q, k, v):
+        """A prefill chunk through the recipe's pattern: q [B, Hq, T, D] over every kept key."""
+        B, H, T = q.shape[0], k.shape[2], q.shape[2]
+        if self.fresh:
+            keys, values = k.transpose(1, 2), v.transpose(1, 2)
+            key_pos, valid = self.query_positions[:, None, :].expand(B, H, T), None
+        else:
+            S = self.max_len[layer]
+            keys = reference.gather_pages(self.pool.k[layer], self.tables[layer], S)
+            values = reference.gather_pages(self.pool.v[layer], self.tables[layer], S)
+            key_pos = reference.gather_pages(self.pool.positions[layer], self.tables[layer], S)
+            valid = torch.arange(S, device=q.device) < self.lengths[layer][..., None] if self.padded[layer] else None
+        return self.pattern(layer, lines.Keys(q, keys, values, self.query_positions, key_pos, valid, *self.span,
+                                              window=self.sliding_window))
 
     def _accumulate_attention(self, layer, q, keys, mask):
         B, H, S = keys.shape[0], keys.shape[1], keys.shape[2]

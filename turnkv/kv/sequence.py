@@ -27,6 +27,9 @@ class SequenceKV:
         self.next_position = 0
         self._table_device: torch.Tensor | None = None
         self._dirty_from = 0  # first table column whose device copy is stale
+        # Bumped whenever pages are released: table columns below num_pages may then be refilled with
+        # other page ids, so a copy of the table kept elsewhere (the CUDA-graph step's) is stale.
+        self.shrinks = 0
 
     # ---- accounting -------------------------------------------------------------------------
     def tokens(self) -> int:
@@ -52,9 +55,7 @@ class SequenceKV:
         layers must write their K/V. All-or-nothing: if the pool lacks pages, nothing changes.
         """
         ps = self.pool.page_size
-        needed_pages = -(-(self.lengths + num_tokens) // ps) - self.num_pages
-        taken = self.pool.allocate(needed_pages.sum(axis=1).tolist())
-        self._place_pages(needed_pages, taken)
+        self._take_pages(num_tokens)
 
         # On the device: a long prefill reserves layers x heads x tokens slots (8M for 32K tokens of
         # an 8B model), which numpy on the host would build and then copy over.
@@ -70,6 +71,24 @@ class SequenceKV:
         self.lengths += num_tokens
         self.next_position += num_tokens
         return slots
+
+    def reserve_on_host(self, num_tokens: int) -> np.ndarray:
+        """reserve() without any device work, for a decode step that uploads its metadata in one copy:
+        returns the slots [layers, kv_heads, num_tokens] as numpy. The caller must write the tokens'
+        positions and zero their attention mass in the pool (the CUDA-graph step does, on the device)."""
+        ps = self.pool.page_size
+        self._take_pages(num_tokens)
+        index = self.lengths[:, :, None] + np.arange(num_tokens)
+        pages = np.take_along_axis(self.table, index // ps, axis=2)
+        self.lengths += num_tokens
+        self.next_position += num_tokens
+        return pages * ps + index % ps
+
+    def _take_pages(self, num_tokens: int) -> None:
+        """Allocate the pages `num_tokens` more tokens need, in every (layer, head); all or nothing."""
+        needed_pages = -(-(self.lengths + num_tokens) // self.pool.page_size) - self.num_pages
+        taken = self.pool.allocate(needed_pages.sum(axis=1).tolist())
+        self._place_pages(needed_pages, taken)
 
     def reserve_layout(self, lengths: np.ndarray, next_position: int) -> list[torch.Tensor]:
         """Give an empty sequence pages for lengths[layer, head] tokens each (heads may differ, as after
@@ -129,7 +148,10 @@ class SequenceKV:
             self._table_device = torch.from_numpy(self.table).to(self.pool.device)
         elif self._dirty_from < self.table.shape[2]:
             lo = self._dirty_from
-            self._table_device[:, :, lo:].copy_(torch.from_numpy(self.table[:, :, lo:]), non_blocking=False)
+            # The copy may have been made under inference mode (inside a forward); updating it in
+            # place is allowed only there.
+            with torch.inference_mode():
+                self._table_device[:, :, lo:].copy_(torch.from_numpy(self.table[:, :, lo:]), non_blocking=False)
         self._dirty_from = self.table.shape[2]
         return self._table_device
 
@@ -183,6 +205,7 @@ class SequenceKV:
         self._shrink(layer, np.asarray(counts, dtype=np.int64))
 
     def _shrink(self, layer: int, new_lengths: np.ndarray) -> None:
+        self.shrinks += 1
         keep_pages = -(-new_lengths // self.pool.page_size)
         for head in range(self.pool.num_kv_heads):
             self.pool.release(layer, self.table[layer, head, keep_pages[head] : self.num_pages[layer, head]])

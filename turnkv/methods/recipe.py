@@ -20,6 +20,7 @@ from turnkv.errors import InvalidRequestError
 from turnkv.methods.all_tokens import AllTokens
 from turnkv.methods.dense import Dense
 from turnkv.methods.eviction import Eviction
+from turnkv.methods.pattern_hook import PatternHook, summarise
 from turnkv.methods.recompress import Recompress
 from turnkv.methods.registry import build
 from turnkv.methods.resident import Resident
@@ -37,6 +38,9 @@ class MethodState:
     frozen_upto: int = 0  # FlowKV: positions below this were compressed once and are final
     since_compression: int = 0  # decode schedule: tokens generated since the last compression
     log: list[dict] = field(default_factory=list)
+    decode: Any = None  # the decode axis' selection state (LoopServe), None when decode reads everything
+    pattern_stats: list[dict] = field(default_factory=list)  # the running turn's per-layer prefill entries
+    stats: list[dict] = field(default_factory=list)  # per turn: what the prefill pattern / decode selection did
 
 
 @dataclass
@@ -50,6 +54,9 @@ class Recipe:
     def __post_init__(self):
         if self.evict is not None and self.evict.schedule == "decode" and self.turns.name == "flowkv":
             raise InvalidRequestError("flowkv keeps the running turn whole; use schedule=prefill or turn_end with it")
+        if self.accumulates_attention and (self.sparse_prefill or self.selects_decode):
+            raise InvalidRequestError(f"{self.evict.scorer.name} accumulates the attention of every key; it cannot "
+                                      f"run with prefill={self.prefill.name} or decode={self.decode.name}")
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -131,14 +138,33 @@ class Recipe:
     # ---- engine hooks -----------------------------------------------------------------------------
     def new_state(self, num_layers: int) -> MethodState:
         window = self.evict.scorer.window if self.evict is not None else 0
-        return MethodState(self.state.query_window(num_layers, window))
+        decode = self.decode.new_state(num_layers) if self.selects_decode else None
+        return MethodState(self.state.query_window(num_layers, window), decode=decode)
 
     @property
     def accumulates_attention(self) -> bool:
         return self.evict is not None and self.evict.scorer.accumulates_attention
 
+    @property
+    def sparse_prefill(self) -> bool:
+        """The prefill axis computes attention itself (a pattern) rather than densely."""
+        return hasattr(self.prefill, "attend")
+
+    @property
+    def selects_decode(self) -> bool:
+        """The decode axis reads a selection of the kept tokens rather than all of them."""
+        return hasattr(self.decode, "new_state")
+
+    def pattern_hook(self, st: MethodState):
+        """What runner.prefill's `pattern` gets for this conversation (None: dense prefill)."""
+        return PatternHook(self.prefill, st.pattern_stats) if self.sparse_prefill else None
+
     def after_prompt(self, kv, st: MethodState, segment_end: int, inv_freq, turn: int) -> None:
         """A turn's prompt is prefilled; tokens before `segment_end` belong to finished segments."""
+        if st.pattern_stats:
+            st.stats.append({"turn": turn, "prefill": {"method": self.prefill.name,
+                                                       **summarise(st.pattern_stats, len(kv.lengths))}})
+            st.pattern_stats.clear()
         if self._scheduled("prefill"):
             self._compress(kv, st, self.turns.span_end(segment_end, kv.next_position), inv_freq, turn, "prefill")
 
@@ -153,6 +179,13 @@ class Recipe:
                 self._compress(kv, st, kv.next_position, inv_freq, turn, "decode")
 
     def at_turn_end(self, kv, st: MethodState, inv_freq, turn: int) -> None:
+        if st.decode is not None:
+            entry = st.stats[-1] if st.stats and st.stats[-1]["turn"] == turn else None
+            if entry is None:
+                entry = {"turn": turn}
+                st.stats.append(entry)
+            entry["decode"] = {"method": self.decode.name, "steps": st.decode.steps,
+                               "selections": st.decode.selections}
         if self._scheduled("turn_end"):
             self._compress(kv, st, kv.next_position, inv_freq, turn, "turn_end")
 
@@ -186,6 +219,12 @@ def _preset_table() -> dict[str, dict[str, str]]:
         "ada-expected-attention": {"evict": "expected_attention+adakv"},
         "flowkv": {"evict": "snapkv", "turns": "flowkv"},
         "flowkv-ada-snapkv": {"evict": "snapkv+adakv", "turns": "flowkv"},
+        "loopserve": {"prefill": "loopserve", "decode": "loopserve"},
+        "loopserve-p": {"prefill": "loopserve"},
+        "loopserve-d": {"decode": "loopserve"},
+        "a-shape": {"prefill": "a_shape"},
+        "tri-shape": {"prefill": "tri_shape"},
+        "minference": {"prefill": "minference"},
     }
 
 
@@ -204,6 +243,12 @@ PRESET_DOCS = {
     "ada-expected-attention": "Ada-KV over ExpectedAttention (kvpress's default 'expected_attention')",
     "flowkv": "FlowKV isolation of turns over SnapKV",
     "flowkv-ada-snapkv": "FlowKV isolation of turns over Ada-SnapKV",
+    "loopserve": "LoopServe: adaptive vertical/slash prefill lines + progressive top-B decode selection",
+    "loopserve-p": "LoopServe prefill lines only (dense decode)",
+    "loopserve-d": "LoopServe progressive decode selection only (dense prefill)",
+    "a-shape": "A-shape prefill: 128 sink + 4096 local keys per row",
+    "tri-shape": "Tri-shape prefill: A-shape + dense last 128 rows",
+    "minference": "MInference-style static vertical-slash prefill from the last 64 queries",
 }
 
 

@@ -106,7 +106,8 @@ class Job:
         recipe, state = self.conv.recipe, self.conv.method_state
         chunk = self.prompt[self.prefilled : self.prefilled + size]
         self.started = True
-        logits = llm.runner.prefill(self.conv.kv, chunk, window=state.window, accumulate=recipe.accumulates_attention)
+        logits = llm.runner.prefill(self.conv.kv, chunk, window=state.window, accumulate=recipe.accumulates_attention,
+                                    pattern=recipe.pattern_hook(state), selector=state.decode)
         self.prefilled += len(chunk)
         if self.prefill_left:
             return "", False

@@ -244,7 +244,8 @@ class Scheduler:
             try:
                 return self._with_room(lambda: llm.runner.decode(
                     [j.conv.kv for j in jobs], llm.token_tensor([j.last_token for j in jobs]),
-                    windows=[j.conv.method_state.window for j in jobs], accumulate=accumulate))
+                    windows=[j.conv.method_state.window for j in jobs], accumulate=accumulate,
+                    selectors=[j.conv.method_state.decode for j in jobs]))
             except KVCacheFullError as e:
                 victim = max(jobs, key=lambda j: j.arrived)
                 jobs.remove(victim)

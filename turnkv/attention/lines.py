@@ -1,0 +1,138 @@
+"""Vertical and slash lines of a prefill attention matrix, shared by LoopServe, MInference-style
+vertical-slash and the A-shape/Tri-shape baselines (spec loopserve.md §3.2.2, §3.2.6).
+
+A prefill chunk's rows are new tokens at absolute positions q_pos; its columns are the kept keys of a
+head, entries 0..S-1 of the head's list, at absolute positions k_pos (after eviction positions have
+holes, so everything is defined on positions, never on entry indices):
+- a vertical line is one key entry c: the cells (p, c) for every row p >= k_pos[c];
+- a slash line is a diagonal offset delta >= 0: the cells (p, c) with p - k_pos[c] == delta.
+Offsets are absolute, so a slash line keeps its meaning in later turns (§3.2.2).
+
+Shapes: "heads" N are the selection units flattened over the batch, (B * Hq) for per-query-head
+lines or (B * H) for per-KV-head lines; scores are [N, R, S] for R sampled rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Keys:
+    """What a prefill chunk attends to, as Step hands it to a pattern.
+
+    q [B, Hq, T, D]; k, v [B, H, S, D]; q_pos [B, T]; k_pos [B, H, S]; valid [B, H, S] (False past a
+    head's length) or None; window: a sliding window of the model, or None. The rows of every
+    sequence are consecutive positions (a chunk of one conversation's prefill)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+    valid: torch.Tensor | None
+    first_position: int  # the chunk's rows span [first_position, end_position), known on the host
+    end_position: int
+    window: int | None = None
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.k.shape[1]
+
+    def visible(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal visibility [B, H, R, S] of the rows (indices into T; all rows when None)."""
+        q_pos = self.q_pos if rows is None else self.q_pos[:, rows]
+        delta = q_pos[:, None, :, None] - self.k_pos[:, :, None, :]
+        mask = delta >= 0
+        if self.valid is not None:
+            mask &= self.valid[:, :, None, :]
+        if self.window is not None:
+            mask &= delta < self.window
+        return mask
+
+    def offsets(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Diagonal offsets q_pos - k_pos [B, H, R, S], clamped at 0 (negative cells are masked anyway)."""
+        q_pos = self.q_pos if rows is None else self.q_pos[:, rows]
+        return (q_pos[:, None, :, None] - self.k_pos[:, :, None, :]).clamp_min(0)
+
+
+def per_unit(x: torch.Tensor, group: int, per_query_head: bool) -> torch.Tensor:
+    """A per-KV-head tensor [B, H, ...] as one row per selection unit: [B*Hq, ...] or [B*H, ...]."""
+    if per_query_head and group > 1:
+        x = x.repeat_interleave(group, dim=1)
+    return x.reshape(-1, *x.shape[2:])
+
+
+def sample_weights(keys: Keys, rows: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Exact softmax of the chosen rows over all their causal keys, fp32 [B, Hq, R, S] (Alg. 5 line 4)."""
+    B, Hq, _, D = keys.q.shape
+    H, G = keys.k.shape[1], keys.group
+    q = keys.q[:, :, rows].float().view(B, H, G, len(rows), D)
+    scores = torch.einsum("bhgrd,bhsd->bhgrs", q, keys.k.float()) * (scale if scale is not None else D**-0.5)
+    scores = scores.masked_fill(~keys.visible(rows)[:, :, None], float("-inf"))
+    return scores.softmax(dim=-1).reshape(B, Hq, len(rows), -1)
+
+
+def line_sums(weights: torch.Tensor, offsets: torch.Tensor, num_offsets: int):
+    """Column and diagonal sums of sampled weights [N, R, S] and their largest single entries (w^max).
+
+    offsets [N, R, S] are the cells' diagonal offsets. Returns w_v, v_max [N, S] and w_s, s_max
+    [N, num_offsets] (Alg. 5 line 5; w^max per spec §3.2.4)."""
+    N = weights.shape[0]
+    w_v = weights.sum(dim=1)
+    v_max = weights.amax(dim=1)
+    flat_w, flat_d = weights.reshape(N, -1), offsets.reshape(N, -1)
+    w_s = weights.new_zeros(N, num_offsets).scatter_add_(1, flat_d, flat_w)
+    s_max = weights.new_zeros(N, num_offsets).scatter_reduce_(1, flat_d, flat_w, "amax", include_self=True)
+    return w_v, v_max, w_s, s_max
+
+
+def line_mask(keys: Keys, vertical: torch.Tensor, slash: torch.Tensor, per_query_head: bool,
+              rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Cells of the selected lines, restricted to the causal region (spec §3.2.6).
+
+    vertical [N, S] bool over key entries; slash [N, num_offsets] bool over offsets. Returns
+    [B, Hq or H, R, S]: per query head when per_query_head, else per KV head."""
+    B, Hq = keys.q.shape[:2]
+    H, G = keys.k.shape[1], keys.group
+    units = Hq if per_query_head else H
+    G_units = units // H
+    visible = keys.visible(rows)  # [B, H, R, S]
+    offsets = keys.offsets(rows).clamp_max(slash.shape[1] - 1)
+    R, S = visible.shape[2:]
+    # The group's query heads share a KV head's offsets: index their slash rows without copying them.
+    slash = slash.view(B, H, G_units, -1)
+    on_slash = slash.gather(3, offsets.reshape(B, H, 1, R * S).expand(B, H, G_units, R * S))
+    mask = visible[:, :, None] & (vertical.view(B, H, G_units, 1, S) | on_slash.view(B, H, G_units, R, S))
+    return mask.view(B, units, R, S)
+
+
+def blockwise_attention(keys: Keys, mask_fn, scale: float | None = None, block_rows: int = 512):
+    """Attention of every new row over the cells mask_fn(rows) -> [B, U, R, S] (U = Hq: a mask per
+    query head; U = H: one per KV head), renormalised over them, in blocks of rows so the mask never
+    exists for the whole chunk at once (4K x 4K x heads would not fit a CPU's cache, or a GPU's memory
+    at 128K). Returns out [B, Hq, T, D] and the computed and causal cell counts per unit [B, U]."""
+    B, Hq, T, D = keys.q.shape
+    H, G = keys.k.shape[1], keys.group
+    out = torch.empty_like(keys.q)
+    computed = causal = None
+    for r0 in range(0, T, block_rows):
+        rows = torch.arange(r0, min(T, r0 + block_rows), device=keys.q.device)
+        mask = mask_fn(rows)
+        R, S = mask.shape[2:]
+        U = mask.shape[1]
+        q = keys.q[:, :, rows].reshape(B, H, G * R, D)
+        if U == Hq:
+            folded = mask.reshape(B, H, G * R, S)
+        else:
+            folded = mask[:, :, None].expand(B, H, G, R, S).reshape(B, H, G * R, S)
+        out[:, :, rows] = F.scaled_dot_product_attention(q, keys.k, keys.v, attn_mask=folded, scale=scale).view(B, Hq, R, D)
+        visible = keys.visible(rows)
+        if U != H:
+            visible = visible.repeat_interleave(U // H, dim=1)
+        c, v = mask.sum(dim=(2, 3)).double(), visible.sum(dim=(2, 3)).double()
+        computed, causal = (c, v) if computed is None else (computed + c, causal + v)
+    return out, computed, causal

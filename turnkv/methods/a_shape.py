@@ -1,0 +1,34 @@
+"""A-shape prefill (the LoopServe paper's baseline, from MInference): every row reads the first
+`sink` positions and the `local` positions up to itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from turnkv.attention.lines import Keys
+from turnkv.methods.pattern_hook import fixed_pattern
+from turnkv.methods.registry import register
+
+
+def a_shape_mask(keys: Keys, rows: torch.Tensor, sink: int, local: int) -> torch.Tensor:
+    """[B, H, R, S]: causal cells whose key position is < sink or within `local` of the row."""
+    delta = keys.q_pos[:, None, rows, None] - keys.k_pos[:, :, None, :]
+    return keys.visible(rows) & ((keys.k_pos[:, :, None, :] < sink) | (delta < local))
+
+
+@register("prefill", "a_shape")
+@dataclass
+class AShape:
+    """A-shape prefill: sink keys + a local window per row (128 + 4096)."""
+
+    sink: int = 128
+    local: int = 4096
+
+    def __post_init__(self):
+        if self.sink < 0 or self.local < 1:
+            raise ValueError("sink must be >= 0 and local >= 1 (a row always reads itself)")
+
+    def attend(self, layer: int, keys: Keys):
+        return fixed_pattern(layer, keys, lambda rows: a_shape_mask(keys, rows, self.sink, self.local))

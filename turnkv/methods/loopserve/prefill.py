@@ -1,0 +1,140 @@
+"""LoopServe's prefill axis: online vertical/slash line selection per layer and head (Algorithm 5),
+then the chunk's attention over only the selected lines (spec loopserve.md §3.2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from turnkv.attention import lines
+from turnkv.methods.loopserve.greedy import chosen, greedy
+from turnkv.methods.pattern_hook import clock as _clock
+from turnkv.methods.registry import register
+
+_FORCED = 1e9  # added to a forced line's sort key so it sorts first; sums never come near it
+
+
+@register("prefill", "loopserve")
+@dataclass
+class LoopServePrefill:
+    """LoopServe adaptive vertical/slash prefill lines (Alg. 5).
+
+    alpha: sampled attention mass the lines must recover (0.955 in the paper's main table).
+    samples: query rows sampled per chunk (48); sampling: "random" (seeded, without replacement) or
+    "strided" (evenly spaced). wmax: the overlap bound w^max, "max" (largest entry of the line on the
+    sample, spec §10.2) or "zero" (no overlap correction). lengths: "full" (cells in the whole chunk,
+    the compute cost) or "sampled" (cells on the sampled rows). compare: "normalised" (gain per new
+    cell, the listing) or "raw" (the §5.1 prose). force_sink: key positions below it are forced
+    vertical lines; force_local: offsets below it are forced slash lines (1: the diagonal, which keeps
+    every row's key set non-empty). max_lines: cap per head, None for none. granularity: "query"
+    (lines per query head) or "kv" (per KV head, from the group's summed attention). profile: time the
+    stages (synchronises the GPU between them)."""
+
+    alpha: float = 0.955
+    samples: int = 48
+    seed: int = 0
+    sampling: str = "random"
+    wmax: str = "max"
+    lengths: str = "full"
+    compare: str = "normalised"
+    force_sink: int = 0
+    force_local: int = 1
+    max_lines: int | None = None
+    granularity: str = "query"
+    profile: bool = True
+
+    def __post_init__(self):
+        choices = dict(sampling=("random", "strided"), wmax=("max", "zero"), lengths=("full", "sampled"),
+                       compare=("normalised", "raw"), granularity=("query", "kv"))
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
+        if not 0 < self.alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], not {self.alpha}")
+        if self.samples < 1 or self.force_sink < 0 or self.force_local < 0:
+            raise ValueError("samples must be >= 1, force_sink and force_local >= 0")
+        if self.max_lines is not None and self.max_lines < 1:
+            raise ValueError("max_lines must be >= 1 or None")
+
+    # ---- the stages -------------------------------------------------------------------------------
+    def sample_rows(self, num_rows: int, layer: int, first_position: int, device) -> torch.Tensor:
+        """Alg. 5 line 1: the sampled rows of the chunk, ascending. Seeded by (seed, layer, chunk start)
+        so a run is reproducible and layers do not share one sample."""
+        if num_rows <= self.samples:
+            return torch.arange(num_rows, device=device)
+        if self.sampling == "strided":
+            rows = torch.linspace(0, num_rows - 1, self.samples).round().long()
+        else:
+            gen = torch.Generator().manual_seed(hash((self.seed, layer, first_position)) & 0x7FFFFFFF)
+            rows = torch.randperm(num_rows, generator=gen)[: self.samples].sort().values
+        return rows.to(device)
+
+    def select(self, keys: lines.Keys, layer: int, times: dict | None = None):
+        """Alg. 5 lines 1-17 for every unit of the layer at once. Returns the selected vertical [N, S] and
+        slash [N, num_offsets] lines, the sampled weights per unit [B, U, R, S], the sampled rows, the
+        greedy's mass estimate [N] and the sampled mass [N]. `times` gets the clock after Random-Select."""
+        B, Hq, T, _ = keys.q.shape
+        H, G = keys.k.shape[1], keys.group
+        per_q = self.granularity == "query"
+        U = Hq if per_q else H
+        q_start, q_end = keys.first_position, keys.end_position
+        rows = self.sample_rows(T, layer, q_start, keys.q.device)
+        R = len(rows)
+        weights = lines.sample_weights(keys, rows)  # [B, Hq, R, S]
+        if not per_q:
+            weights = weights.view(B, H, G, R, -1).sum(dim=2)
+        weights = weights.reshape(B * U, R, -1)
+        offsets = lines.per_unit(keys.offsets(rows), G, per_q)
+        num_offsets = q_end
+        w_v, v_max, w_s, s_max = lines.line_sums(weights, offsets, num_offsets)
+        if self.wmax == "zero":
+            v_max, s_max = torch.zeros_like(v_max), torch.zeros_like(s_max)
+        if times is not None:
+            times["random_select"] = _clock(keys.q.device, self.profile)
+
+        k_pos = lines.per_unit(keys.k_pos, G, per_q)  # [N, S]
+        valid = lines.per_unit(keys.valid, G, per_q) if keys.valid is not None else torch.ones_like(k_pos, dtype=torch.bool)
+        delta = torch.arange(num_offsets, device=k_pos.device)
+        if self.lengths == "full":  # §3.2.2: rows p in [max(h, c), n_i)
+            l_v = (q_end - k_pos.clamp_min(q_start)).float()
+            l_s = (q_end - delta.clamp_min(q_start)).float().expand(B * U, -1)
+        else:
+            q_rows = keys.q_pos[:, rows]  # [B, R]
+            q_rows = q_rows.repeat_interleave(U, dim=0)  # [N, R]
+            l_v = (q_rows[:, :, None] >= k_pos[:, None, :]).sum(dim=1).float()
+            l_s = (q_rows[:, :, None] >= delta[None, None, :]).sum(dim=1).float()
+
+        forced_v = valid & (k_pos < self.force_sink)
+        forced_s = (delta < self.force_local).expand(B * U, -1)
+        key_v = torch.where(valid, w_v + forced_v * _FORCED, float("-inf"))
+        order_v = key_v.argsort(dim=1, descending=True, stable=True)
+        order_s = (w_s + forced_s * _FORCED).argsort(dim=1, descending=True, stable=True)
+        sv = lambda x: x.gather(1, order_v)  # noqa: E731
+        ss = lambda x: x.gather(1, order_s)  # noqa: E731
+        mass = weights.sum(dim=(1, 2))  # = R (or G * R per KV head): softmax rows sum to 1
+        n_s = torch.full((B * U,), num_offsets, device=mass.device)
+        i, j, estimate = greedy(ss(w_s), ss(s_max), ss(l_s), n_s, sv(w_v), sv(v_max), sv(l_v), valid.sum(dim=1),
+                                self.alpha * mass, forced_s.sum(dim=1), forced_v.sum(dim=1),
+                                normalised=self.compare == "normalised", max_lines=self.max_lines)
+        return chosen(order_v, j), chosen(order_s, i), weights.view(B, U, R, -1), rows, estimate, mass
+
+    def attend(self, layer: int, keys: lines.Keys):
+        """The chunk's attention over its selected lines, and the stage statistics of this layer."""
+        per_q = self.granularity == "query"
+        device = keys.q.device
+        t0 = _clock(device, self.profile)
+        B, U = keys.q.shape[0], keys.q.shape[1] if per_q else keys.k.shape[1]
+        times = {}
+        vertical, slash, weights, rows, estimate, mass = self.select(keys, layer, times)
+        t2 = _clock(device, self.profile)
+        out, computed, causal = lines.blockwise_attention(
+            keys, lambda r: lines.line_mask(keys, vertical, slash, per_q, r))
+        t3 = _clock(device, self.profile)
+        covered = (weights * lines.line_mask(keys, vertical, slash, per_q, rows)).sum(dim=(2, 3))
+        stats = dict(layer=layer, computed=computed, causal=causal,
+                     vertical=vertical.sum(dim=1).view(B, U), slash=slash.sum(dim=1).view(B, U),
+                     recovered=covered / mass.view(B, U), estimated=estimate.view(B, U) / mass.view(B, U),
+                     time_random_select=times["random_select"] - t0, time_search=t2 - times["random_select"],
+                     time_sparse_attention=t3 - t2)
+        return out, stats

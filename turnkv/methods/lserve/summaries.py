@@ -1,0 +1,88 @@
+"""Per logical page (16 tokens) and channel, the min and max of the post-RoPE keys, kept beside the
+pool's pages: what the page selector scores instead of reading the keys (Quest / LServe §3.5).
+
+Stats live per pool page ([layers, pool pages, page_size // logical_page, D]), so they follow a
+page wherever the sequence tables put it and cost nothing to look up per conversation. Pool pages
+must hold whole logical pages (page_size % logical_page == 0): with the default 16-token pool page,
+one logical page per pool page.
+
+Kept current by `update` on every K write (the engine calls it right after PagePool.write with the
+same slots), which resets a logical page when its first token is written. Tokens are appended in
+order, so a page's first token always comes before the others. After anything that moves or drops
+tokens (SequenceKV.keep, truncate, a restore from the state tiers) call `rebuild_sequence`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from turnkv.kv.pool import PagePool
+
+
+class PageSummaries:
+    def __init__(self, pool: PagePool, logical_page: int = 16):
+        if logical_page < 1 or pool.page_size % logical_page:
+            raise ValueError(f"pool pages of {pool.page_size} tokens must hold whole logical pages of "
+                             f"{logical_page}; use a pool page size that is a multiple of {logical_page}")
+        self.pool, self.logical_page = pool, logical_page
+        self.per_page = pool.page_size // logical_page
+        rows = pool.num_pages * self.per_page
+        # One scratch row past the end takes the resets of writes that start no page, so update()
+        # needs no boolean indexing (no host sync on a GPU).
+        shape = (pool.num_layers, rows + 1, pool.head_dim)
+        self.kmax = torch.full(shape, float("-inf"), dtype=pool.dtype, device=pool.device)
+        self.kmin = torch.full(shape, float("inf"), dtype=pool.dtype, device=pool.device)
+        self._scratch = rows
+
+    def bytes(self) -> int:
+        return 2 * self.kmax[:, :-1].numel() * self.kmax.element_size()
+
+    def update(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
+        """Fold keys k [n, D] written at flat pool slots [n] (page * page_size + offset), in write order."""
+        rows = slots // self.logical_page
+        starts = (slots % self.logical_page) == 0
+        reset = torch.where(starts, rows, torch.full_like(rows, self._scratch))
+        kmax, kmin = self.kmax[layer], self.kmin[layer]
+        kmax.index_fill_(0, reset, float("-inf"))
+        kmin.index_fill_(0, reset, float("inf"))
+        index = rows[:, None].expand(-1, k.shape[1])
+        kmax.scatter_reduce_(0, index, k.to(kmax.dtype), "amax", include_self=True)
+        kmin.scatter_reduce_(0, index, k.to(kmin.dtype), "amin", include_self=True)
+
+    def rebuild(self, layer: int, pages: torch.Tensor, counts: torch.Tensor) -> None:
+        """Recompute the stats of pool `pages` [n] from the pool's keys; page i holds counts[i] tokens."""
+        ps, lp, D = self.pool.page_size, self.logical_page, self.pool.head_dim
+        pages = torch.as_tensor(pages, dtype=torch.int64, device=self.pool.device)
+        counts = torch.as_tensor(counts, dtype=torch.int64, device=self.pool.device)
+        if pages.numel() == 0:
+            return
+        keys = self.pool.k[layer].index_select(0, pages).to(self.kmax.dtype)  # [n, ps, D]
+        valid = (torch.arange(ps, device=pages.device) < counts[:, None])[..., None]
+        shape = (len(pages), self.per_page, lp, D)
+        kmax = keys.masked_fill(~valid, float("-inf")).view(shape).amax(2)
+        kmin = keys.masked_fill(~valid, float("inf")).view(shape).amin(2)
+        rows = (pages[:, None] * self.per_page + torch.arange(self.per_page, device=pages.device)).reshape(-1)
+        self.kmax[layer].index_copy_(0, rows, kmax.reshape(-1, D))
+        self.kmin[layer].index_copy_(0, rows, kmin.reshape(-1, D))
+
+    def rebuild_sequence(self, seq, layers=None) -> None:
+        """Recompute every page a SequenceKV holds (after keep / truncate / restore)."""
+        ps = self.pool.page_size
+        for layer in (range(self.pool.num_layers) if layers is None else layers):
+            num_pages, lengths = seq.num_pages[layer], seq.lengths[layer]
+            heads = np.repeat(np.arange(len(num_pages)), num_pages)
+            index = np.arange(heads.size) - np.repeat(np.cumsum(num_pages) - num_pages, num_pages)
+            pages = seq.table[layer, heads, index]
+            counts = np.clip(lengths[heads] - index * ps, 0, ps)
+            self.rebuild(layer, torch.from_numpy(pages), torch.from_numpy(counts))
+
+    def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stats of the pages in tables [B, H, P] -> kmax, kmin [B, H, P * per_page, D], in table order
+        (logical page j of a head covers its tokens [16 j, 16 j + 16))."""
+        B, H, P = tables.shape
+        rows = tables.long()[..., None] * self.per_page + torch.arange(self.per_page, device=tables.device)
+        rows = rows.reshape(-1)
+        shape = (B, H, P * self.per_page, self.pool.head_dim)
+        return (self.kmax[layer].index_select(0, rows).view(shape),
+                self.kmin[layer].index_select(0, rows).view(shape))

@@ -1,0 +1,82 @@
+"""How a recipe's prefill pattern reaches the engine, and the per-turn statistics it leaves.
+
+The recipe's prefill component is shared by every conversation that uses it; PatternHook binds it to
+one conversation's MethodState, so the statistics of each layer land with that conversation. The
+engine's Step calls the hook per layer with the chunk's queries and keys (lines.Keys); the hook
+returns the attention output [B, Hq, T, D]."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from turnkv.attention.lines import Keys
+
+
+def clock(device: torch.device, sync: bool = True) -> float:
+    """Seconds, after the device's queued work when sync (stage timings on a GPU need it)."""
+    if sync and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def fixed_pattern(layer: int, keys: Keys, mask_fn) -> tuple[torch.Tensor, dict]:
+    """Attention of a pattern that needs no selection (A-shape, Tri-shape), with its statistics."""
+    from turnkv.attention.lines import blockwise_attention
+
+    t0 = clock(keys.q.device)
+    out, computed, causal = blockwise_attention(keys, mask_fn)
+    return out, dict(layer=layer, computed=computed, causal=causal, time_sparse_attention=clock(keys.q.device) - t0)
+
+
+class PatternHook:
+    def __init__(self, method, sink: list):
+        self.method, self.sink = method, sink
+
+    def __call__(self, layer: int, keys: Keys) -> torch.Tensor:
+        out, stats = self.method.attend(layer, keys)
+        self.sink.append(stats)
+        return out
+
+
+def summarise(stats: list[dict], num_layers: int) -> dict:
+    """One turn's layer entries (several per layer when the prompt was prefilled in chunks) ->
+    density (computed / causal cells over every layer, head and chunk), per-layer density, lines per
+    head (summed over chunks), the mass recovered on the sample (LoopServe), and seconds per stage."""
+    computed = np.zeros(num_layers)
+    causal = np.zeros(num_layers)
+    out: dict = {}
+    per_layer: dict[str, list] = {}
+    times: dict[str, float] = {}
+    recovered, estimated = [], []
+    for entry in stats:
+        layer = entry["layer"]
+        computed[layer] += float(entry["computed"].sum())
+        causal[layer] += float(entry["causal"].sum())
+        for kind in ("vertical", "slash"):
+            if kind in entry:
+                counts = per_layer.setdefault(kind, [None] * num_layers)
+                value = entry[kind].cpu().numpy().astype(np.int64)
+                counts[layer] = value if counts[layer] is None else counts[layer] + value
+        if "recovered" in entry:
+            recovered.append(entry["recovered"].float().cpu().numpy())
+            estimated.append(entry["estimated"].float().cpu().numpy())
+        for key, value in entry.items():
+            if key.startswith("time_"):
+                times[key] = times.get(key, 0.0) + value
+    out["density"] = float(computed.sum() / max(causal.sum(), 1))
+    out["density_per_layer"] = (computed / np.maximum(causal, 1)).tolist()
+    for kind, counts in per_layer.items():
+        # [layers][batch][heads] -> [layers][heads] for the single sequence a prefill runs
+        out[f"{kind}_lines"] = [c[0].tolist() if c is not None else None for c in counts]
+    if "vertical" in per_layer and "slash" in per_layer:
+        out["lines_per_head"] = [(v[0] + s[0]).tolist() if v is not None else None
+                                 for v, s in zip(per_layer["vertical"], per_layer["slash"])]
+    if recovered:
+        out["recovered_mass"] = float(np.mean([r.mean() for r in recovered]))
+        out["recovered_mass_min"] = float(min(r.min() for r in recovered))
+        out["estimated_mass"] = float(np.mean([e.mean() for e in estimated]))
+    out.update(times)
+    return out
