@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import shlex
 import sys
 from pathlib import Path
@@ -28,21 +29,25 @@ def add_quality_parser(sub) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--kv-memory", default=None)
-    p.add_argument("--tasks", default="needle_qa,kv_retrieval,preferences,instructions,fewshot")
+    # Flags a preset can set default to None here; quality_presets.apply fills them in.
+    p.add_argument("--preset", default=None, help="named settings: smoke (the CI subset) or full (the committed run)")
+    p.add_argument("--tasks", default=None, help="comma-separated task names (default: all five)")
     p.add_argument("--data", action="append", default=[], help="FORMAT:PATH of a public data file (repeatable)")
-    p.add_argument("--recipes", default="snapkv,ada-snapkv", help="comma-separated presets or recipe strings")
-    p.add_argument("--policies", default="recompress", help="turn policies crossed with every evicting recipe")
+    p.add_argument("--recipes", default=None, help="comma-separated presets or recipe strings (default: snapkv,ada-snapkv)")
+    p.add_argument("--policies", default=None, help="turn policies crossed with every evicting recipe (default: recompress)")
     p.add_argument("--budget", type=int, default=None, help="tokens per KV head for every evicting recipe")
     p.add_argument("--keep-ratio", default=None, help="fraction kept; a comma list sweeps several budgets")
-    p.add_argument("--positions", default="begin,middle,end")
-    p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--n", type=int, default=2, help="instances per task")
-    p.add_argument("--context-tokens", type=int, default=300)
-    p.add_argument("--difficulty", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--positions", default=None, help="default: begin,middle,end")
+    p.add_argument("--turns", type=int, default=None, help="default: 3")
+    p.add_argument("--n", type=int, default=None, help="instances per task (default: 2)")
+    p.add_argument("--context-tokens", type=int, default=None, help="default: 300")
+    p.add_argument("--difficulty", type=int, default=None, help="default: 1")
+    p.add_argument("--seed", type=int, default=None, help="default: 0")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: 48")
     p.add_argument("--no-fidelity", action="store_true")
-    p.add_argument("--out", default="benchmarks/quality/latest")
+    p.add_argument("--report-only", action="store_true",
+                   help="write the report from what --out/results.jsonl holds (a partial run too), running nothing")
+    p.add_argument("--out", default=None, help="default: benchmarks/quality/latest, or the preset's folder")
     p.set_defaults(func=cmd_quality)
 
 
@@ -101,10 +106,14 @@ def expand_recipes(args) -> dict[str, object]:
         if base.evict is None:
             out[spec] = base
             continue
+        # A recipe that names its own turn policy (the flowkv presets, "... turns=flowkv") keeps it;
+        # --policies crosses only the others, which would otherwise be silently overridden.
+        own_policy = "turns=" in spec or base.turns.name != Recipe().turns.name
+        policies = [None] if own_policy else _split(args.policies)
         for ratio in ratios:
-            for policy in _split(args.policies):
-                overrides = dict(amounts) | ({"keep_ratio": ratio} if ratio else {}) | {"turns": policy}
-                label = spec + (f"@{policy}" if len(_split(args.policies)) > 1 else "") + (f"@{ratio}" if ratio else "")
+            for policy in policies:
+                overrides = dict(amounts) | ({"keep_ratio": ratio} if ratio else {}) | ({"turns": policy} if policy else {})
+                label = spec + (f"@{policy}" if policy and len(policies) > 1 else "") + (f"@{ratio}" if ratio else "")
                 out[label] = base.with_overrides(overrides)
     out.pop("full", None)
     return out
@@ -114,21 +123,26 @@ def cmd_quality(args) -> int:
     from turnkv import LLM
     from turnkv.bench.datasets.loaders import load
     from turnkv.bench.datasets.tasks import generate
-    from turnkv.bench.quality import QualityConfig, run_quality
+    from turnkv.bench.quality import QualityConfig, load_results, run_quality
+    from turnkv.bench.quality_presets import apply
     from turnkv.bench.report import write_report
 
+    apply(args)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory)
-    instances = []
-    for task in _split(args.tasks):
-        instances += generate(task, n=args.n, seed=args.seed, turns=args.turns, context_tokens=args.context_tokens,
-                              difficulty=args.difficulty, tokenizer=llm.tokenizer)
+    per_task = [generate(task, n=args.n, seed=args.seed, turns=args.turns, context_tokens=args.context_tokens,
+                         difficulty=args.difficulty, tokenizer=llm.tokenizer) for task in _split(args.tasks)]
+    # Instance i of every task before instance i+1 of any: a run stopped part-way covers every task.
+    instances = [inst for group in itertools.zip_longest(*per_task) for inst in group if inst is not None]
     for item in args.data:
         fmt, _, path = item.partition(":")
         instances += load(fmt, path)
     config = QualityConfig(recipes=expand_recipes(args), positions=tuple(_split(args.positions)),
                            max_new_tokens=args.max_new_tokens, fidelity=not args.no_fidelity)
     out = Path(args.out)
-    records = run_quality(llm, instances, config, out / "results.jsonl")
+    if args.report_only:
+        records = [r for rs in load_results(out / "results.jsonl").values() for r in rs]
+    else:
+        records = run_quality(llm, instances, config, out / "results.jsonl")
     header = {"model": llm.name, "command": "turnkv bench quality " + " ".join(shlex.quote(a) for a in sys.argv[3:]),
               "settings": {k: v for k, v in vars(args).items() if k != "func"},
               "recipes": {name: str(r) for name, r in config.recipes.items()}}

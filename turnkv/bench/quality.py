@@ -38,7 +38,7 @@ def run_quality(llm, instances: list[Instance], config: QualityConfig, results_p
     """Run every (instance, position, recipe), appending one record per turn to results_path."""
     results_path = Path(results_path)
     results_path.parent.mkdir(parents=True, exist_ok=True)
-    done = _load(results_path)
+    done = load_results(results_path)
     recipes = {FULL: "full", **config.recipes}
     jobs = [(inst.with_position(p), p, name) for inst in instances for p in config.positions for name in recipes]
     reference: dict = {}  # the full-cache run of the current instance: its tokens and log-probs
@@ -104,7 +104,7 @@ def _forced_run(llm, inst: Instance, recipe, answers: list[list[int]]) -> list:
         conv.close()
 
 
-def _load(path: Path) -> dict[tuple[str, str], list[dict]]:
+def load_results(path: Path) -> dict[tuple[str, str], list[dict]]:
     done: dict[tuple[str, str], list[dict]] = {}
     if not path.exists():
         return done
