@@ -187,11 +187,14 @@ def test_str_round_trips_every_on_other_schedules():
 def test_every_preset_builds():
     table = presets()
     assert list(table) == list(PRESET_DOCS)
-    assert len(table) == 20
+    assert len(table) == 25
     # The prefill-pattern and decode-selection presets: (prefill, decode) per name, nothing evicted.
     patterns = {"loopserve": ("loopserve", "loopserve"), "loopserve-p": ("loopserve", "all"),
                 "loopserve-d": ("dense", "loopserve"), "a-shape": ("a_shape", "all"),
-                "tri-shape": ("tri_shape", "all"), "minference": ("minference", "all")}
+                "tri-shape": ("tri_shape", "all"), "minference": ("minference", "all"),
+                "quest": ("dense", "quest"), "duo-attention": ("streaming_heads", "all"),
+                "lserve": ("streaming_heads", "lserve"), "lserve-static": ("streaming_heads", "all"),
+                "lserve-dynamic": ("dense", "lserve")}
     scorers = {"streaming-llm": "streaming_llm", "h2o": "h2o", "snapkv": "snapkv", "pyramidkv": "pyramidkv",
                "tova": "tova", "knorm": "knorm", "expected-attention": "expected_attention", "random": "random",
                "ada-snapkv": "snapkv", "ada-pyramidkv": "pyramidkv", "ada-expected-attention": "expected_attention",
@@ -304,12 +307,16 @@ def test_describe_lists_every_component_with_its_defaults():
         by_axis.setdefault(row["axis"], []).append(row["name"])
         assert row["doc"], row
     assert list(by_axis) == list(registry.AXES)
-    assert by_axis == {"prefill": ["a_shape", "dense", "loopserve", "minference", "tri_shape"], "scorer": SCORERS,
-                       "allocator": ALLOCATORS, "turns": TURNS, "decode": ["all", "loopserve"], "state": ["gpu", "krul", "krul_fix", "load", "minicache", "partial", "recompute"]}
+    assert by_axis == {"prefill": ["a_shape", "dense", "loopserve", "minference", "streaming_heads", "tri_shape"], "scorer": SCORERS,
+                       "allocator": ALLOCATORS, "turns": TURNS, "decode": ["all", "loopserve", "lserve", "quest"], "state": ["gpu", "krul", "krul_fix", "load", "minicache", "partial", "recompute"]}
     params = {(r["axis"], r["name"]): r["params"] for r in rows}
     assert params[("decode", "loopserve")] == {"budget": 1024, "interval": 16, "warmup": 16, "window": None,
                                                "granularity": "query", "sinks": 0}
     assert params[("prefill", "a_shape")] == {"sink": 128, "local": 4096}
+    assert params[("prefill", "streaming_heads")] == {"pattern": None, "ratio": None, "sink": 128, "local": 256,
+                                                      "prefill_local": 8192}
+    assert params[("decode", "lserve")] == {"budget": 4096, "physical_page": 64, "logical_page": 16, "reuse": 4,
+                                            "group": "query"}
     assert params[("prefill", "loopserve")]["alpha"] == 0.955 and params[("prefill", "loopserve")]["samples"] == 48
     assert params[("scorer", "snapkv")] == {"window": 32, "kernel": 7, "pooling": "max"}
     assert params[("scorer", "pyramidkv")] == {"window": 32, "kernel": 7, "pooling": "max", "beta": 20}

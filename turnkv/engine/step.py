@@ -30,6 +30,9 @@ class Step:
         self.pattern = pattern if num_new > 1 else None
         self.selectors = selectors if selectors and any(s is not None for s in selectors) else None
         self.observers = self.selectors
+        # Selectors that keep statistics beside the pages (LServe's per-page key min/max) see every K
+        # write of their sequence, prefill and decode: `written(layer, seq, slots, k)`.
+        self.writers = [(b, s) for b, s in enumerate(self.observers or []) if hasattr(s, "written")]
         self.seqs = seqs
         # Observation for the methods: per sequence a QueryWindow (or None), and whether to add each
         # query's attention weights to the attention mass stored beside the keys (H2O).
@@ -70,7 +73,12 @@ class Step:
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B, T, Hq, D = q.shape
-        self.pool.write(layer, self.slots[layer], k.transpose(1, 2).reshape(-1, D), v.transpose(1, 2).reshape(-1, D))
+        flat_k = k.transpose(1, 2).reshape(-1, D)
+        self.pool.write(layer, self.slots[layer], flat_k, v.transpose(1, 2).reshape(-1, D))
+        if self.writers:
+            n = flat_k.shape[0] // B  # the slots are in (sequence, head, token) order
+            for b, sel in self.writers:
+                sel.written(layer, self.seqs[b], self.slots[layer][b * n : (b + 1) * n], flat_k[b * n : (b + 1) * n])
         if self.windows is not None:
             for b, window in enumerate(self.windows):
                 if window is not None:

@@ -30,6 +30,9 @@ class SequenceKV:
         # Bumped whenever pages are released: table columns below num_pages may then be refilled with
         # other page ids, so a copy of the table kept elsewhere (the CUDA-graph step's) is stale.
         self.shrinks = 0
+        # Per (layer, head): bumped whenever the head's tokens move or go (keep, truncate, free), not on
+        # appends. Statistics kept beside the pages (LServe's key min/max) rebuild only these heads.
+        self.moves = np.zeros((L, H), dtype=np.int64)
 
     # ---- accounting -------------------------------------------------------------------------
     def tokens(self) -> int:
@@ -105,6 +108,7 @@ class SequenceKV:
         needed = -(-lengths // ps)
         self._place_pages(needed, self.pool.allocate(needed.sum(axis=1).tolist()))
         self.lengths = lengths.copy()
+        self.moves += 1  # written behind the page statistics' back (a restore)
         self.next_position = int(next_position)
         # Slots are computed on the pool's device: a 32K-token history has millions of them.
         device = self.pool.device
@@ -184,6 +188,7 @@ class SequenceKV:
             raise ValueError(f"keep needs one index tensor per KV head ({H}), got {len(keep)}")
         table = self.device_table()[layer]
         src, dst, counts = [], [], []
+        moved = np.zeros(H, dtype=bool)
         for head, idx in enumerate(keep):
             idx = torch.as_tensor(idx, device=self.pool.device)
             if idx.numel() and (idx.is_floating_point() or idx.is_complex()):
@@ -191,21 +196,26 @@ class SequenceKV:
             idx = idx.to(torch.int64).sort().values
             if idx.numel() and (idx[0] < 0 or idx[-1] >= self.lengths[layer, head] or (idx[1:] == idx[:-1]).any()):
                 raise ValueError(f"layer {layer} head {head}: keep indices must be unique and in [0, {self.lengths[layer, head]})")
+            counts.append(idx.numel())
+            if idx.numel() == self.lengths[layer, head] and (idx.numel() == 0 or int(idx[-1]) == idx.numel() - 1):
+                continue  # kept whole (a dense head beside trimmed streaming heads): nothing moves
+            moved[head] = True
             target = torch.arange(idx.numel(), device=self.pool.device)
             src.append(table[head, idx // ps] * ps + idx % ps)
             dst.append(table[head, target // ps] * ps + target % ps)
-            counts.append(idx.numel())
-        src, dst = torch.cat(src), torch.cat(dst)
-        for pool_tensor in (self.pool.k, self.pool.v):
-            flat = pool_tensor[layer].view(-1, D)
-            flat.index_copy_(0, dst, flat.index_select(0, src))  # index_select copies first: safe overlap
-        for per_token in (self.pool.positions, self.pool.attention_mass):
-            flat = per_token[layer].view(-1)
-            flat.index_copy_(0, dst, flat.index_select(0, src))
-        self._shrink(layer, np.asarray(counts, dtype=np.int64))
+        if src:
+            src, dst = torch.cat(src), torch.cat(dst)
+            for pool_tensor in (self.pool.k, self.pool.v):
+                flat = pool_tensor[layer].view(-1, D)
+                flat.index_copy_(0, dst, flat.index_select(0, src))  # index_select copies first: safe overlap
+            for per_token in (self.pool.positions, self.pool.attention_mass):
+                flat = per_token[layer].view(-1)
+                flat.index_copy_(0, dst, flat.index_select(0, src))
+        self._shrink(layer, np.asarray(counts, dtype=np.int64), moved)
 
-    def _shrink(self, layer: int, new_lengths: np.ndarray) -> None:
+    def _shrink(self, layer: int, new_lengths: np.ndarray, moved: np.ndarray | None = None) -> None:
         self.shrinks += 1
+        self.moves[layer] += (new_lengths < self.lengths[layer]) if moved is None else moved
         keep_pages = -(-new_lengths // self.pool.page_size)
         for head in range(self.pool.num_kv_heads):
             self.pool.release(layer, self.table[layer, head, keep_pages[head] : self.num_pages[layer, head]])

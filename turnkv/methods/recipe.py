@@ -138,7 +138,11 @@ class Recipe:
     # ---- engine hooks -----------------------------------------------------------------------------
     def new_state(self, num_layers: int) -> MethodState:
         window = self.evict.scorer.window if self.evict is not None else 0
+        if hasattr(self.prefill, "bind"):
+            self.prefill.bind(num_layers)
         decode = self.decode.new_state(num_layers) if self.selects_decode else None
+        if decode is not None and hasattr(decode, "static") and self.static_sparsity is not None:
+            decode.static = self.static_sparsity  # LServe: streaming heads never select
         return MethodState(self.state.query_window(num_layers, window), decode=decode)
 
     @property
@@ -155,6 +159,15 @@ class Recipe:
         """The decode axis reads a selection of the kept tokens rather than all of them."""
         return hasattr(self.decode, "new_state")
 
+    @property
+    def static_sparsity(self):
+        """The streaming-heads component (its `trim` keeps their sink + local), or None."""
+        return self.prefill if hasattr(self.prefill, "trim") else None
+
+    def _trim(self, kv) -> None:
+        if self.static_sparsity is not None:
+            self.static_sparsity.trim(kv)
+
     def pattern_hook(self, st: MethodState):
         """What runner.prefill's `pattern` gets for this conversation (None: dense prefill)."""
         return PatternHook(self.prefill, st.pattern_stats) if self.sparse_prefill else None
@@ -167,16 +180,19 @@ class Recipe:
             st.pattern_stats.clear()
         if self._scheduled("prefill"):
             self._compress(kv, st, self.turns.span_end(segment_end, kv.next_position), inv_freq, turn, "prefill")
+        self._trim(kv)
 
     def after_context(self, kv, st: MethodState, context_end: int, inv_freq, turn: int) -> None:
         if self._scheduled("context"):
             self._compress(kv, st, context_end, inv_freq, turn, "context")
+        self._trim(kv)
 
     def after_decode_step(self, kv, st: MethodState, inv_freq, turn: int) -> None:
         if self._scheduled("decode"):
             st.since_compression += 1
             if st.since_compression >= self.evict.every:
                 self._compress(kv, st, kv.next_position, inv_freq, turn, "decode")
+        self._trim(kv)
 
     def at_turn_end(self, kv, st: MethodState, inv_freq, turn: int) -> None:
         if st.decode is not None:
@@ -225,6 +241,11 @@ def _preset_table() -> dict[str, dict[str, str]]:
         "a-shape": {"prefill": "a_shape"},
         "tri-shape": {"prefill": "tri_shape"},
         "minference": {"prefill": "minference"},
+        "quest": {"decode": "quest"},
+        "duo-attention": {"prefill": "streaming_heads"},
+        "lserve": {"prefill": "streaming_heads", "decode": "lserve"},
+        "lserve-static": {"prefill": "streaming_heads"},
+        "lserve-dynamic": {"decode": "lserve"},
     }
 
 
@@ -249,6 +270,11 @@ PRESET_DOCS = {
     "a-shape": "A-shape prefill: 128 sink + 4096 local keys per row",
     "tri-shape": "Tri-shape prefill: A-shape + dense last 128 rows",
     "minference": "MInference-style static vertical-slash prefill from the last 64 queries",
+    "quest": "Quest: 16-token pages scored by key min/max, top pages to 4096 tokens per head, every step",
+    "duo-attention": "DuoAttention: streaming heads (sink 128 + local 256, 50%) hold and read only their window",
+    "lserve": "LServe: streaming heads + hierarchical 64/16 page selection (4096 tokens, reused 4 steps) on dense heads",
+    "lserve-static": "LServe ablation: its streaming heads only (the DuoAttention component)",
+    "lserve-dynamic": "LServe ablation: its hierarchical page selection only",
 }
 
 

@@ -68,14 +68,19 @@ class PageSummaries:
 
     def rebuild_sequence(self, seq, layers=None) -> None:
         """Recompute every page a SequenceKV holds (after keep / truncate / restore)."""
-        ps = self.pool.page_size
         for layer in (range(self.pool.num_layers) if layers is None else layers):
-            num_pages, lengths = seq.num_pages[layer], seq.lengths[layer]
-            heads = np.repeat(np.arange(len(num_pages)), num_pages)
-            index = np.arange(heads.size) - np.repeat(np.cumsum(num_pages) - num_pages, num_pages)
-            pages = seq.table[layer, heads, index]
-            counts = np.clip(lengths[heads] - index * ps, 0, ps)
-            self.rebuild(layer, torch.from_numpy(pages), torch.from_numpy(counts))
+            self.rebuild_heads(seq, layer, np.arange(self.pool.num_kv_heads))
+
+    def rebuild_heads(self, seq, layer: int, heads) -> None:
+        """Recompute the pages of some KV heads of one layer of a SequenceKV (the heads that moved)."""
+        ps = self.pool.page_size
+        heads = np.asarray(heads, dtype=np.int64)
+        num_pages, lengths = seq.num_pages[layer][heads], seq.lengths[layer][heads]
+        owner = np.repeat(np.arange(len(heads)), num_pages)
+        index = np.arange(owner.size) - np.repeat(np.cumsum(num_pages) - num_pages, num_pages)
+        pages = seq.table[layer, heads[owner], index]
+        counts = np.clip(lengths[owner] - index * ps, 0, ps)
+        self.rebuild(layer, torch.from_numpy(pages), torch.from_numpy(counts))
 
     def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stats of the pages in tables [B, H, P] -> kmax, kmin [B, H, P * per_page, D], in table order

@@ -1,0 +1,177 @@
+"""The decode axis `quest` and `lserve`: page selection by per-page key min/max (Quest, LServe §3.5).
+
+Each conversation gets a PagedSelection (its SelectionState, so batched conversations keep their own
+reuse timers). The engine's Step hands it every K write (`written`), which folds the keys into the
+PageSummaries shared by every conversation of the pool; each decode step's query (`observe`); and asks
+per layer which entries to read (`entries`, engine/selection.py), which the indexed decode kernel reads.
+
+Keeping the statistics exact: appends go through `written`; anything else that moves or drops a
+head's tokens (eviction, streaming-head trimming, truncation, a restore) bumps SequenceKV.moves for
+that head, and those heads are rebuilt from the pool before their statistics are read again.
+
+Within budget (every selecting head holds at most `budget` tokens) `entries` answers None and the step
+reads the paged tables unchanged: exactly dense decode. Streaming heads (LServe with a head pattern)
+never select: they read their whole table, which the static-sparsity axis keeps at sink + local.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from turnkv.methods.lserve.selector import PageSelector, SelectionState, SelectorConfig
+from turnkv.methods.lserve.summaries import PageSummaries
+from turnkv.methods.registry import register
+
+# One PageSummaries per (pool, logical page size), made when the first conversation needs it.
+_SUMMARIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def summaries_for(pool, logical_page: int) -> PageSummaries:
+    per_pool = _SUMMARIES.setdefault(pool, {})
+    if logical_page not in per_pool:
+        per_pool[logical_page] = PageSummaries(pool, logical_page)
+    return per_pool[logical_page]
+
+
+@register("decode", "quest")
+@dataclass
+class QuestDecode:
+    """Quest: per 16-token page key min/max, top pages to the token budget every step (first layers dense).
+
+    budget: tokens each head reads (4096). page: tokens per page (16). dense_layers: layers below it
+    read everything (2, as the Quest paper)."""
+
+    budget: int = 4096
+    page: int = 16
+    dense_layers: int = 2
+
+    def __post_init__(self):
+        self.selector_config()  # checks the values
+
+    def selector_config(self) -> SelectorConfig:
+        return SelectorConfig.quest(self.budget, physical_page=self.page, logical_page=self.page,
+                                    dense_layers=self.dense_layers)
+
+    def new_state(self, num_layers: int) -> PagedSelection:
+        return PagedSelection(self.selector_config(), num_layers)
+
+
+@register("decode", "lserve")
+@dataclass
+class LServeDecode:
+    """LServe hierarchical paging: 64-token pages scored by their 16-token pages' key min/max, reused 4 steps.
+
+    budget: tokens each head reads (4096). physical_page / logical_page: 64 / 16. reuse: decode steps
+    a selection serves (4). group: "query" (select per query head, as LServe's code), "max" or "sum"
+    (per KV head, the group's scores reduced)."""
+
+    budget: int = 4096
+    physical_page: int = 64
+    logical_page: int = 16
+    reuse: int = 4
+    group: str = "query"
+
+    def __post_init__(self):
+        self.selector_config()
+
+    def selector_config(self) -> SelectorConfig:
+        return SelectorConfig(physical_page=self.physical_page, logical_page=self.logical_page,
+                              token_budget=self.budget, reuse_interval=self.reuse, group=self.group)
+
+    def new_state(self, num_layers: int) -> PagedSelection:
+        return PagedSelection(self.selector_config(), num_layers)
+
+
+class PagedSelection:
+    """One conversation's page selection; the engine calls begin() per forward step, written() and
+    observe() per layer, and entries() per layer of a decode step."""
+
+    def __init__(self, config: SelectorConfig, num_layers: int):
+        self.selector = PageSelector(config)
+        self.state = SelectionState(num_layers)
+        self.static = None  # the recipe's streaming-heads component (LServe), whose heads never select
+        self.queries: list[torch.Tensor | None] = [None] * num_layers  # the step's last query [Hq, D]
+        self._synced: list = [None] * num_layers  # (seq, its moves[layer]) when the stats last matched
+        self.steps = 0  # decode steps in this turn
+        self._selections_before = 0
+
+    @property
+    def selections(self) -> int:
+        """Fresh selections this turn (counted in the last layer, which every scheme selects in)."""
+        return self.state.selections[-1] - self._selections_before
+
+    def begin(self, decoding: bool) -> None:
+        if not decoding:  # a prefill changes the pages: a new turn selects afresh
+            self.state.invalidate()
+            self.steps, self._selections_before = 0, self.state.selections[-1]
+        else:
+            self.steps += 1
+
+    def observe(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> None:
+        self.queries[layer] = q[-1]
+
+    def written(self, layer: int, seq, slots: torch.Tensor, k: torch.Tensor) -> None:
+        summaries = summaries_for(seq.pool, self.selector.config.logical_page)
+        summaries.update(layer, slots, k)
+        self._sync(layer, seq, summaries)  # after the update: a rebuild reads the new keys too
+
+    def _sync(self, layer: int, seq, summaries: PageSummaries) -> None:
+        """Rebuild the statistics of the heads whose tokens moved since they were last exact."""
+        last = self._synced[layer]
+        moves = seq.moves[layer]
+        if last is not None and last[0] is seq and np.array_equal(last[1], moves):
+            return
+        heads = np.arange(len(moves)) if last is None or last[0] is not seq else np.flatnonzero(moves != last[1])
+        summaries.rebuild_heads(seq, layer, heads)
+        self._synced[layer] = (seq, moves.copy())
+        selecting = heads[~self._streaming(seq, layer)[heads]]
+        if len(selecting):  # a cached selection names pages of the old layout
+            self.state.chosen[layer] = None
+
+    def entries(self, layer: int, seq):
+        """What this decode step reads in `layer` (engine/selection.py), or None: everything."""
+        cfg = self.selector.config
+        summaries = summaries_for(seq.pool, cfg.logical_page)
+        self._sync(layer, seq, summaries)
+        lengths = seq.lengths[layer]  # [H], this step's token included
+        streaming = self._streaming(seq, layer)
+        pages = -(-lengths // cfg.physical_page)
+        if layer < cfg.dense_layers or pages[~streaming].max(initial=0) <= cfg.pages_budget:
+            return None  # no selection while the history is within budget
+        device = seq.pool.device
+        width = int(seq.num_pages[layer].max())
+        table = seq.device_table()[layer][None, :, :width]
+        dense = torch.from_numpy(~streaming) if streaming.any() else None
+        self.selector.select(layer, self.queries[layer][None], table, torch.from_numpy(lengths).to(device)[None],
+                             summaries, [self.state], dense, host_lengths=lengths[None])
+        return _to_entries(self.state.chosen[layer], lengths, streaming, cfg.physical_page)
+
+    def _streaming(self, seq, layer: int) -> np.ndarray:
+        L, H = seq.lengths.shape
+        return np.zeros(H, dtype=bool) if self.static is None else self.static.flags(L, H)[layer]
+
+
+def _to_entries(chosen: torch.Tensor, lengths: np.ndarray, streaming: np.ndarray, page: int):
+    """Physical page ids [X, K] (ascending, the newest last for heads over budget, 0..K-1 for heads
+    within it) -> the token entries each row reads [X, W] and their counts [X]. Streaming rows read
+    their whole list."""
+    X, K = chosen.shape
+    group = X // len(lengths)
+    row_len = np.repeat(lengths, group)
+    row_pages = -(-row_len // page)
+    read = np.minimum(row_pages, K)
+    # Every chosen page is full except the newest, whose tokens end the row.
+    counts = np.where(row_len > 0, (read - 1) * page + row_len - (row_pages - 1) * page, 0)
+    entries = (chosen[:, :, None] * page + torch.arange(page, device=chosen.device)).reshape(X, K * page)
+    rows_streaming = np.repeat(streaming, group)
+    if rows_streaming.any():
+        width = max(K * page, int(row_len[rows_streaming].max()))
+        entries = torch.nn.functional.pad(entries, (0, width - entries.shape[1]))
+        everything = torch.arange(width, device=chosen.device).expand(X, width)
+        entries = torch.where(torch.from_numpy(rows_streaming).to(chosen.device)[:, None], everything, entries)
+        counts = np.where(rows_streaming, row_len, counts)
+    return entries, counts.astype(np.int64)

@@ -1,0 +1,127 @@
+"""Static sparsity (DuoAttention / LServe §3.3): streaming KV heads see only sink + local tokens.
+
+Per (layer, KV head) a HeadPattern says which heads stream. This component is the recipe's prefill
+axis `streaming_heads` and also owns what streaming heads keep:
+- prefill: streaming heads attend to keys at positions < sink or within `prefill_local` of the row
+  (the spec's [code] asymmetry: 8192 in prefill), dense heads to every key; computed on the
+  blockwise mask path (reference attention with a per-head mask, not the block-sparse kernel);
+- store: after every prefill and decode step (Recipe calls `trim`), a streaming head keeps only its
+  sink and the last `local` positions (SequenceKV.keep with per-head index lists: its pages free),
+  so a decode step reads sink + local + the current token, as LServe's decode does;
+- multi-turn (spec §7 item 12): a new turn's streaming heads attend to what was kept, the sink and the
+  last `local` positions of the history, plus the new tokens within `prefill_local`. The history
+  outside that is gone for them; dense heads keep and read everything.
+
+Patterns: `pattern=None` thresholds the calibrated SmolLM2 gates (benchmarks/results) at `ratio`;
+`pattern="random"` draws one at `ratio` (speed runs); a path loads a JSON/TSV pattern file, or a
+DuoAttention release (`full_attention_heads.tsv` or its folder) thresholded at `ratio`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from turnkv.attention.lines import Keys
+from turnkv.attention.reference import gather_pages
+from turnkv.errors import InvalidRequestError
+from turnkv.methods.a_shape import a_shape_mask
+from turnkv.methods.lserve.pattern import DUO_FILE, HeadPattern, PatternFileError, load_duo_attention
+from turnkv.methods.pattern_hook import fixed_pattern
+from turnkv.methods.registry import register
+
+DEFAULT_PATTERN = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "lserve_pattern_smollm2.json"
+
+
+@register("prefill", "streaming_heads")
+@dataclass
+class StreamingHeads:
+    """DuoAttention/LServe streaming heads: sink + local for the pattern's streaming KV heads, dense elsewhere.
+
+    pattern: a pattern file, "random", or None (calibrated SmolLM2 gates). ratio: streaming fraction
+    for gates (None: the file's flags, 0.5 otherwise). sink / local: what streaming heads keep and
+    decode reads (128 / 256). prefill_local: their window in prefill (8192)."""
+
+    pattern: str | None = None
+    ratio: float | None = None
+    sink: int = 128
+    local: int = 256
+    prefill_local: int = 8192
+    _flags: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.sink < 0 or self.local < 1 or self.prefill_local < self.local:
+            raise ValueError("need sink >= 0, local >= 1 and prefill_local >= local")
+        if self.ratio is not None and not 0 <= self.ratio <= 1:
+            raise ValueError(f"ratio is the streaming fraction in [0, 1], got {self.ratio}")
+
+    # ---- the pattern ----------------------------------------------------------------------------
+    def flags(self, num_layers: int, num_kv_heads: int) -> np.ndarray:
+        """[layers, kv_heads] bool, True = streaming; loaded once per model shape."""
+        shape = (num_layers, num_kv_heads)
+        if shape not in self._flags:
+            pattern = self._load(*shape)
+            try:
+                pattern.check_model(*shape)
+            except ValueError as e:
+                raise InvalidRequestError(f"streaming_heads: {e}; give pattern=<file> for this model "
+                                          f"or pattern=random") from None
+            self._flags[shape] = pattern.streaming.copy()
+        return self._flags[shape]
+
+    def _load(self, num_layers: int, num_kv_heads: int) -> HeadPattern:
+        ratio = 0.5 if self.ratio is None else self.ratio
+        if self.pattern == "random":
+            return HeadPattern.random(num_layers, num_kv_heads, ratio)
+        path = Path(self.pattern) if self.pattern is not None else DEFAULT_PATTERN
+        try:
+            if path.is_dir() or path.name == DUO_FILE:
+                return load_duo_attention(path, ratio)
+            pattern = HeadPattern.load(path)
+        except PatternFileError as e:
+            raise InvalidRequestError(f"streaming_heads: {e}") from None
+        if (self.ratio is not None or self.pattern is None) and pattern.gates is not None:
+            pattern = HeadPattern.from_gates(pattern.gates, ratio, meta=pattern.meta)
+        return pattern
+
+    # ---- prefill ----------------------------------------------------------------------------------
+    def attend(self, layer: int, keys: Keys):
+        streaming = torch.from_numpy(self._layer_flags(layer, keys.k.shape[1])).to(keys.q.device)
+
+        def mask(rows):
+            window = a_shape_mask(keys, rows, self.sink, self.prefill_local)
+            return torch.where(streaming[None, :, None, None], window, keys.visible(rows))
+
+        return fixed_pattern(layer, keys, mask)
+
+    def bind(self, num_layers: int) -> None:
+        """The model's layer count (Recipe.new_state): a prefill chunk sees only its KV heads."""
+        self._num_layers = num_layers
+
+    def _layer_flags(self, layer: int, num_kv_heads: int) -> np.ndarray:
+        if getattr(self, "_num_layers", None) is None:
+            raise InvalidRequestError("streaming_heads: the recipe was not bound to a model (Recipe.new_state)")
+        return self.flags(self._num_layers, num_kv_heads)[layer]
+
+    # ---- the store --------------------------------------------------------------------------------
+    def trim(self, kv) -> None:
+        """Drop what streaming heads no longer see: positions in [sink, next_position - local)."""
+        L, H = kv.lengths.shape
+        streaming = self.flags(L, H)
+        lo, hi = self.sink, kv.next_position - self.local
+        if hi <= lo:
+            return
+        for layer in range(L):
+            if not streaming[layer].any():
+                continue
+            S = int(kv.lengths[layer].max(initial=0))
+            pos = gather_pages(kv.pool.positions[layer], kv.device_table()[layer][None], S)[0]  # [H, S]
+            lengths = torch.from_numpy(kv.lengths[layer]).to(pos.device)
+            valid = torch.arange(S, device=pos.device) < lengths[:, None]
+            gone = valid & (pos >= lo) & (pos < hi) & torch.from_numpy(streaming[layer]).to(pos.device)[:, None]
+            if not bool(gone.any()):
+                continue
+            kv.keep(layer, [(valid[h] & ~gone[h]).nonzero().flatten() for h in range(H)])
