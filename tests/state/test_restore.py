@@ -9,20 +9,12 @@ import pytest
 import torch
 
 import turnkv
-from conftest import save_tiny
+from tests.state.conftest import LAYERS
 from turnkv.kv.snapshot import layout_of
 from turnkv.state import merge, schedule
 from turnkv.state.schedule import CostModel
 
 MESSAGES = ["Hello, who are you?", "Tell me about the sea.", "And about mountains?", "Summarise both."]
-LAYERS = 6
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, smol_tokenizer):
-    path = tmp_path_factory.mktemp("tiny-chat-6")
-    save_tiny(path, "llama", vocab_size=len(smol_tokenizer), tokenizer=smol_tokenizer, num_hidden_layers=LAYERS)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import turnkv
-from conftest import save_tiny
+from tests.state.conftest import LAYERS
 from turnkv.attention.reference import attention_weights
 from turnkv.kv.sequence import SequenceKV
 from turnkv.kv.tiers import StateTiersFullError
@@ -18,14 +18,6 @@ from turnkv.state.estimator import TurnQueries, attention_statistics, ir_regions
 from turnkv.state.split import pack_split, restore_split
 
 MESSAGES = ["Hello, who are you?", "Tell me about the sea.", "And about mountains?"]
-LAYERS = 6
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, smol_tokenizer):
-    path = tmp_path_factory.mktemp("tiny-chat-6")
-    save_tiny(path, "llama", vocab_size=len(smol_tokenizer), tokenizer=smol_tokenizer, num_hidden_layers=LAYERS)
-    return path
 
 
 @pytest.fixture(scope="module")
