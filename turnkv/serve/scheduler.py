@@ -118,12 +118,14 @@ class Scheduler:
                 if self._stop:
                     break
                 gone = [j for j in (*self.waiting, *self.prefilling, *self.decoding) if j.cancelled]
-                for job in gone:
-                    self._remove(job)
-                admitted = self._pop_admissible()
+            # A cancelled request counts as running until its turn is undone and its KV is back.
             for job in gone:
                 self.metrics.labels(self.metrics.failed, "disconnected").inc()
                 self._safely(job.abandon, self.store)
+            with self.cond:
+                for job in gone:
+                    self._remove(job)
+                admitted = self._pop_admissible()
             if self._flush_asked:
                 self._flush_asked = False
                 self._flush_count = self.store.flush()
