@@ -2,7 +2,8 @@
 # The committed SmolLM2-135M quality run (issue #5), in three cumulative stages into one folder.
 # Each stage is a resume of the previous one with more recipes or budgets (results.jsonl is keyed by
 # instance x position x recipe), so a run stopped at any point leaves complete, comparable slices:
-#   1. the core recipes at keep_ratio 0.2;  2. the same at 0.5 as well;  3. every other preset.
+#   1. the core recipes at keep_ratio 0.2;  2. the same at 0.5 as well;
+#   3. every other preset at 0.2 under recompress;  4. the other presets at 0.5 and under flowkv too.
 # The last stage's command alone reproduces the whole run; rerun this script to resume.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -12,7 +13,8 @@ CORE="streaming-llm,h2o,snapkv,ada-snapkv"
 # flowkv and flowkv-ada-snapkv are left out: they are snapkv / ada-snapkv under --policies flowkv.
 OTHERS="pyramidkv,tova,knorm,expected-attention,random,ada-pyramidkv,ada-expected-attention,a-shape,tri-shape,minference,loopserve-p,loopserve-d,loopserve"
 COMMON=(--tasks needle_qa,kv_retrieval,preferences,instructions,fewshot --positions begin,middle,end
-        --turns 3 --n 1 --context-tokens 300 --max-new-tokens 48 --seed 0 --policies recompress,flowkv --out "$OUT")
-"$TK" bench quality "${COMMON[@]}" --recipes "$CORE" --keep-ratio 0.2
-"$TK" bench quality "${COMMON[@]}" --recipes "$CORE" --keep-ratio 0.2,0.5
-"$TK" bench quality "${COMMON[@]}" --recipes "$CORE,$OTHERS" --keep-ratio 0.2,0.5
+        --turns 3 --n 1 --context-tokens 300 --max-new-tokens 48 --seed 0 --out "$OUT")
+"$TK" bench quality "${COMMON[@]}" --policies recompress,flowkv --recipes "$CORE" --keep-ratio 0.2
+"$TK" bench quality "${COMMON[@]}" --policies recompress,flowkv --recipes "$CORE" --keep-ratio 0.2,0.5
+"$TK" bench quality "${COMMON[@]}" --policies recompress --recipes "$CORE,$OTHERS" --keep-ratio 0.2
+"$TK" bench quality "${COMMON[@]}" --policies recompress,flowkv --recipes "$CORE,$OTHERS" --keep-ratio 0.2,0.5
