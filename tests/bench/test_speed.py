@@ -80,3 +80,13 @@ def test_a_peer_that_cannot_run_is_reported(tiny, monkeypatch):
     result = run_speed(tiny, SpeedConfig(contexts=[16], new_tokens=2, turns=0, repeat=1), progress=False)
     row = next(r for r in result["rows"] if r["engine"] == "transformers")
     assert row["unavailable"] == "transformers is not installed"
+
+
+def test_a_shape_past_the_kv_pool_is_reported_and_the_rest_runs(chat_model_dir):
+    small = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="64KiB")  # about 128 tokens
+    result = run_speed(small, SpeedConfig(contexts=[16, 400], new_tokens=2, turns=0, repeat=1, peers=[]),
+                       progress=False)
+    by_context = {r["context"]: r for r in result["rows"]}
+    assert by_context[16]["tpot_s"] > 0
+    assert by_context[400]["unavailable"].startswith("KV pool full")
+    assert small.pool.bytes_in_use() == 0

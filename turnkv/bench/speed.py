@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from turnkv.bench import hardware, peers
+from turnkv.errors import KVCacheFullError
 from turnkv.kv.sequence import SequenceKV
 
 
@@ -169,6 +170,8 @@ def run_speed(llm, cfg: SpeedConfig, progress: bool = True) -> dict:
         except torch.OutOfMemoryError as e:
             torch.cuda.empty_cache()
             row["unavailable"] = f"out of memory: {str(e).splitlines()[0]}"
+        except KVCacheFullError as e:  # a shape past --kv-memory: the other rows still run
+            row["unavailable"] = f"KV pool full: {e}"
         rows.append(row)
     return {"hardware": hw, "model": llm.name, "dtype": str(llm.dtype).removeprefix("torch."),
             "config": {k: v for k, v in vars(cfg).items() if k != "recipes"},
