@@ -12,6 +12,7 @@ CPU (the committed figures):
 GPU, Llama-3.1-8B shape with random weights:
     python benchmarks/serve_bench.py --model llama-3.1-8b --dtype bfloat16 --device cuda \
         --conversations 32 --history 16384 --max-tokens 64 --prefill-chunk 2048 --out benchmarks/results/serve_gpu
+(--tokenizer DIR gives the shape a tokenizer where the embedded GGUF is not installed.)
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def start_server(args, reuse: bool) -> tuple[subprocess.Popen, str]:
            "--max-running", str(args.conversations), "--max-waiting", str(args.conversations),
            "--prefill-chunk", str(args.prefill_chunk), "--log-level", "warning"]
     for flag, value in (("--model", args.model), ("--dtype", args.dtype), ("--device", args.device),
-                        ("--kv-memory", args.kv_memory), ("--recipe", args.recipe)):
+                        ("--kv-memory", args.kv_memory), ("--recipe", args.recipe), ("--tokenizer", args.tokenizer)):
         if value is not None:
             cmd += [flag, value]
     if not reuse:
@@ -188,6 +189,7 @@ def main() -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--kv-memory", default=None)
     p.add_argument("--recipe", default=None)
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder or GGUF (default: the embedded SmolLM2's)")
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--history", type=int, default=2048, help="tokens of the document in turn 1")
@@ -197,10 +199,9 @@ def main() -> None:
     p.add_argument("--out", default=None, help="path stem for .json and .md results")
     args = p.parse_args()
 
-    from turnkv.model.load import embedded_model_path
-    from turnkv.model.tokenizer import load_gguf_tokenizer
+    from turnkv.engine.llm import _load_tokenizer
 
-    tokenizer = load_gguf_tokenizer(embedded_model_path())  # shapes borrow it too
+    tokenizer = _load_tokenizer(args.tokenizer)  # shapes borrow the embedded model's unless told otherwise
     documents = [history_text(tokenizer, args.history, i) for i in range(args.conversations)]
     results = {}
     for mode in args.modes.split(","):
