@@ -91,3 +91,18 @@ def test_unknown_instruction_kinds_are_not_scored():
     turn = Turn("", "q", "", metric="instructions", instructions=[{"kind": "lowercase"}, {"kind": "no_such_rule"}])
     assert score_turn(turn, "all lower case") == 1.0 and score_turn(turn, "Not Lower") == 0.0
     assert score_turn(Turn("", "q", "", metric="instructions", instructions=[{"kind": "no_such_rule"}]), "x") is None
+
+
+def test_a_sparse_prefill_records_its_density_and_every_turn_its_ttft(chat_llm, tmp_path):
+    config = QualityConfig(recipes={"ashape": "prefill=a_shape(sink=4, local=16)"}, positions=("end",),
+                           max_new_tokens=3, fidelity=False)
+    records = run_quality(chat_llm, instances(), config, tmp_path / "r.jsonl", progress=False)
+    by = {(r["recipe"], r["turn"]): r for r in records}
+    assert all(r["ttft_s"] > 0 and r["prefilled_tokens"] > 0 for r in records)
+    assert all("density" not in r for r in records if r["recipe"] == "full")
+    # The first prompt is far longer than 4 + 16 tokens: a small share of its causal cells is computed.
+    assert 0.0 < by[("ashape", 0)]["density"] < 0.5
+    summary = write_report(records, tmp_path, {"model": "tiny", "command": "test", "settings": {}})
+    row = next(r for r in summary["by_recipe"] if r["recipe"] == "ashape")
+    assert row["density"] == pytest.approx(sum(by[("ashape", t)]["density"] for t in range(3)) / 3)
+    assert "| prefill density | TTFT s |" in (tmp_path / "report.md").read_text()

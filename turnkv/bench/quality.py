@@ -71,6 +71,8 @@ def _evaluate(llm, inst: Instance, position: str, name: str, recipe, full: list[
             "response": run["text"], "tokens": run["tokens"], "score": score_turn(turn, run["text"]) if turn.scored else None,
             "kv_bytes": run["kv_bytes"], "full_kv_bytes": full[i]["kv_bytes"], "history_tokens": run["history_tokens"],
             "first_divergence": first_divergence(run["tokens"], full[i]["tokens"]),
+            "ttft_s": run["ttft_s"], "prefilled_tokens": run["prefilled_tokens"],
+            **{k: run[k] for k in PATTERN_FIGURES if k in run},
         }
         if forced is not None:
             record["agreement"] = greedy_agreement(forced[i], full[i]["tokens"])
@@ -86,12 +88,26 @@ def _free_run(llm, inst: Instance, recipe, config, keep_logprobs: bool = False) 
     try:
         out = []
         for turn in inst.turns:
+            seen = len(conv.method_stats)
             reply = conv.send(turn.message(), max_new_tokens=config.max_new_tokens, logprobs=keep_logprobs)
             out.append({"text": reply.text, "tokens": reply.token_ids, "kv_bytes": conv.kv_bytes,
-                        "history_tokens": len(conv.tokens), "logprobs": reply.logprobs})
+                        "history_tokens": len(conv.tokens), "logprobs": reply.logprobs, "ttft_s": reply.ttft_s,
+                        "prefilled_tokens": reply.prompt_tokens,  # the turn's new tokens only
+                        **_pattern_figures(conv.method_stats[seen:])})
         return out
     finally:
         conv.close()
+
+
+PATTERN_FIGURES = ("density", "recovered_mass")  # what a sparse prefill computed, when the recipe has one
+
+
+def _pattern_figures(stats: list[dict]) -> dict:
+    """The turn's prefill density (computed / causal cells) and LoopServe's recovered mass."""
+    prefill = [entry["prefill"] for entry in stats if "prefill" in entry]
+    if not prefill:
+        return {}
+    return {k: prefill[-1][k] for k in PATTERN_FIGURES if k in prefill[-1]}
 
 
 def _forced_run(llm, inst: Instance, recipe, answers: list[list[int]]) -> list:

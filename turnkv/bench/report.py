@@ -24,7 +24,10 @@ def aggregate(records: list[dict], keys: tuple[str, ...]) -> list[dict]:
                      "score": _mean(r["score"] for r in rs),
                      "agreement": _mean(r.get("agreement") for r in rs),
                      "kl": _mean(r.get("kl") for r in rs),
-                     "kv_ratio": _mean(r["kv_bytes"] / r["full_kv_bytes"] for r in rs if r.get("full_kv_bytes"))})
+                     "kv_ratio": _mean(r["kv_bytes"] / r["full_kv_bytes"] for r in rs if r.get("full_kv_bytes")),
+                     # Prefill density and TTFT only exist in records written since they were recorded.
+                     "density": _mean(r.get("density") for r in rs),
+                     "ttft_s": _mean(r.get("ttft_s") for r in rs)})
     return rows
 
 
@@ -49,21 +52,25 @@ def write_report(records: list[dict], out_dir: str | Path, header: dict) -> dict
              f"Command: `{header.get('command', '')}`", "", f"Settings: {json.dumps(header.get('settings', {}))}", "",
              "Score: the task metric per turn (mean). Agreement: teacher-forced top-1 agreement with the full-cache "
              "run's answer. KL: mean KL(full || recipe) along it. KV: bytes held after the turn against the full "
-             "cache's.", "", "## By recipe", "", "| recipe | turns scored | score | agreement | KL | KV vs full |",
-             "|---|---|---|---|---|---|"]
+             "cache's. Density: the share of causal attention cells a sparse prefill computed. TTFT: seconds to "
+             "the first token of a turn (mean over turns).", "", "## By recipe", "",
+             "| recipe | turns scored | score | agreement | KL | KV vs full | prefill density | TTFT s |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in summary["by_recipe"]:
         lines.append(f"| {r['recipe']} | {r['n']} | {_fmt(r['score'])} | {_fmt(r['agreement'])} | {_fmt(r['kl'])} | "
-                     f"{_fmt(r['kv_ratio'], 2)} |")
-    for title, key in (("By task", "task"), ("By question position", "position"), ("By turn", "turn")):
+                     f"{_fmt(r['kv_ratio'], 2)} | {_fmt(r['density'], 3)} | {_fmt(r['ttft_s'], 3)} |")
+    tables = (("By task", "task", "score"), ("By question position", "position", "score"),
+              ("By question position", "position", "agreement"), ("By turn", "turn", "score"))
+    for title, key, first in tables:
         rows = summary[f"by_{key}_recipe"]
         recipes = sorted({r["recipe"] for r in rows})
         values = sorted({r[key] for r in rows}, key=str)
-        lines += ["", f"## {title} (score / KL)", "", f"| {key} | " + " | ".join(recipes) + " |",
+        lines += ["", f"## {title} ({first} / KL)", "", f"| {key} | " + " | ".join(recipes) + " |",
                   "|---|" + "---|" * len(recipes)]
         cell = {(r[key], r["recipe"]): r for r in rows}
         for v in values:
             lines.append(f"| {v} | " + " | ".join(
-                f"{_fmt(cell[(v, rc)]['score'], 2)} / {_fmt(cell[(v, rc)]['kl'], 3)}" if (v, rc) in cell else "-"
+                f"{_fmt(cell[(v, rc)][first], 2)} / {_fmt(cell[(v, rc)]['kl'], 3)}" if (v, rc) in cell else "-"
                 for rc in recipes) + " |")
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
     _plots(summary, out_dir)
