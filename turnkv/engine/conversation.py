@@ -148,6 +148,16 @@ class Conversation:
         elif st.window is not None:
             st.window.truncate(position)
 
+    def _roll_back_to_reusable(self, keep: int) -> None:
+        """Drop the kept KV this turn may not reuse: what the template no longer renders (past `keep`),
+        and the previous reply when the recipe prefills it again (answer=reprefill)."""
+        if self.kv.next_position > keep:
+            self._roll_back(keep)
+        if self.recipe.answer == "reprefill" and self.turns:
+            reply_start = self.turns[-1].prompt_end
+            if self.kv.next_position > reply_start:
+                self._roll_back(reply_start)
+
     def _system_text(self, full_text: str) -> int:
         """Characters of full_text that render the system prompt alone (0 without one)."""
         if not self.system:
@@ -172,8 +182,7 @@ class Conversation:
 
     def _run_turn(self, messages, full_text, keep, new_ids, gen, boundaries, has_context) -> Iterator[str]:
         self.llm.state.before_turn(self, len(new_ids) + gen.params.max_new_tokens)  # restore; counts in TTFT
-        if self.kv.next_position > keep:
-            self._roll_back(keep)  # the template no longer renders part of what was kept
+        self._roll_back_to_reusable(keep)
         cached = self.kv.next_position
         prompt = self.tokens[cached:keep] + new_ids
         recipe, st, inv_freq = self.recipe, self.method_state, self.llm.model.inv_freq

@@ -50,8 +50,14 @@ class Recipe:
     turns: Any = field(default_factory=Recompress)
     decode: Any = field(default_factory=AllTokens)
     state: Any = field(default_factory=Resident)
+    # What becomes of the previous reply's KV at the next turn (LoopServe spec §3.4): "keep" it as
+    # decoded (cheaper), or "reprefill" it: drop it and prefill the reply again with the new message,
+    # so that it goes through the prefill pattern like the rest of the new block (the faithful reading).
+    answer: str = "keep"
 
     def __post_init__(self):
+        if self.answer not in ("keep", "reprefill"):
+            raise InvalidRequestError(f"answer must be 'keep' or 'reprefill', not {self.answer!r}")
         if self.evict is not None and self.evict.schedule == "decode" and self.turns.name == "flowkv":
             raise InvalidRequestError("flowkv keeps the running turn whole; use schedule=prefill or turn_end with it")
         if self.accumulates_attention and (self.sparse_prefill or self.selects_decode):
@@ -113,9 +119,12 @@ class Recipe:
             elif axis in ("prefill", "turns", "decode", "state"):
                 name, params = _parse_term(spec)
                 recipe = replace(recipe, **{axis: build(axis, name, params)})
+            elif axis == "answer":
+                recipe = replace(recipe, answer=spec)
             else:
                 raise InvalidRequestError(
-                    f"unknown recipe key {axis!r}; use prefill, evict, turns, decode, state, or {', '.join(sorted(EVICTION_KEYS))}"
+                    f"unknown recipe key {axis!r}; use prefill, evict, turns, decode, state, answer, or "
+                    f"{', '.join(sorted(EVICTION_KEYS))}"
                 )
         if evict_params:
             if recipe.evict is None:
@@ -133,6 +142,8 @@ class Recipe:
         else:
             parts.append("evict=none")
         parts += [f"turns={_term(self.turns)}", f"decode={_term(self.decode)}", f"state={_term(self.state)}"]
+        if self.answer != "keep":
+            parts.append(f"answer={self.answer}")
         return " ".join(parts)
 
     # ---- engine hooks -----------------------------------------------------------------------------
