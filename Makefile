@@ -7,7 +7,9 @@ setup:
 chat: setup
 	.venv/bin/turnkv chat
 
-test: setup
+# The tests also cover the Ray Serve wrapper (turnkv.serve.ray), so they install the ray extra.
+test:
+	EXTRAS=test,ray bash scripts/setup.sh
 	.venv/bin/python -m pytest -q
 
 bench-cpu: setup

@@ -146,7 +146,13 @@ def cmd_serve(args) -> int:
                          max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk,
                          max_body_bytes=args.max_body_bytes, default_max_tokens=args.max_tokens,
                          reuse=not args.no_reuse, drain_timeout_s=args.drain_timeout)
-    serve(_load(args), config, idle_ttl_s=args.idle_ttl, log_level=args.log_level)
+    from turnkv import LLM
+
+    # _load's engine plus the state tiers idle conversations move to when the KV pool fills.
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory, tokenizer=args.tokenizer,
+              recipe=_recipe(args), state_cpu_memory=args.state_cpu_memory, state_disk_dir=args.state_disk_dir,
+              state_disk_memory=args.state_disk_memory)
+    serve(llm, config, idle_ttl_s=args.idle_ttl, log_level=args.log_level, tiers=None if args.no_tiers else "state")
     return 0
 
 
@@ -236,6 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--no-reuse", action="store_true", help="prefill every request from scratch (a baseline)")
     srv.add_argument("--idle-ttl", type=float, default=None, help="drop conversations idle this many seconds")
     srv.add_argument("--drain-timeout", type=float, default=30.0, help="seconds admitted requests get on SIGTERM")
+    srv.add_argument("--state-cpu-memory", default="1GiB",
+                     help="CPU tier for idle conversations evicted from the KV pool "
+                          "(default 1GiB, allocated on first use)")
+    srv.add_argument("--state-disk-dir", default=None,
+                     help="disk tier under the CPU tier; SIGTERM writes idle conversations there, and a server "
+                          "started over it continues them (one server per directory)")
+    srv.add_argument("--state-disk-memory", default=None, help="cap on the disk tier, e.g. 20GiB (default: none)")
+    srv.add_argument("--no-tiers", action="store_true",
+                     help="drop idle conversations evicted from the KV pool instead of moving them to the tiers")
     srv.add_argument("--log-level", default="info")
     srv.set_defaults(func=cmd_serve)
 

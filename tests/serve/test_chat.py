@@ -127,3 +127,16 @@ def test_text_completions(server):
     assert "".join(p.choices[0].text for p in pieces if p.choices) == r.choices[0].text
     ids = server.llm.encode("Once upon a time")
     assert client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0).choices[0].text == r.choices[0].text
+
+
+def test_answer_reprefill_reuses_up_to_the_previous_prompt_and_replies_the_same(server):
+    client = server.client()
+    messages = [SYSTEM, {"role": "user", "content": "Name a river."}]
+    reprefill = {"recipe": "full answer=reprefill"}
+    first, first_usage = ask(client, messages, extra_body=reprefill)
+    messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "And a lake?"}]
+    kept, _ = ask(client, messages)  # the default recipe, on its own conversation
+    again, usage = ask(client, messages, extra_body=reprefill)
+    # Only the previous prompt is reused: the reply's decode-time KV is dropped and prefilled again.
+    assert usage.prompt_tokens_details.cached_tokens == first_usage.prompt_tokens
+    assert again == kept  # dense attention: the same reply either way

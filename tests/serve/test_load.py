@@ -67,7 +67,7 @@ def test_a_small_pool_evicts_idle_conversations_lru_and_stays_correct(chat_model
         reference = [converse(roomy.client(), i) for i in range(6)]
         roomy.scheduler.flush()
     small = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="96KiB")
-    with running(small, served_model_name=MODEL) as s:
+    with running(small, served_model_name=MODEL, tiers=None) as s:
         client = s.client()
         got = [converse(client, i) for i in range(6)]
         assert [[r for r, _ in c] for c in got] == [[r for r, _ in c] for c in reference]
@@ -91,20 +91,38 @@ def test_idle_conversations_expire_after_their_ttl(serve_llm):
 class RecomputeTier:
     """A tier hook that keeps only the token history and rebuilds the KV by prefilling it again."""
 
+    names, durable = ("offloaded",), False
+
     def __init__(self, llm):
         self.llm, self.held, self.restored = llm, {}, 0
 
-    def offload(self, conv) -> bool:
+    def begin(self, conv) -> list[str]:
+        if id(conv) in self.held:
+            self.llm.runner.prefill(conv.kv, conv.tokens[: self.held[id(conv)]])  # may fail for room: keep it held
+            del self.held[id(conv)]
+            self.restored += 1
+        return []
+
+    def end(self, conv) -> None:
+        pass
+
+    def offload(self, conv, durable: bool = False) -> bool:
+        if durable:
+            return False
         self.held[id(conv)] = conv.kv.next_position
         return True
 
-    def restore(self, conv) -> None:
-        self.llm.runner.prefill(conv.kv, conv.tokens[: self.held[id(conv)]])  # may fail for room: keep it held
-        del self.held[id(conv)]
-        self.restored += 1
-
     def discard(self, conv) -> None:
         self.held.pop(id(conv), None)
+
+    def where(self, conv) -> str:
+        return "offloaded" if id(conv) in self.held else "gpu"
+
+    def stored_bytes(self, conv) -> int:
+        return 0  # token ids only, which the conversation keeps anyway
+
+    def kept(self) -> list:
+        return []
 
 
 def test_a_tier_hook_takes_evicted_conversations_and_gives_them_back(chat_model_dir):
@@ -122,9 +140,9 @@ def test_a_tier_hook_takes_evicted_conversations_and_gives_them_back(chat_model_
         # Conversation 0 was offloaded; its next turn restores it and reuses everything it had.
         messages = [{"role": "system", "content": "You are storyteller number 0."}]
         entry = next(e for e in s.store.entries if e.conv.messages[:1] == messages)
-        assert entry.offloaded
+        assert s.store.where(entry) == "offloaded"
         history = len(entry.conv.tokens)
         messages = entry.conv.messages + [{"role": "user", "content": "One more line."}]
         r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
-        assert tier.restored >= 1 and not entry.offloaded
+        assert tier.restored >= 1 and s.store.where(entry) == "gpu"
         assert r.usage.prompt_tokens_details.cached_tokens == history - 1  # all but the unfed last token

@@ -1,5 +1,6 @@
 """`turnkv serve` as a process: loopback by default, the API key from the environment, and a graceful
-drain on SIGTERM (in-flight streams finish, /health turns 503, the process exits 0)."""
+drain on SIGTERM (in-flight streams finish, /health turns 503, idle conversations go to the disk
+tier, the process exits 0)."""
 
 from __future__ import annotations
 
@@ -26,15 +27,17 @@ def free_port() -> int:
 def test_serve_binds_loopback_by_default():
     args = build_parser().parse_args(["serve"])
     assert args.host == "127.0.0.1" and args.api_key is None and not args.no_reuse
+    assert not args.no_tiers and args.state_disk_dir is None  # CPU tier on, disk only when asked
 
 
-def test_sigterm_drains_in_flight_streams_then_exits(chat_model_dir):
+def test_sigterm_drains_in_flight_streams_then_exits(chat_model_dir, tmp_path):
+    disk = tmp_path / "tier"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "TURNKV_API_KEY": "from-env", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "turnkv.cli", "serve", "--model", str(chat_model_dir),
                              "--port", str(port), "--kv-memory", "16MiB", "--served-model-name", "tiny",
-                             "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                             "--log-level", "warning", "--state-disk-dir", str(disk)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 90
         while True:
@@ -73,3 +76,9 @@ def test_sigterm_drains_in_flight_streams_then_exits(chat_model_dir):
     assert lines[-1] == "data: [DONE]"
     usage = json.loads(lines[-2].removeprefix("data: "))["usage"]
     assert usage["completion_tokens"] == 400
+    # Its conversation, idle once it finished, was written to the disk tier (the CPU tier dies with
+    # the process), with the history a restarted server continues it from.
+    manifests = list(disk.glob("*.json"))
+    assert len(manifests) == 1
+    record = json.loads(manifests[0].read_text())["conversation"]
+    assert record["messages"][-1]["role"] == "assistant" and len(record["tokens"]) > 400

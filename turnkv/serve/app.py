@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 from contextlib import asynccontextmanager
 
@@ -26,17 +27,29 @@ from turnkv.serve.job import Job, Outcome, check_max_tokens
 from turnkv.serve.metrics import Metrics
 from turnkv.serve.scheduler import Scheduler
 from turnkv.serve.store import ConversationStore, TierHook
+from turnkv.state.tier_hook import StateTierHook
+
+log = logging.getLogger("turnkv.serve")
 
 SESSION_HEADER = "x-session-id"
 MAX_SESSION_ID = 256
 
 
-def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | None = None,
+def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | None = "state",
                idle_ttl_s: float | None = None) -> FastAPI:
+    """The app over `llm`. tiers: where idle conversations go when the KV pool fills: "state" (the
+    engine's CPU and disk tiers, `llm.state`; conversations a server left in its disk directory are
+    taken back now), another TierHook, or None (they are dropped)."""
     config = config or ServeConfig()
     model_name = config.served_model_name or llm.name
     metrics = Metrics(model_name)
-    store = ConversationStore(llm, reuse=config.reuse, tiers=tiers, idle_ttl_s=idle_ttl_s)
+    if tiers == "state":
+        tiers = StateTierHook(llm.state) if config.reuse else None  # without reuse nothing is kept
+    store = ConversationStore(llm, reuse=config.reuse, tiers=tiers, idle_ttl_s=idle_ttl_s,
+                              on_evict=lambda how: metrics.labels(metrics.evictions, how).inc())
+    adopted = store.adopt()
+    if adopted:
+        log.info("took back %d conversations from the disk tier", adopted)
     scheduler = Scheduler(llm, store, config, metrics)
     metrics.bind(llm, scheduler, store)
     recipes = Recipes(llm.recipe)

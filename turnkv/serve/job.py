@@ -70,6 +70,7 @@ class Job:
                                      f"{room} in the model's context of {llm.max_model_len}")
         params = llm.sampling_params(**self.sampling, max_new_tokens=self.max_tokens or min(self.default_max_tokens, room))
         kv, state = self.conv.kv, self.conv.method_state
+        self.conv._roll_back_to_reusable(self.keep)  # answer=reprefill prefills the last reply again
         if not self.new_ids and kv.next_position >= self.keep:
             # The request ends inside the kept history (a regenerated reply): its last token is fed
             # again, since sampling needs the logits after it.

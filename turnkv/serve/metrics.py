@@ -62,7 +62,8 @@ class Metrics:
         self.kv_bytes = gauge("turnkv:kv_pool_bytes_used", "Bytes of KV pages in use.")
         self.kv_capacity = gauge("turnkv:kv_pool_bytes_capacity", "Bytes of the KV page pool.")
         self.stored = gauge("turnkv:stored_conversations", "Conversations kept between requests, by tier.", ["tier"])
-        self.stored_bytes = gauge("turnkv:stored_kv_bytes", "KV bytes of kept conversations, by tier.", ["tier"])
+        self.stored_bytes = gauge("turnkv:stored_kv_bytes", "Bytes of kept conversations, by tier: KV pages in the "
+                                  "pool (gpu), what their state strategy stored elsewhere (cpu, disk).", ["tier"])
         self.compressed = gauge("turnkv:kv_bytes_saved_by_compression",
                                 "Dense KV bytes of kept conversations minus the bytes their recipe keeps.")
 
@@ -78,7 +79,7 @@ class Metrics:
         self.labels(self.kv_usage).set_function(lambda: pool.bytes_in_use() / pool.capacity_bytes())
         self.labels(self.kv_bytes).set_function(pool.bytes_in_use)
         self.labels(self.kv_capacity).set_function(pool.capacity_bytes)
-        for tier in store.TIERS:
+        for tier in store.tier_names:
             self.labels(self.stored, tier).set_function(lambda t=tier: store.count(t))
             self.labels(self.stored_bytes, tier).set_function(lambda t=tier: store.kv_bytes(t))
         self.labels(self.compressed).set_function(lambda: store.bytes_saved(dense_per_token))

@@ -96,8 +96,8 @@ class Scheduler:
             self.accepting = False
 
     def stop(self, timeout: float) -> None:
-        """Refuse new requests, let the admitted ones finish (up to `timeout`), then stop the worker and
-        hand idle conversations to the tiers."""
+        """Refuse new requests, let the admitted ones finish (up to `timeout`), then stop the worker, which
+        hands idle conversations to the durable tier (store.shutdown)."""
         self.begin_drain()
         deadline = time.monotonic() + timeout
         with self.cond:
@@ -143,7 +143,9 @@ class Scheduler:
                 self.cond.notify_all()  # stop() waits for the queue to empty
         for job in [*self.waiting, *self.prefilling, *self.decoding]:
             self._fail(job, APIError(503, "the server stopped", type="server_error"))
-        self.store.persist_idle()
+        kept, dropped = self.store.shutdown()
+        if kept or dropped:
+            log.info("stopped: %d idle conversations kept in the durable tier, %d dropped", kept, dropped)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -261,10 +263,8 @@ class Scheduler:
             try:
                 return step()
             except KVCacheFullError:
-                how = self.store.evict_one()
-                if how is None:
+                if not self.store.evict_one():  # it counts what it evicts in the metrics
                     raise
-                self.metrics.labels(self.metrics.evictions, how).inc()
 
     # ---- endings -----------------------------------------------------------------------------------
     def _finish(self, job: Job) -> None:

@@ -1,6 +1,7 @@
 """Running the app under uvicorn, with a graceful drain on SIGTERM/SIGINT: /health turns 503 at once
 (so a router stops sending), new requests get 503, admitted ones finish, idle conversations go to the
-tiers, then the process exits."""
+disk tier (when the engine has one: a server started over the same directory continues them), then
+the process exits 0."""
 
 from __future__ import annotations
 
@@ -40,8 +41,9 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def serve(llm, config: ServeConfig, idle_ttl_s: float | None = None, log_level: str = "info") -> None:
-    app = create_app(llm, config, idle_ttl_s=idle_ttl_s)
+def serve(llm, config: ServeConfig, idle_ttl_s: float | None = None, log_level: str = "info",
+          tiers="state") -> None:
+    app = create_app(llm, config, tiers=tiers, idle_ttl_s=idle_ttl_s)
     if not is_loopback(config.host) and config.api_key is None:
         log.warning("listening on %s without an API key: anyone who reaches this address can use the model",
                     config.host)

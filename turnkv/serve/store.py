@@ -19,12 +19,20 @@ Who may continue what:
   so after an edit they are not what a fresh run would keep, and the request starts afresh.
 
 When the KV pool fills, idle conversations leave it least recently used first: through a TierHook
-(issue #8's CPU/disk tiers plug in there) or, without one, they are dropped.
+(by default the state manager's CPU and disk tiers, turnkv/state/tier_hook.py) or, without one, they
+are dropped. When the tiers are full too, the least recently used idle conversation is dropped, and
+counted. At shutdown idle conversations go to a tier that outlives the process (the disk), and a
+store started over it takes them back (`adopt`), so a restart loses no conversation.
+
+A pinned conversation's tier key is derived from its session id (`session_key`), so a restarted
+server finds it by the header alone and the raw header is never written to disk.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -37,27 +45,50 @@ if TYPE_CHECKING:
 class TierHook(Protocol):
     """Where idle conversations go when the KV pool fills, and where they come back from."""
 
-    def offload(self, conv: Conversation) -> bool:
-        """Copy the conversation's KV and recipe state out of the pool. True: it is kept there, and
-        the store frees its pages; False: the store drops the conversation."""
+    names: tuple[str, ...]  # the tiers below the pool, as /metrics labels them
+    durable: bool  # whether one of them outlives the process
 
-    def restore(self, conv: Conversation) -> None:
-        """Put the KV back into the pool before a request continues the conversation. All or nothing;
-        may raise KVCacheFullError (the store then evicts another conversation and retries)."""
+    def begin(self, conv: Conversation) -> list[str]:
+        """A request starts on the conversation: bring its state back into the pool if it left, and
+        keep it there until end(). All or nothing; may raise KVCacheFullError (the store then evicts
+        another conversation and retries). Returns "offloaded" for each idle conversation it moved
+        out of the pool to make room."""
+
+    def end(self, conv: Conversation) -> None:
+        """The request on the conversation ended (finished, failed or undone)."""
+
+    def offload(self, conv: Conversation, durable: bool = False) -> bool:
+        """Move an idle conversation's state out of the pool (durable: into a tier that outlives the
+        process). True: it is kept there; False: no tier can take it, and nothing changed."""
 
     def discard(self, conv: Conversation) -> None:
-        """The store forgets the conversation: free what the tier holds of it."""
+        """The store forgets the conversation: free what the tiers hold of it."""
+
+    def where(self, conv: Conversation) -> str:
+        """"gpu" (in the pool) or one of `names`."""
+
+    def stored_bytes(self, conv: Conversation) -> int:
+        """Bytes the tiers hold for a conversation that is in one of them."""
+
+    def kept(self) -> list[tuple[Conversation, float]]:
+        """Conversations an earlier process left in a durable tier, with the time.time() of their
+        last use."""
+
+
+def session_key(session: str) -> str:
+    """The tier key of the conversation pinned to `session` (letters, digits and '-', as the disk
+    tier's file names need)."""
+    return "session-" + hashlib.sha256(session.encode()).hexdigest()[:40]
 
 
 @dataclass(eq=False)
 class Entry:
     conv: Conversation
     recipe_key: str
-    session: str | None = None
+    session: str | None = None  # session_key() of the session that pins it
     marks: list[tuple[int, int]] = field(default_factory=lambda: [(0, 0)])  # clean boundaries (tokens, chars)
     anchor: int = 0  # chars of the first turn's prompt: what an unpinned request must keep to continue it
     busy: bool = False
-    offloaded: bool = False
     last_used: float = field(default_factory=time.monotonic)
 
     def reusable(self, text: str) -> tuple[int, int, bool]:
@@ -105,16 +136,17 @@ class Claim:
 class ConversationStore:
     """Only the worker thread changes it; metrics read its counts from the HTTP thread."""
 
-    TIERS = ("gpu", "offloaded")
-
-    def __init__(self, llm: LLM, reuse: bool = True, tiers: TierHook | None = None, idle_ttl_s: float | None = None):
+    def __init__(self, llm: LLM, reuse: bool = True, tiers: TierHook | None = None, idle_ttl_s: float | None = None,
+                 on_evict: Callable[[str], None] | None = None):
         self.llm, self.reuse, self.tiers, self.idle_ttl_s = llm, reuse, tiers, idle_ttl_s
+        self.on_evict = on_evict or (lambda how: None)  # each conversation leaving the pool: "offloaded", "dropped"
+        self.tier_names = ("gpu", *(tiers.names if tiers is not None else ()))
         self.entries: list[Entry] = []
-        self.sessions: dict[str, Entry] = {}
+        self.sessions: dict[str, Entry] = {}  # by session_key()
 
     # ---- claiming ---------------------------------------------------------------------------------
     def session_busy(self, session: str | None) -> bool:
-        entry = self.sessions.get(session) if session is not None and self.reuse else None
+        entry = self.sessions.get(session_key(session)) if session is not None and self.reuse else None
         return entry is not None and entry.busy
 
     def claim(self, text: str, recipe, recipe_key: str, session: str | None) -> Claim:
@@ -122,13 +154,14 @@ class ConversationStore:
         valid), or a new one. The caller has checked that the session is not busy."""
         compressing = recipe.evict is not None
         if not self.reuse:
-            return Claim(self._new(recipe, recipe_key, None), 0, 0)
+            return self._take(self._new(recipe, recipe_key, None), 0, 0)
         if session is not None:
-            entry = self.sessions.get(session)
+            key = session_key(session)
+            entry = self.sessions.get(key)
             if entry is None or entry.recipe_key != recipe_key:
                 if entry is not None:
                     self._drop(entry)
-                entry = self._new(recipe, recipe_key, session)
+                entry = self._new(recipe, recipe_key, key)
             tokens, chars, exact = entry.reusable(text)
             if compressing and not exact:
                 tokens, chars = 0, 0
@@ -148,45 +181,61 @@ class ConversationStore:
         return self._take(entry, tokens, chars)
 
     def _take(self, entry: Entry, tokens: int, chars: int) -> Claim:
-        if entry.offloaded:
-            self.tiers.restore(entry.conv)  # before anything changes: it may fail for room
-            entry.offloaded = False
-        entry.busy = True
-        if tokens == 0:  # nothing reused: start clean (also resets a compressing recipe's state)
-            entry.conv.reset()
+        if tokens == 0:  # nothing reused: start clean (also resets a compressing recipe's state and
+            entry.conv.reset()  # forgets a stored copy, which then needs no restore)
             entry.marks, entry.anchor = [(0, 0)], 0
-        else:
+        if self.tiers is not None:  # before the cut: it may fail for room, and then nothing changed
+            for how in self.tiers.begin(entry.conv):
+                self.on_evict(how)
+        entry.busy = True
+        if tokens:
             entry.cut(tokens, chars)
         return Claim(entry, tokens, chars)
 
     def _new(self, recipe, recipe_key: str, session: str | None) -> Entry:
         entry = Entry(Conversation(self.llm, None, recipe), recipe_key, session)
-        self.entries.append(entry)
         if session is not None:
+            entry.conv.id = session
             self.sessions[session] = entry
+        self.entries.append(entry)
         return entry
 
     def release(self, entry: Entry) -> None:
         """The request on `entry` ended (finished, failed or abandoned)."""
+        if self.tiers is not None:
+            self.tiers.end(entry.conv)
         entry.busy = False
         entry.last_used = time.monotonic()
         if not self.reuse or not entry.conv.turns:
             self._drop(entry)
 
     # ---- memory ------------------------------------------------------------------------------------
-    def evict_one(self) -> str | None:
-        """Take the least recently used idle conversation off the pool; returns how ("offloaded",
-        "dropped"), or None when no idle conversation holds pages."""
-        idle = [e for e in self.entries if not e.busy and not e.offloaded]
+    def where(self, entry: Entry) -> str:
+        """The tier the entry's state is in: "gpu" (the KV pool) or one of the hook's names."""
+        return "gpu" if self.tiers is None else self.tiers.where(entry.conv)
+
+    def evict_one(self) -> bool:
+        """Take the least recently used idle conversation off the pool; False when no idle conversation
+        holds pages. When the tiers cannot take it, the least recently used idle conversation is
+        dropped: a stored one older than it (then the offload is tried again), or else this one."""
+        idle = [e for e in self.entries if not e.busy and self.where(e) == "gpu"]
         if not idle:
-            return None
-        entry = min(idle, key=lambda e: e.last_used)
-        if self.tiers is not None and self.tiers.offload(entry.conv):
-            entry.conv.kv.free()
-            entry.offloaded = True
-            return "offloaded"
-        self._drop(entry)
-        return "dropped"
+            return False
+        victim = min(idle, key=lambda e: e.last_used)
+        while self.tiers is not None:
+            if self.tiers.offload(victim.conv):
+                victim.conv.kv.free()  # a hook may copy the KV out and leave the pages to the store
+                self.on_evict("offloaded")
+                return True
+            older = [e for e in self.entries
+                     if not e.busy and e.last_used < victim.last_used and self.where(e) != "gpu"]
+            if not older:
+                break
+            self._drop(min(older, key=lambda e: e.last_used))
+            self.on_evict("dropped")
+        self._drop(victim)
+        self.on_evict("dropped")
+        return True
 
     def expire(self, now: float | None = None) -> int:
         """Drop idle conversations unused for idle_ttl_s; returns how many."""
@@ -205,20 +254,41 @@ class ConversationStore:
             self._drop(e)
         return len(idle)
 
-    def persist_idle(self) -> int:
-        """At shutdown: hand every idle conversation to the tiers (the disk tier survives a restart)."""
-        if self.tiers is None:
-            return 0
-        kept = 0
-        for e in self.entries:
-            if not e.busy and not e.offloaded and self.tiers.offload(e.conv):
+    def shutdown(self) -> tuple[int, int]:
+        """The server stops (no request runs): idle conversations go to the durable tier when there is
+        one, where a server started over it continues them; the others are dropped, so the engine's
+        memory goes back to what it was. Returns (kept, dropped)."""
+        durable = self.reuse and self.tiers is not None and self.tiers.durable
+        kept = dropped = 0
+        for e in [e for e in self.entries if not e.busy]:
+            if durable and self.tiers.offload(e.conv, durable=True):
                 e.conv.kv.free()
-                e.offloaded = True
+                self.entries.remove(e)  # forgotten here, not discarded: the disk keeps it
+                self.sessions.pop(e.session, None)
                 kept += 1
-        return kept
+            else:
+                self._drop(e)
+                dropped += 1
+        return kept, dropped
+
+    def adopt(self) -> int:
+        """Take back the conversations an earlier server left in the durable tier (at start-up, before
+        the worker runs); returns how many."""
+        if not self.reuse or self.tiers is None:
+            return 0
+        tokenizer = self.llm.tokenizer
+        wall, now = time.time(), time.monotonic()
+        for conv, used in sorted(self.tiers.kept(), key=lambda item: item[1]):
+            entry = Entry(conv, str(conv.recipe), last_used=now - max(0.0, wall - used))
+            entry.marks, entry.anchor = clean_marks(conv, tokenizer)
+            if conv.id.startswith("session-"):
+                entry.session = conv.id
+                self.sessions[conv.id] = entry
+            self.entries.append(entry)
+        return len(self.entries)
 
     def _drop(self, entry: Entry) -> None:
-        if entry.offloaded and self.tiers is not None:
+        if self.tiers is not None and self.where(entry) != "gpu":
             self.tiers.discard(entry.conv)
         entry.conv.close()
         if entry in self.entries:
@@ -226,16 +296,49 @@ class ConversationStore:
         if entry.session is not None and self.sessions.get(entry.session) is entry:
             del self.sessions[entry.session]
 
-    # ---- what metrics read ----------------------------------------------------------------------
+    # ---- what metrics read (from the HTTP thread, while the worker moves things) ------------------
     def _snapshot(self, tier: str) -> list[Entry]:
-        return [e for e in list(self.entries) if not e.busy and e.offloaded == (tier == "offloaded")]
+        out = []
+        for e in list(self.entries):
+            try:
+                if not e.busy and self.where(e) == tier:
+                    out.append(e)
+            except (KeyError, OSError, ValueError):  # it moved while we looked
+                pass
+        return out
 
     def count(self, tier: str) -> int:
         return len(self._snapshot(tier))
 
     def kv_bytes(self, tier: str) -> int:
-        return sum(e.conv.kv.bytes() for e in self._snapshot(tier))
+        """Bytes the idle conversations in `tier` hold: KV pages in the pool, what their state strategy
+        stored in the other tiers."""
+        total = 0
+        for e in self._snapshot(tier):
+            try:
+                total += e.conv.kv.bytes() if tier == "gpu" else self.tiers.stored_bytes(e.conv)
+            except (KeyError, OSError, ValueError):
+                pass
+        return total
 
     def bytes_saved(self, dense_bytes_per_token: int) -> int:
         return sum(max(0, e.conv.kv.next_position * dense_bytes_per_token - e.conv.kv.bytes())
                    for e in self._snapshot("gpu") if e.conv.recipe.evict is not None)
+
+
+def clean_marks(conv: Conversation, tokenizer) -> tuple[list[tuple[int, int]], int]:
+    """The clean boundaries (and anchor) of a conversation taken back from a tier, which keeps its
+    turns but not the store's marks: the ends of each turn's system prompt, prompt and reply, each
+    kept only where its tokens decode to the start of the conversation's text, so a request is never
+    served from a boundary the text does not confirm."""
+    marks, anchor = [(0, 0)], None
+    for i, turn in enumerate(conv.turns):
+        ends = ([turn.system_end] if i == 0 and turn.system_end else []) + [turn.prompt_end, turn.end]
+        for n in ends:
+            text = tokenizer.decode(conv.tokens[:n], skip_special_tokens=False)
+            if n > marks[-1][0] and conv.text.startswith(text):
+                marks.append((n, len(text)))
+                if i == 0 and n == turn.prompt_end:
+                    anchor = len(text)
+    # Without a confirmed first prompt, an unpinned request must extend the whole conversation.
+    return marks, len(conv.text) if anchor is None else anchor

@@ -1,25 +1,89 @@
-"""The serving store's TierHook (turnkv/serve/store.py) over the state manager: idle conversations
-the store evicts go to the CPU tier (or the disk under it) in the form of their recipe's state
-strategy, and come back before a request continues them."""
+"""The serving store's TierHook (turnkv/serve/store.py) over the state manager (`llm.state`).
+
+Idle conversations the store evicts from the KV pool go to the CPU tier (and from there to the disk,
+least recently used first), in the form their recipe's state strategy stores; they come back when a
+request continues them. At shutdown they go to the disk tier, where a server started over the same
+directory finds them again (`kept`).
+"""
 
 from __future__ import annotations
 
+import logging
+
 from turnkv.kv.tiers import StateTiersFullError
+
+log = logging.getLogger("turnkv.serve")
 
 
 class StateTierHook:
+    names = ("cpu", "disk")
+
     def __init__(self, manager, tier: str = "cpu"):
         self.manager, self.tier = manager, tier
 
-    def offload(self, conv) -> bool:
-        try:
-            self.manager.offload(conv, self.tier)
-        except StateTiersFullError:
-            return False  # every tier is full: the store decides (it drops the idle conversation)
-        return True
+    @property
+    def durable(self) -> bool:
+        return self.manager.tiers.disk is not None
 
-    def restore(self, conv) -> None:
-        self.manager.before_turn(conv, 0)  # all or nothing; KVCacheFullError leaves it stored
+    def begin(self, conv) -> list[str]:
+        # before_turn restores the state if it left the GPU, making room by demoting idle resident
+        # conversations, and puts this one in the manager's busy set: while a request runs on it,
+        # making room for another conversation never demotes it (its next decode step reads the pages).
+        start = len(self.manager.events)
+        try:
+            self.manager.before_turn(conv, 0)
+        except BaseException:
+            self.manager.abort_turn(conv)  # nothing was restored: it stays stored, and idle
+            raise
+        finally:
+            moved = self._take_events(start)
+        return moved
+
+    def end(self, conv) -> None:
+        # Also for an undone request: its KV is back to what it was, and the restore's source copy
+        # (or a strategy that offloads between turns) is dealt with as after any turn.
+        start = len(self.manager.events)
+        self.manager.after_turn(conv)
+        self._take_events(start)
+
+    def offload(self, conv, durable: bool = False) -> bool:
+        if durable and not self.durable:
+            return False
+        try:
+            landed = self.manager.offload(conv, "disk" if durable else self.tier)
+        except StateTiersFullError:
+            return False  # every tier is full: the store decides what to drop
+        # "gpu": the manager never saw the conversation run, so it stored nothing; saying True would
+        # lose its KV when the store frees the pages.
+        return landed != "gpu"
 
     def discard(self, conv) -> None:
         self.manager.discard(conv)
+
+    def where(self, conv) -> str:
+        return self.manager.where(conv) or "gpu"
+
+    def stored_bytes(self, conv) -> int:
+        return self.manager.stored_bytes(conv)
+
+    def kept(self) -> list[tuple[object, float]]:
+        """Conversations an earlier process left on disk, with the time.time() of their last use."""
+        out = []
+        for key in self.manager.tiers.keys("disk"):
+            try:
+                used = float(self.manager.tiers.meta(key).get("last_used", 0.0))
+                out.append((self.manager.resume(key), used))
+            except Exception as e:  # left on disk as it is: nothing is deleted that could not be read
+                log.warning("stored conversation %s cannot be resumed: %s", key, e)
+        return out
+
+    def _take_events(self, start: int) -> list[str]:
+        """The manager's events since `start`, taken off its list (a server runs for long; the store
+        counts them in /metrics instead): "offloaded" for each conversation it demoted."""
+        events = self.manager.events[start:]
+        del self.manager.events[start:]
+        for e in events:
+            if e["event"] == "corrupt_state_recomputed":
+                log.warning("conversation %s: stored state unreadable, its history is recomputed: %s",
+                            e["conversation"], e["error"])
+        return ["offloaded" for e in events if e["event"] == "demoted"]
