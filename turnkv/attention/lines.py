@@ -14,7 +14,8 @@ lines or (B * H) for per-KV-head lines; scores are [N, R, S] for R sampled rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,10 @@ class Keys:
         if self.window is not None:
             mask &= delta < self.window
         return mask
+
+    def row_slice(self, start: int, stop: int) -> "Keys":
+        """The chunk's rows [start, stop) over the same keys (first/end_position stay the chunk's)."""
+        return replace(self, q=self.q[:, :, start:stop], q_pos=self.q_pos[:, start:stop])
 
     def offsets(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Diagonal offsets q_pos - k_pos [B, H, R, S], clamped at 0 (negative cells are masked anyway)."""
@@ -136,3 +141,102 @@ def blockwise_attention(keys: Keys, mask_fn, scale: float | None = None, block_r
         c, v = mask.sum(dim=(2, 3)).double(), visible.sum(dim=(2, 3)).double()
         computed, causal = (c, v) if computed is None else (computed + c, causal + v)
     return out, computed, causal
+
+
+# ---- the fast path: the Triton line kernel on CUDA ------------------------------------------------
+
+@functools.cache
+def _kernel():
+    from turnkv.attention.triton import available
+
+    if not available():
+        return None
+    from turnkv.attention.triton import lines as kernel
+
+    return kernel
+
+
+def uses_kernel(device: torch.device, force_triton: bool = False) -> bool:
+    """The kernel runs on CUDA; force_triton runs it anywhere Triton imports (its interpreter on CPU,
+    for tests)."""
+    return (force_triton or device.type == "cuda") and _kernel() is not None
+
+
+def kernel_layout(keys: Keys) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q_start [B], kv_len [B, H]) when the kernel can read `keys`, else None.
+
+    The kernel needs key entry c at position c with a head's valid entries a prefix (no eviction has
+    happened, the common case: a first turn, or multi-turn with the full cache) and consecutive rows.
+    After eviction (holes in k_pos) the cells still follow from positions, but mapping offsets to key
+    ranges would need a search per line and block; those chunks take the reference path instead."""
+    B, H, S = keys.k_pos.shape
+    T = keys.q_pos.shape[1]
+    entries = torch.arange(S, device=keys.k_pos.device)
+    at_entry = keys.k_pos == entries
+    if keys.valid is None:
+        kv_len = torch.full((B, H), S, dtype=torch.long, device=entries.device)
+        ok = at_entry.all()
+    else:
+        kv_len = keys.valid.sum(dim=2)
+        ok = (at_entry | ~keys.valid).all() & (keys.valid == (entries < kv_len[..., None])).all()
+    q_start = keys.q_pos[:, 0]
+    ok &= (keys.q_pos == q_start[:, None] + torch.arange(T, device=q_start.device)).all()
+    return (q_start, kv_len) if bool(ok) else None
+
+
+def contiguous_counts(keys: Keys, vertical: torch.Tensor, slash: torch.Tensor, per_query_head: bool,
+                      q_start: torch.Tensor, kv_len: torch.Tensor):
+    """blockwise_attention's computed and causal cell counts [B, U] for the kernel's layout (entry =
+    position), from line geometry instead of masks: slash cells + vertical cells - their crossings.
+
+    Rows p in [q0, q1]; a cell (p, c) is visible when c <= p, c < kv_len and p - c < window."""
+    B, Hq, T, _ = keys.q.shape
+    H = keys.k.shape[1]
+    U = Hq if per_query_head else H
+    W = keys.window if keys.window is not None else 1 << 62
+    expand = (lambda x: x.repeat_interleave(U // H, dim=1)) if U != H else (lambda x: x)
+    q0 = q_start.long().view(B, 1, 1)
+    q1 = q0 + T - 1
+    L = kv_len.long()[..., None]  # [B, H, 1]
+    p = q0 + torch.arange(T, device=q0.device)  # [B, 1, T]
+    causal = ((torch.minimum(p, L - 1) - (p - W + 1).clamp_min(0) + 1).clamp_min(0)).sum(dim=2)  # [B, H]
+    causal = expand(causal).reshape(-1)
+    q0, q1, L = (expand(x.expand(B, H, 1)).reshape(-1, 1) for x in (q0, q1, L))  # per unit [N, 1]
+    O, S = slash.shape[1], vertical.shape[1]
+    d = torch.arange(O, device=slash.device)
+    s_on = slash & (d < W)
+    s_cells = (torch.minimum(q1, L - 1 + d) - torch.maximum(q0, d) + 1).clamp_min(0)
+    c = torch.arange(S, device=vertical.device)
+    v_on = vertical & (c < L)
+    v_cells = (torch.minimum(q1, c + W - 1) - torch.maximum(q0, c) + 1).clamp_min(0)
+    # A column meets the diagonals d in [q0 - c, q1 - c] (each once): count the selected ones.
+    prefix = torch.nn.functional.pad(s_on.long().cumsum(dim=1), (1, 0))  # prefix[:, i] = selected below i
+    lo = (q0 - c).clamp(0, O)
+    hi = (q1 - c + 1).clamp(0, O).clamp_max(min(W, O))
+    crossings = (prefix.gather(1, hi) - prefix.gather(1, lo.clamp_max(hi))).clamp_min(0)
+    computed = (s_cells * s_on).sum(dim=1) + (v_cells * v_on).sum(dim=1) - (crossings * v_on).sum(dim=1)
+    return computed.double().view(B, U), causal.double().view(B, U)
+
+
+def line_attention(keys: Keys, vertical: torch.Tensor, slash: torch.Tensor, per_query_head: bool,
+                   scale: float | None = None, mask_fn=None, force_triton: bool = False, config: dict | None = None):
+    """Attention of the chunk's rows over the selected lines (vertical [N, S], slash [N, num_offsets]),
+    with blockwise_attention's return values (out, computed, causal).
+
+    The Triton kernel on CUDA (or anywhere with force_triton) when kernel_layout accepts the keys; the
+    reference blockwise path otherwise, over mask_fn when given (a pattern's own mask of the same
+    cells, kept so the CPU path stays what it was) or line_mask."""
+    # Offsets past the flags would need line_mask's clamp (never the case: callers size slash to the
+    # chunk's end position).
+    if uses_kernel(keys.q.device, force_triton) and slash.shape[1] >= keys.end_position:
+        layout = kernel_layout(keys)
+        if layout is not None:
+            kernel = _kernel()
+            q_start, kv_len = layout
+            plan = kernel.Plan(vertical, slash, q_start, kv_len, keys.q.shape[2], keys.group, per_query_head,
+                               keys.window, kernel.block_m_for(keys.q.dtype, config))
+            out = kernel.line_attention(keys.q, keys.k, keys.v, plan, scale, config=config)
+            return (out, *contiguous_counts(keys, vertical, slash, per_query_head, q_start, kv_len))
+    if mask_fn is None:
+        mask_fn = lambda r: line_mask(keys, vertical, slash, per_query_head, r)  # noqa: E731
+    return blockwise_attention(keys, mask_fn, scale)

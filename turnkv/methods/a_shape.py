@@ -18,6 +18,17 @@ def a_shape_mask(keys: Keys, rows: torch.Tensor, sink: int, local: int) -> torch
     return keys.visible(rows) & ((keys.k_pos[:, :, None, :] < sink) | (delta < local))
 
 
+def a_shape_lines(keys: Keys, sink: int, local: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The same cells as lines per KV head, for the line kernel: the keys at positions < sink as
+    vertical lines, offsets < local as slash lines. Returns (vertical [B*H, S], slash [B*H, O], False)."""
+    B, H, S = keys.k_pos.shape
+    vertical = keys.k_pos < sink
+    if keys.valid is not None:
+        vertical = vertical & keys.valid
+    slash = (torch.arange(keys.end_position, device=keys.k_pos.device) < local).expand(B * H, -1)
+    return vertical.reshape(B * H, S), slash, False
+
+
 @register("prefill", "a_shape")
 @dataclass
 class AShape:
@@ -31,4 +42,5 @@ class AShape:
             raise ValueError("sink must be >= 0 and local >= 1 (a row always reads itself)")
 
     def attend(self, layer: int, keys: Keys):
-        return fixed_pattern(layer, keys, lambda rows: a_shape_mask(keys, rows, self.sink, self.local))
+        return fixed_pattern(layer, keys, lambda rows: a_shape_mask(keys, rows, self.sink, self.local),
+                             lambda: a_shape_lines(keys, self.sink, self.local))

@@ -56,8 +56,7 @@ class MInference:
         slash = torch.zeros_like(w_s, dtype=torch.bool)
         slash.scatter_(1, w_s.topk(min(self.slash, w_s.shape[1]), dim=1).indices, True)
         t1 = clock(device)
-        out, computed, causal = lines.blockwise_attention(
-            keys, lambda r: lines.line_mask(keys, vertical, slash, True, r))
+        out, computed, causal = lines.line_attention(keys, vertical, slash, True)
         return out, dict(layer=layer, computed=computed, causal=causal, vertical=vertical.sum(dim=1).view(B, Hq),
                          slash=slash.sum(dim=1).view(B, Hq), time_search=t1 - t0,
                          time_sparse_attention=clock(device) - t1)

@@ -22,12 +22,18 @@ def clock(device: torch.device, sync: bool = True) -> float:
     return time.perf_counter()
 
 
-def fixed_pattern(layer: int, keys: Keys, mask_fn) -> tuple[torch.Tensor, dict]:
-    """Attention of a pattern that needs no selection (A-shape, Tri-shape), with its statistics."""
-    from turnkv.attention.lines import blockwise_attention
+def fixed_pattern(layer: int, keys: Keys, mask_fn, lines_fn=None) -> tuple[torch.Tensor, dict]:
+    """Attention of a pattern that needs no selection (A-shape, Tri-shape, streaming heads), with its
+    statistics. mask_fn(rows) -> [B, U, R, S] gives its cells; lines_fn() -> (vertical, slash,
+    per_query_head) the same cells as lines, for the Triton line kernel where it runs (CUDA). Off CUDA
+    the mask path runs as it always did, and the lines are never built."""
+    from turnkv.attention import lines
 
     t0 = clock(keys.q.device)
-    out, computed, causal = blockwise_attention(keys, mask_fn)
+    if lines_fn is not None and lines.uses_kernel(keys.q.device):
+        out, computed, causal = lines.line_attention(keys, *lines_fn(), mask_fn=mask_fn)
+    else:
+        out, computed, causal = lines.blockwise_attention(keys, mask_fn)
     return out, dict(layer=layer, computed=computed, causal=causal, time_sparse_attention=clock(keys.q.device) - t0)
 
 

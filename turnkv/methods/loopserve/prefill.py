@@ -128,8 +128,8 @@ class LoopServePrefill:
         times = {}
         vertical, slash, weights, rows, estimate, mass = self.select(keys, layer, times)
         t2 = _clock(device, self.profile)
-        out, computed, causal = lines.blockwise_attention(
-            keys, lambda r: lines.line_mask(keys, vertical, slash, per_q, r))
+        # The Triton line kernel on CUDA, the reference mask path elsewhere (lines.line_attention).
+        out, computed, causal = lines.line_attention(keys, vertical, slash, per_q)
         t3 = _clock(device, self.profile)
         covered = (weights * lines.line_mask(keys, vertical, slash, per_q, rows)).sum(dim=(2, 3))
         stats = dict(layer=layer, computed=computed, causal=causal,

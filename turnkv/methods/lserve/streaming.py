@@ -28,7 +28,7 @@ import torch
 from turnkv.attention.lines import Keys
 from turnkv.attention.reference import gather_pages
 from turnkv.errors import InvalidRequestError
-from turnkv.methods.a_shape import a_shape_mask
+from turnkv.methods.a_shape import a_shape_lines, a_shape_mask
 from turnkv.methods.lserve.pattern import DUO_FILE, HeadPattern, PatternFileError, load_duo_attention
 from turnkv.methods.pattern_hook import fixed_pattern
 from turnkv.methods.registry import register
@@ -95,7 +95,15 @@ class StreamingHeads:
             window = a_shape_mask(keys, rows, self.sink, self.prefill_local)
             return torch.where(streaming[None, :, None, None], window, keys.visible(rows))
 
-        return fixed_pattern(layer, keys, mask)
+        def lines_fn():
+            """For the line kernel (CUDA), per KV head: a streaming head's sink keys are vertical lines
+            and its window the offsets < prefill_local; a dense head has every offset (dense causal)."""
+            vertical, slash, _ = a_shape_lines(keys, self.sink, self.prefill_local)
+            B, H = keys.k.shape[:2]
+            per_head = streaming.repeat(B)[:, None]  # units are (sequence, KV head)
+            return vertical & per_head, slash | ~per_head, False
+
+        return fixed_pattern(layer, keys, mask, lines_fn)
 
     def bind(self, num_layers: int) -> None:
         """The model's layer count (Recipe.new_state): a prefill chunk sees only its KV heads."""
