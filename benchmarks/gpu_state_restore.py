@@ -6,11 +6,19 @@ For each history length the script prefills the history, runs one more "turn" (a
 decode steps, with Krul's query recorder on, as a real turn end would have), packs the state with
 each strategy into the CPU tier, and times the returning turn: restore + prefill of the new prompt +
 the first token, synchronised, best of --repeats. For the split strategies it also times the
-recompute stream alone and the load stream alone (overlap = T_both / max(T_C, T_L)).
+recompute stream alone and the load stream alone (overlap = T_both / max(T_C, T_L), the issue's
+test: <= 1.15), and the host time to issue the restore (restore_issue_s: what the host spends before
+the streams run on their own).
 
-Printed last: one table. JSON goes to --out (or $OUT).
+Per row: pack_s (turn-end work on the GPU: estimator, pairing, schedule, export, merge, split in
+pack_timing) and copy_s (into the pinned CPU tier) apart; stored bytes and their share of the full
+KV; the bandwidth floor of the load stream (stored bytes / measured H2D). "krul_s50" is Krul with
+storage=0.5 (at most half of the full KV stored).
+
+Printed last: one table and the issue's targets. JSON goes to --out (or $OUT).
 Usage: python benchmarks/gpu_state_restore.py [--histories 8192,16384,32768] [--out DIR]
        [--cpu-memory 20GiB] [--repeats 3] [--skip-disk]
+       python benchmarks/gpu_state_restore.py --smoke     # CPU, SmolLM2-135M shape, small histories
 """
 
 from __future__ import annotations
@@ -36,8 +44,10 @@ from turnkv.state.split import restore_split
 
 # Random weights have no Initial-Recent attention (it is near uniform: ~0.2 of the mass on the first
 # and last 10%), so Krul's I-R test would exclude every layer; ir_threshold=0 lets it pair layers by
-# attention distance alone. With real weights use plain "krul".
-STRATEGIES = ["recompute", "load", "partial", "krul(ir_threshold=0)", "minicache", "krul_fix"]
+# attention distance alone. With real weights use plain "krul". label=spec; a plain spec is labelled
+# by its strategy name.
+STRATEGIES = ["recompute", "load", "partial", "krul=krul(ir_threshold=0)",
+              "krul_s50=krul(ir_threshold=0,storage=0.5)", "minicache", "krul_fix"]
 
 
 def sync():
@@ -96,36 +106,49 @@ def run_length(llm, n, args):
     ctx, tiers = llm.state.ctx, llm.state.tiers
     ids, seq, window = make_state(llm, n, args.turn_prompt, args.turn_decode)
     new_prompt = torch.randint(0, 32000, (args.new_prompt,)).tolist()
-    full = n * llm.config.kv_bytes_per_token(2)
+    full = n * llm.config.kv_bytes_per_token(llm.pool.k.element_size())
     rc = ctx.recompute_ratio(n, "cpu")
+    bandwidth = ctx.cost("cpu").bytes_per_s
     rows = []
-    for spec in args.strategies.split(";"):
+    for entry in args.strategies.split(";"):
+        label, spec = entry.split("=", 1) if "=" in entry.split("(")[0] else ("", entry)
         strategy = Recipe.parse(f"state={spec}").state
-        name = strategy.name
+        name = label or strategy.name
         row = {"history": n, "strategy": name, "spec": spec, "calibrated_rc": rc}
         try:
             saved = [list(layer) for layer in window.turn]  # Krul's estimator consumes the recorded turn
+            sync()
             t = time.perf_counter()
             stored = strategy.pack(ctx, seq, window, "cpu")
             sync()
             row["pack_s"] = time.perf_counter() - t
             window.turn = saved
             key = f"bench-{n}-{name}"
+            t = time.perf_counter()
             tiers.put(key, {"state": stored.meta}, stored.tensors, "cpu")
+            sync()
+            row["copy_s"] = time.perf_counter() - t  # device -> pinned CPU tier
             _, meta, host = tiers.get(key)
             if llm.device.type == "cuda":
                 assert all(t.is_pinned() for t in host.values()), "the CPU tier must be pinned for async copies"
             row["stored_bytes"] = stored.nbytes
             row["stored_share"] = stored.nbytes / full
-            for key_ in ("starts", "pairs", "recompute_ratio", "ir_score"):
+            row["load_floor_s"] = stored.nbytes / bandwidth  # the load stream at the measured H2D bandwidth
+            for key_ in ("starts", "pairs", "recompute_ratio", "recompute_share", "ir_score", "pack_timing",
+                         "estimator_rows"):
                 if key_ in stored.meta:
                     row[key_] = stored.meta[key_]
 
+            issue = []
+
             def restore(s, strategy=strategy, meta=meta, host=host):
+                t0 = time.perf_counter()
                 strategy.restore(ctx, s, ids, meta["state"], host)
+                issue.append(time.perf_counter() - t0)
 
             row["ttft_s"], _ = ttft(llm, restore, new_prompt, args.repeats)
-            if "starts" in stored.meta and name != "load":
+            row["restore_issue_s"] = min(issue)
+            if "starts" in stored.meta:
                 row["t_compute_s"], row["t_load_s"], row["t_both_s"] = stream_times(llm, ids, meta["state"], host,
                                                                                     args.repeats)
                 row["overlap"] = row["t_both_s"] / max(row["t_compute_s"], row["t_load_s"])
@@ -134,7 +157,7 @@ def run_length(llm, n, args):
             row["error"] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "ir_score"}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("ir_score", "starts")}), flush=True)
     seq.free()
     return rows
 
@@ -202,17 +225,27 @@ def main():
     p.add_argument("--cpu-memory", default="20GiB")
     p.add_argument("--skip-disk", action="store_true")
     p.add_argument("--device", default="cuda", help="cpu only to smoke-test the script with a small shape")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU smoke run: smollm2-135m shape, fp32, histories 512,1024, one repeat")
     p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     args = p.parse_args()
+    if args.smoke:
+        args.device, args.shape, args.dtype = "cpu", "smollm2-135m", "float32"
+        args.kv_memory, args.cpu_memory = "2GiB", "2GiB"
+        if args.histories == p.get_default("histories"):
+            args.histories = "512,1024"
+        if args.repeats == p.get_default("repeats"):
+            args.repeats = 1
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
-    llm = turnkv.LLM(args.shape, dtype="bfloat16", device=args.device, kv_memory=args.kv_memory,
+    llm = turnkv.LLM(args.shape, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory,
                      state_cpu_memory=args.cpu_memory)
     ctx = llm.state.ctx
     cost = ctx.cost("cpu")  # calibrated here: recompute a, b and the pinned H2D bandwidth
     result = {"command": "python benchmarks/gpu_state_restore.py " + " ".join(sys.argv[1:]),
               "device": torch.cuda.get_device_name() if llm.device.type == "cuda" else "cpu", "shape": args.shape,
-              "dtype": "bfloat16",
+              "dtype": args.dtype,
               "h2d_pinned_gb_s": cost.bytes_per_s / 1e9,
               "h2d_pageable_gb_s": schedule.measure_bandwidth(llm.device, pinned=False) / 1e9,
               "recompute_a_s_per_token_layer": cost.per_token_layer_s,
@@ -233,7 +266,8 @@ def main():
     print(f"\nH2D pinned {result['h2d_pinned_gb_s']:.1f} GB/s, pageable {result['h2d_pageable_gb_s']:.1f} GB/s; "
           f"{result['device']}")
     header = f"{'history':>8} {'strategy':>10} {'TTFT ms':>9} {'x recomp':>8} {'x load':>7} {'stored/full':>11} " \
-             f"{'r_c':>5} {'T_C ms':>7} {'T_L ms':>7} {'overlap':>7}"
+             f"{'r_c':>5} {'rec.sh':>6} {'T_C ms':>7} {'T_L ms':>7} {'floor ms':>8} {'overlap':>7} {'issue ms':>8} " \
+             f"{'pack s':>7} {'copy s':>6}  pack split"
     print(header)
     for n in sorted({r["history"] for r in result["rows"]}):
         rows = {r["strategy"]: r for r in result["rows"] if r["history"] == n}
@@ -246,10 +280,42 @@ def main():
             t = r["ttft_s"]
             print(f"{n:>8} {name:>10} {1000 * t:9.1f} {base_re / t if base_re else float('nan'):8.2f} "
                   f"{base_ld / t if base_ld else float('nan'):7.2f} {r['stored_share']:11.3f} "
-                  f"{r.get('recompute_ratio', 0) or 0:5.2f} {1000 * r.get('t_compute_s', 0):7.1f} "
-                  f"{1000 * r.get('t_load_s', 0):7.1f} {r.get('overlap', float('nan')):7.2f}")
+                  f"{r.get('recompute_ratio', 0) or 0:5.2f} {r.get('recompute_share', 0) or 0:6.3f} "
+                  f"{1000 * r.get('t_compute_s', 0):7.1f} {1000 * r.get('t_load_s', 0):7.1f} "
+                  f"{1000 * r.get('load_floor_s', 0):8.1f} {r.get('overlap', float('nan')):7.2f} "
+                  f"{1000 * r.get('restore_issue_s', 0):8.1f} {r['pack_s']:7.3f} {r['copy_s']:6.3f}  "
+                  + " ".join(f"{k[:-2]}={v:.3f}" for k, v in r.get("pack_timing", {}).items()))
+    targets(result)
+    with open(os.path.join(args.out, "gpu_state_restore.json"), "w") as f:
+        json.dump(result, f, indent=1)
     for r in result.get("disk_restart", []):
         print("disk restart:", json.dumps(r))
+
+
+def targets(result):
+    """The issue's targets at the longest history, printed and stored under result["targets"]."""
+    rows = [r for r in result["rows"] if "error" not in r]
+    if not rows:
+        return
+    n = max(r["history"] for r in rows)
+    at = {r["strategy"]: r for r in rows if r["history"] == n}
+    out = {"history": n}
+    if "krul" in at:
+        k = at["krul"]
+        if "recompute" in at:
+            out["krul_vs_recompute"] = at["recompute"]["ttft_s"] / k["ttft_s"]  # target >= 2.5
+        if "load" in at:
+            out["krul_vs_load"] = at["load"]["ttft_s"] / k["ttft_s"]  # target >= 1.5
+        out["krul_pack_s"] = k["pack_s"]
+        if "overlap" in k:
+            out["krul_overlap"] = k["overlap"]  # target <= 1.15
+    for name in ("krul", "krul_s50"):
+        if name in at:
+            out[f"{name}_stored_share"] = at[name]["stored_share"]  # target <= 0.5 at r_l = 0.5
+            if "load" in at:
+                out[f"{name}_vs_load"] = at["load"]["ttft_s"] / at[name]["ttft_s"]
+    result["targets"] = out
+    print("targets:", json.dumps(out))
 
 
 if __name__ == "__main__":

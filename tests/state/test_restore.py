@@ -93,8 +93,83 @@ def test_stored_bytes_by_number(llm):
             assert r == int(0.05 * rows)
             expected += r * (4 + 2 * row)  # int32 index, both layers' original rows
     assert llm.state.stored_bytes(conv) == expected
+    # The scheduler's model of the stored bytes is exact (the retention cap binds), and so is meta's.
+    assert schedule.stored_bytes(starts, n, pairs, H, c.head_dim, 4, 0.05) == expected == meta["stored_bytes"]
+    assert meta["full_bytes"] == full_kv_bytes(llm, n)
     # The budget: no more than the uniform split at r_c would store.
     assert expected <= LAYERS * H * (n - round(0.3 * n)) * 2 * row
+    conv.close()
+
+
+@pytest.mark.parametrize("storage", [0.5, 0.3])
+def test_storage_knob_bounds_the_stored_bytes(llm, storage):
+    """krul(storage=s) stores at most s of the full KV, by number, whatever r_c says: the pyramid
+    recomputes what it must (tokens recomputed are not stored)."""
+    conv, _, _ = run(llm, f"state=krul(ir_threshold=0,recompute_ratio=0.05,storage={storage})")
+    meta = llm.state.tiers.meta(conv.id)["state"]
+    n, starts = meta["next_position"], meta["starts"]
+    full = full_kv_bytes(llm, n)
+    stored = llm.state.stored_bytes(conv)
+    assert stored == meta["stored_bytes"] and meta["full_bytes"] == full
+    assert 0 < stored <= storage * full
+    assert all(a >= b for a, b in zip(starts, starts[1:]))
+    # r_c alone (0.05) would recompute 5%: the knob made the pyramid recompute more.
+    assert meta["recompute_share"] > 0.05
+    conv.close()
+
+
+def test_storage_knob_with_every_row_retained_restores_the_resident_state(llm, resident):
+    """Half the storage via a deep pyramid plus merged pairs, every merged row retained: lossless,
+    so the replies are the resident ones (the pyramid recompute, the merge and the loads together)."""
+    conv, replies, _ = run(llm, "state=krul(ir_threshold=0,storage=0.5,retain_threshold=-1,max_retained=1)")
+    meta = llm.state.tiers.meta(conv.id)["state"]
+    assert meta["pairs"] and meta["stored_bytes"] <= 0.5 * meta["full_bytes"]
+    assert replies == resident
+    conv.close()
+
+
+def test_restore_keeps_the_lossless_parts_exact(llm):
+    """A Krul-form state with default retention: unpaired layers come back bit for bit where loaded
+    and to rounding where recomputed; paired layers hold direction x magnitude, with the retained
+    rows exact. The lean contiguous path and the general path rebuild the same KV."""
+    from turnkv.kv.sequence import SequenceKV
+    from turnkv.state import split
+
+    conv = llm.conversation(system="A")
+    for m in MESSAGES[:2]:
+        conv.send(m, max_new_tokens=8)
+    seq, n = conv.kv, conv.kv.next_position
+    starts = [n - 4, n - 9, 20, 20, 3, 0]
+    pairs = [(3, 1), (5, 4)]
+    meta, tensors = split.pack_split(seq, starts, pairs)
+    layout = split.Layout.from_stored(meta, tensors)
+    restored = {}
+    for path in ("contiguous", "general"):
+        s = SequenceKV(llm.pool)
+        if path == "contiguous":
+            split.restore_split(llm.state.ctx, s, conv.tokens, meta, tensors)
+        else:
+            split._restore_general(llm.state.ctx, s, conv.tokens, meta, tensors, layout, True, True)
+        restored[path] = [s.gather(layer)[:2] for layer in range(LAYERS)]
+        s.free()
+    H = llm.config.num_kv_heads
+    for layer in range(LAYERS):
+        for kind in range(2):
+            a, b = restored["contiguous"][layer][kind], restored["general"][layer][kind]
+            assert torch.equal(a, b)
+            original = seq.gather(layer)[kind]
+            s = starts[layer]
+            assert torch.allclose(a[:, :s], original[:, :s], atol=1e-5)  # recomputed
+            if layer in (0, 2):
+                assert torch.equal(a[:, s:], original[:, s:])  # loaded: a copy
+    for i, j in pairs:
+        for kind, name in ((0, "k"), (1, "v")):
+            idx = tensors[f"{i}.{j}.idx_{name}"].long()
+            rows = merge.restore_rows(tensors[f"{i}.{j}.dir_{name}"], tensors[f"{i}.{j}.mag_{name}_i"], idx,
+                                      tensors[f"{i}.{j}.ret_{name}_i"]).view(H, n - starts[i], -1)
+            assert torch.equal(restored["contiguous"][i][kind][:, starts[i]:], rows)
+            original = seq.gather(i)[kind][:, starts[i]:].reshape(-1, rows.shape[-1])
+            assert torch.equal(rows.reshape(-1, rows.shape[-1])[idx], original[idx])  # outliers kept exactly
     conv.close()
 
 
@@ -172,3 +247,14 @@ def test_calibrated_ratio_balances_the_two_streams():
     t_c = cost.compute_s([[r * n] * N])[0]
     t_l = cost.load_s((1 - r) * n * N * schedule.layer_token_bytes(H, D, es))
     assert abs(t_c - t_l) <= 0.05 * max(t_c, t_l)
+
+
+def test_host_pool_gives_back_empty_tensors():
+    """A deep pyramid stores empty tensors (layers recomputed whole); releasing them must free the
+    right extents (an empty tensor's data_ptr() is 0)."""
+    from turnkv.kv.host_pool import HostPool
+
+    pool = HostPool(1 << 16, pin=False)
+    stored = pool.store({"k.0": torch.zeros(0, 8), "k.1": torch.ones(10, 8), "idx": torch.zeros(0, dtype=torch.int32)})
+    pool.release(stored)
+    assert pool.used == 0 and pool._free == [(0, pool.capacity)]

@@ -52,9 +52,9 @@ class HostPool:
         return out
 
     def release(self, tensors: dict[str, torch.Tensor]) -> None:
-        base = self.buffer.data_ptr()
         for t in tensors.values():
-            self._give(t.data_ptr() - base, _aligned(t.numel() * t.element_size()))
+            # The offset from the storage, not data_ptr(): an empty tensor's data_ptr() is 0.
+            self._give(t.storage_offset() * t.element_size(), _aligned(t.numel() * t.element_size()))
 
     # ---- extent allocator -------------------------------------------------------------------
     def _take(self, size: int) -> tuple[int, int] | None:

@@ -13,7 +13,10 @@ Restore runs the prefix recompute on the current stream and the loads on the sid
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+
+import torch
 
 from turnkv.methods.registry import register
 from turnkv.state import pairing, schedule
@@ -32,6 +35,7 @@ class SharedLayers(StateStrategy):
     tau: float = 0.6
     retain_threshold: float = 0.05
     max_retained: float = 0.05
+    storage: float | None = None
 
     def __post_init__(self):
         if not 0 <= self.layer_ratio <= 1:
@@ -42,22 +46,32 @@ class SharedLayers(StateStrategy):
             raise ValueError("allocation is budget or min_storage")
         if not 0 <= self.max_retained <= 1:
             raise ValueError("max_retained must be in [0, 1]")
+        if self.storage is not None and not 0 <= self.storage <= 1:
+            raise ValueError("storage must be in [0, 1] (a share of the full KV)")
 
-    def pairs(self, ctx, seq, window) -> tuple[list[tuple[int, int]], dict]:
+    def pairs(self, ctx, seq, window, clock) -> tuple[list[tuple[int, int]], dict]:
         raise NotImplementedError
 
     def pack(self, ctx, seq, window, tier="cpu") -> Stored:
         c = ctx.config
-        pairs, info = self.pairs(ctx, seq, window)
+        timing = {}
+        clock = _Clock(seq.pool.device, timing)
+        pairs, info = self.pairs(ctx, seq, window, clock)
         n = seq.next_position
         ratio = self.recompute_ratio if self.recompute_ratio is not None else ctx.recompute_ratio(n, tier)
-        if ratio == 0 and self.allocation == "min_storage":
+        if ratio == 0 and self.allocation == "min_storage" and self.storage is None:
             starts = [0] * c.num_layers
         else:
             starts = schedule.pyramid(n, c.num_layers, pairs, ctx.cost(tier), ratio, c.num_kv_heads, c.head_dim,
-                                      ctx.element_size, self.allocation, retained_share=self.max_retained)
-        meta, tensors = pack_split(seq, starts, pairs, self.tau, self.retain_threshold, self.max_retained)
-        return Stored({**meta, **info, "recompute_ratio": ratio}, tensors)
+                                      ctx.element_size, self.allocation, retained_share=self.max_retained,
+                                      storage=self.storage)
+        clock.lap("schedule_s")
+        meta, tensors = pack_split(seq, starts, pairs, self.tau, self.retain_threshold, self.max_retained, clock)
+        full = schedule.full_bytes(n, c.num_layers, c.num_kv_heads, c.head_dim, ctx.element_size)
+        stored = Stored(meta, tensors).nbytes
+        return Stored({**meta, **info, "recompute_ratio": ratio,
+                       "recompute_share": sum(starts) / max(1, n * c.num_layers),
+                       "stored_bytes": stored, "full_bytes": full, "pack_timing": timing}, tensors)
 
     def restore(self, ctx, seq, tokens, meta, tensors):
         return restore_split(ctx, seq, tokens, meta, tensors)
@@ -79,26 +93,50 @@ class Krul(SharedLayers):
         r_c; None calibrates it on this machine.
     allocation : "budget" or "min_storage", default "budget"
         budget: hand the shared layers' storage to deeper layers (faster); min_storage: keep it saved.
+    storage : float or None, default None
+        Store at most this share of the full KV (e.g. 0.5): the budget C becomes storage x full KV
+        instead of (1 - r_c) x full KV, and the pyramid recomputes what it must to fit, fastest first.
+        None: the paper's budget from the calibrated r_c (on a fast host link that stores nearly all).
+    estimator : "auto", "device" or "cpu", default "auto"
+        Where the attention rows are recomputed (estimator.py): the device on a GPU, else the CPU;
+        "cpu" is the paper's split (prefill rows on a CPU worker).
+    estimator_rows : int or None, default 512
+        Turns with more query rows are sampled down to this many (a bounded cost; estimator.py
+        documents the deviation and its measured agreement); None: always exact.
     tau, retain_threshold, max_retained : MiniCache's SLERP weight and token-retention threshold, and
         the cap on the retained share (merge.py says why)."""
 
     ir_threshold: float = 0.3
     region_share: float = 0.1
+    estimator: str = "auto"
+    estimator_rows: int | None = 512
+    estimator_seed: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.estimator not in ("auto", "device", "cpu"):
+            raise ValueError("estimator is auto, device or cpu")
+        if self.estimator_rows is not None and self.estimator_rows < 1:
+            raise ValueError("estimator_rows must be positive (or None: exact)")
 
     def query_window(self, num_layers, size):
         return TurnQueries(num_layers, size)
 
-    def pairs(self, ctx, seq, window):
+    def pairs(self, ctx, seq, window, clock):
         queries, positions, is_decode = window.take() if isinstance(window, TurnQueries) else ([None], None, None)
         if queries[0] is None or not len(positions):
             # Nothing recorded since the last store (e.g. a demotion right after a restore): keep
             # the pairs chosen last time for this conversation.
             last = getattr(window, "last_pairs", [])
             return last, {"selection": "previous"}
-        ir, distance = attention_statistics(seq, queries, positions, is_decode, self.region_share)
+        ir, distance = attention_statistics(seq, queries, positions, is_decode, self.region_share, self.estimator,
+                                            self.estimator_rows, self.estimator_seed)
+        clock.lap("estimator_s")
         pairs = pairing.select_pairs(ir, distance, self.ir_threshold, self.layer_ratio)
+        clock.lap("pairing_s")
         window.last_pairs = pairs
-        return pairs, {"ir_score": [round(float(x), 4) for x in ir], "selection": "estimated"}
+        return pairs, {"ir_score": [round(float(x), 4) for x in ir], "selection": "estimated",
+                       "estimator_rows": [min(len(positions), self.estimator_rows or len(positions)), len(positions)]}
 
 
 @register("state", "minicache")
@@ -110,7 +148,7 @@ class MiniCache(SharedLayers):
     recompute_ratio: float | None = 0.0
     allocation: str = "min_storage"
 
-    def pairs(self, ctx, seq, window):
+    def pairs(self, ctx, seq, window, clock):
         return pairing.minicache_pairs(ctx.config.num_layers, self.layer_ratio), {"selection": "fixed"}
 
 
@@ -120,5 +158,20 @@ class KrulFix(SharedLayers):
     """Krul (Fix): fixed adjacent pairs in layers 9-24 (of 32, scaled to the depth) with Krul's
     calibrated pyramid restore."""
 
-    def pairs(self, ctx, seq, window):
+    def pairs(self, ctx, seq, window, clock):
         return pairing.krul_fix_pairs(ctx.config.num_layers, self.layer_ratio), {"selection": "fixed"}
+
+
+class _Clock:
+    """Wall time of a pack's phases into `timing` (seconds); synchronises a GPU at each lap so the
+    phases do not blur (a pack ends in a device->host copy anyway)."""
+
+    def __init__(self, device: torch.device, timing: dict):
+        self.cuda, self.timing, self.t = device.type == "cuda", timing, time.perf_counter()
+
+    def lap(self, key: str) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.timing[key] = self.timing.get(key, 0.0) + now - self.t
+        self.t = now

@@ -17,15 +17,21 @@ from turnkv.attention import reference
 
 class PrefixStep:
     """AttentionStep for the recompute: writes rows (positions `rows[l]` of KV heads `heads[l]`) of
-    each layer's fresh K/V to `slots[l]` of the pool."""
+    each layer's fresh K/V to `slots[l]` of the pool. heads/rows None: every head keeps every
+    recomputed token, and slots[l] lists them token-major ([r, H] flattened), the order k[0, :r] has."""
 
-    def __init__(self, pool, slots: list[torch.Tensor], heads: list[torch.Tensor], rows: list[torch.Tensor]):
+    def __init__(self, pool, slots: list[torch.Tensor], heads: list[torch.Tensor] | None,
+                 rows: list[torch.Tensor] | None):
         self.pool, self.slots, self.heads, self.rows = pool, slots, heads, rows
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.slots[layer].numel():
-            rows, heads = self.rows[layer], self.heads[layer]
-            self.pool.write(layer, self.slots[layer], k[0, rows, heads], v[0, rows, heads])
+            if self.heads is None:
+                D = k.shape[-1]
+                self.pool.write(layer, self.slots[layer], k[0].reshape(-1, D), v[0].reshape(-1, D))
+            else:
+                rows, heads = self.rows[layer], self.heads[layer]
+                self.pool.write(layer, self.slots[layer], k[0, rows, heads], v[0, rows, heads])
         out = reference.causal_prefill(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return out.transpose(1, 2)
 

@@ -9,6 +9,8 @@ tokens layer l-1 recomputed) and searches a linear ramp R[l] = R0 + k ((N-1)/2 -
 [0, n] and made non-increasing, for the least max(T_C, T_L) whose stored bytes stay within Krul's
 budget C = c (1 - r_c) N (spec §3.5.2, "budget" mode). Shared layers free load time and budget,
 which the ramp hands to deeper layers; "min_storage" keeps the uniform split and banks the savings.
+A `storage` share replaces the budget by that share of the full KV: the ramp then recomputes what it
+must to fit (tokens recomputed are not stored), fastest first.
 """
 
 from __future__ import annotations
@@ -40,45 +42,58 @@ def layer_token_bytes(num_kv_heads: int, head_dim: int, element_size: int) -> in
     return 2 * num_kv_heads * head_dim * element_size
 
 
+def full_bytes(n: int, num_layers: int, num_kv_heads: int, head_dim: int, element_size: int) -> int:
+    """K and V bytes of a whole history of n tokens (what `load` stores)."""
+    return n * num_layers * layer_token_bytes(num_kv_heads, head_dim, element_size)
+
+
 def stored_bytes(starts: np.ndarray, n: int, pairs, num_kv_heads: int, head_dim: int, element_size: int,
-                 retained_share: float = 0.0) -> np.ndarray:
-    """Bytes the split form stores (before retained outliers beyond `retained_share`) for starts
-    [..., N]: unpaired layers their loaded rows; a pair one direction over the deeper layer's loaded
-    rows, four fp32 magnitudes per row, and both originals of the retained rows."""
+                 max_retained: float = 0.0) -> np.ndarray:
+    """Bytes the split form stores for starts [..., N] (pack_split's tensors, to the byte): unpaired
+    layers their loaded rows (K and V); a pair one direction for K and one for V over the deeper
+    layer's loaded rows, four fp32 magnitudes per row (K and V of both layers), and per kind up to
+    int(max_retained * rows) retained rows: an int32 index and both layers' originals. Exact when
+    the retention cap binds (MiniCache's threshold alone retains more; merge.py), else an upper bound."""
     starts = np.asarray(starts, dtype=np.int64)
-    per_row = 2 * head_dim * element_size  # K and V of one (token, head)
+    row = head_dim * element_size  # one K (or V) row of one (token, head)
     loaded = (n - starts) * num_kv_heads  # rows per layer
     paired = {layer for pair in pairs for layer in pair}
     unpaired = [layer for layer in range(starts.shape[-1]) if layer not in paired]
-    total = loaded[..., unpaired].sum(-1) * per_row
+    total = loaded[..., unpaired].sum(-1) * 2 * row
     for i, _ in pairs:
         rows = loaded[..., i]
-        total = total + rows * (per_row + 4 * 4) + np.ceil(rows * retained_share) * 2 * (per_row + 2 * 4)
+        retained = np.floor(max_retained * rows)  # merge_rows' cap, int(max_retained * rows)
+        total = total + rows * (2 * row + 4 * 4) + 2 * retained * (4 + 2 * row)
     return total
 
 
 def pyramid(n: int, num_layers: int, pairs, cost: CostModel, recompute_ratio: float, num_kv_heads: int,
             head_dim: int, element_size: int, mode: str = "budget", grid: int = 41,
-            retained_share: float = 0.0) -> list[int]:
-    """Per-layer recompute lengths R[l] (non-increasing) for a history of n tokens."""
+            retained_share: float = 0.0, storage: float | None = None) -> list[int]:
+    """Per-layer recompute lengths R[l] (non-increasing) for a history of n tokens: the fastest
+    linear ramp (max(T_C, T_L)) whose stored bytes fit the budget. The budget is Krul's
+    C = c (1 - r_c) N, or, with `storage`, that share of the full KV (the user's storage knob:
+    storage=0.5 stores at most half of what `load` would)."""
     N = num_layers
     r0 = int(round(recompute_ratio * n))
-    if mode == "min_storage" or n == 0:
+    if mode == "min_storage" and storage is None or n == 0:
         return [r0] * N
-    if mode != "budget":
+    if mode not in ("budget", "min_storage"):
         raise ValueError(f"allocation mode is budget or min_storage, not {mode!r}")
-    budget = N * (n - r0) * layer_token_bytes(num_kv_heads, head_dim, element_size)
+    full = full_bytes(n, N, num_kv_heads, head_dim, element_size)
+    budget = storage * full if storage is not None else N * (n - r0) * layer_token_bytes(num_kv_heads, head_dim, element_size)
     centre = (N - 1) / 2 - np.arange(N)
-    bases = np.linspace(0, n, grid)
+    # Bases every 0.5% of the history (and the calibrated r_c itself), slopes up to 2n/N per layer.
+    bases = np.unique(np.append(np.linspace(0, n, 201), r0))
     slopes = np.linspace(0, 2 * n / max(1, N), grid)
-    ramps = bases[:, None, None] + slopes[None, :, None] * centre  # [grid, grid, N]
+    ramps = bases[:, None, None] + slopes[None, :, None] * centre  # [bases, slopes, N]
     starts = np.minimum.accumulate(np.clip(np.round(ramps), 0, n), axis=-1).reshape(-1, N)
     store = stored_bytes(starts, n, pairs, num_kv_heads, head_dim, element_size, retained_share)
     t = np.maximum(cost.compute_s(starts), cost.load_s(store))
     t = np.where(store <= budget, t, np.inf)
     best = np.lexsort((store, t))[0]  # fastest, then the least storage
     if not np.isfinite(t[best]):
-        return [r0] * N
+        return [n] * N if storage is not None else [r0] * N  # recompute everything: stores nothing
     return [int(s) for s in starts[best]]
 
 
@@ -113,8 +128,10 @@ def measure_bandwidth(device: torch.device, nbytes: int = 64 << 20, pinned: bool
     return nbytes / _timed(lambda: dst.copy_(src, non_blocking=pinned), device)
 
 
-def measure_compute(model, device: torch.device, lengths=(256, 1024)) -> tuple[float, float]:
-    """(a, b) of the recompute cost, fitted on prefix recomputes of two lengths over every layer."""
+def measure_compute(model, device: torch.device, lengths=(512, 2048)) -> tuple[float, float]:
+    """(a, b) of the recompute cost, fitted on prefix recomputes of two lengths over every layer.
+    Lengths of 512 and 2048: the prefixes Krul recomputes are thousands of tokens (a 256-token GEMM
+    runs far below peak and made the linear term too large)."""
     from turnkv.state.prefix import recompute_prefix
 
     class Discard:

@@ -13,6 +13,13 @@ ret_k_i, ret_k_j, ret_v_i, ret_v_j}.
 Restore: pages and positions first; then the load stream copies layer by layer and writes the loaded
 rows (rebuilding merged pairs on the device), while the current stream recomputes the prefixes; the
 next forward's layer l waits only for layer l's copies.
+
+The common layout (nothing evicted: every head holds positions 0..n-1, no H2O masses) has a lean
+path, `_restore_contiguous`: one reserve for all layers (pages, positions and masses in a few
+kernels), per-layer slots as views of it, and no host<->device synchronisation anywhere, so the host
+issues every layer's copies in a few milliseconds and then the recompute, and the two streams run
+side by side. The general path (uneven heads after eviction) needs masks whose sizes depend on the
+data, so it synchronises per layer; it is kept for correctness, not speed.
 """
 
 from __future__ import annotations
@@ -33,9 +40,11 @@ def _same_tokens(layout: Layout, i: int, j: int) -> bool:
 
 
 def pack_split(seq, starts: list[int], pairs: list[tuple[int, int]] = (), tau: float = 0.6,
-               retain_threshold: float = 0.05, max_retained: float = 0.05) -> tuple[dict, dict[str, torch.Tensor]]:
+               retain_threshold: float = 0.05, max_retained: float = 0.05, clock=None) -> tuple[dict, dict[str, torch.Tensor]]:
     """(meta, tensors) of the split form. Pairs whose layers hold different tokens (uneven eviction)
-    cannot share rows; they are stored unmerged and listed under meta["unmergeable"]."""
+    cannot share rows; they are stored unmerged and listed under meta["unmergeable"]. clock: times
+    the export (rows out of the pages) and the merge apart, as clock.lap(key)."""
+    lap = clock.lap if clock is not None else (lambda key: None)
     layout = layout_of(seq)
     tensors = layout.tensors()
     merged, unmergeable = [], []
@@ -46,9 +55,11 @@ def pack_split(seq, starts: list[int], pairs: list[tuple[int, int]] = (), tau: f
     for layer in range(seq.pool.num_layers):
         if layer not in paired:
             tensors[f"k.{layer}"], tensors[f"v.{layer}"] = export_rows(seq, layer, starts[layer])
+    lap("export_s")
     for i, j in merged:
         ki, vi = export_rows(seq, i, starts[i])
         kj, vj = export_rows(seq, j, starts[i])  # the pair's direction covers layer i's longer loaded part
+        lap("export_s")
         name = f"{i}.{j}"
         for kind, xi, xj in (("k", ki, kj), ("v", vi, vj)):
             m = merge.merge_rows(xi, xj, tau, retain_threshold, max_retained)
@@ -56,6 +67,7 @@ def pack_split(seq, starts: list[int], pairs: list[tuple[int, int]] = (), tau: f
                             f"{name}.mag_{kind}_j": m["mag_j"], f"{name}.idx_{kind}": m["idx"],
                             f"{name}.ret_{kind}_i": m["ret_i"], f"{name}.ret_{kind}_j": m["ret_j"]})
             retained[f"{name}.{kind}"] = int(m["idx"].numel())
+        lap("merge_s")
     meta = {**layout.meta(), "starts": [int(s) for s in starts], "pairs": [list(p) for p in merged],
             "unmergeable": [list(p) for p in unmergeable], "retained": retained}
     return meta, tensors
@@ -68,12 +80,84 @@ def restore_split(ctx, seq, tokens: list[int], meta: dict, tensors: dict[str, to
     without, the caller waits (stream.wait_all()). load / recompute False skip one stream, to time the
     other alone (calibration, overlap checks)."""
     layout = Layout.from_stored(meta, tensors)
-    starts, pairs = meta["starts"], [tuple(p) for p in meta["pairs"]]
-    pool, device = seq.pool, seq.pool.device
+    starts = meta["starts"]
     if any(b > a for a, b in zip(starts, starts[1:])):
         raise ValueError(f"stored recompute lengths must not increase with depth: {starts}")
     if layout.next_position > len(tokens):
         raise ValueError(f"the stored state covers {layout.next_position} tokens and the history has {len(tokens)}")
+    if layout.is_contiguous() and all(m is None for m in layout.masses):
+        stream = _restore_contiguous(ctx, seq, tokens, meta, tensors, layout.next_position, load, recompute)
+    else:
+        stream = _restore_general(ctx, seq, tokens, meta, tensors, layout, load, recompute)
+    if gate:
+        stream.gate(ctx.model)
+    return stream
+
+
+def _restore_contiguous(ctx, seq, tokens, meta, tensors, n: int, load: bool, recompute: bool) -> LoadStream:
+    """Every head holds 0..n-1: layer l's stored rows are, per head, positions [starts[l], n) in
+    (head, token) order, and its slots are a view of one reserve. Nothing here waits for the device."""
+    starts, pairs = meta["starts"], [tuple(p) for p in meta["pairs"]]
+    pool = seq.pool
+    H, D, dtype = pool.num_kv_heads, pool.head_dim, pool.dtype
+    slots = seq.reserve(n) if n else torch.zeros(pool.num_layers, H, 0, dtype=torch.int64, device=pool.device)
+    seq.moves += 1  # written behind the page statistics' back, as reserve_layout marks a restore
+    # Flat slot lists made now, on the current stream, which the load stream waits for (start()).
+    rec_slots = [slots[layer, :, :s].transpose(0, 1).reshape(-1) for layer, s in enumerate(starts)]  # token-major
+    load_slots = [slots[layer, :, s:].reshape(-1) for layer, s in enumerate(starts)]  # (head, token)
+    stream = LoadStream(pool.device)
+    stream.start()
+    partner = {j: i for i, j in pairs}
+    deeper = set(partner.values())
+    for layer in range(pool.num_layers if load else 0):
+        if layer in deeper:
+            continue  # loaded with its shallower partner
+        if layer not in partner:
+            k, v = tensors[f"k.{layer}"], tensors[f"v.{layer}"]
+
+            def work(layer=layer, k=k, v=v):
+                pool.write(layer, load_slots[layer], stream.to_device(k, dtype), stream.to_device(v, dtype))
+
+            # The slots were made on the current stream and are read on the load stream: kept alive
+            # until the copies are done, so the allocator cannot hand their memory out meanwhile.
+            stream.run(layer, work, k, v, load_slots[layer])
+            continue
+        i, j = partner[layer], layer
+        name = f"{i}.{j}"
+        pair = {key: tensors[f"{name}.{key}"] for key in PAIR_KEYS}
+
+        def work(i=i, j=j, pair=pair):
+            d = {key: stream.to_device(t) for key, t in pair.items()}
+            rows = n - starts[i]  # per head: the pair's rows are layer i's loaded positions
+            skip = starts[j] - starts[i]  # layer j recomputes the first `skip` of them
+            for kind, pool_kv in (("k", pool.k), ("v", pool.v)):
+                direction, idx = d[f"dir_{kind}"], d[f"idx_{kind}"].long()
+                for layer_, side in ((i, "i"), (j, "j")):
+                    # direction * |x| in one kernel, computed in fp32 and stored in the pool dtype
+                    rebuilt = torch.empty(direction.shape, dtype=dtype, device=direction.device)
+                    torch.mul(direction, d[f"mag_{kind}_{side}"][:, None], out=rebuilt)
+                    rebuilt.index_copy_(0, idx, d[f"ret_{kind}_{side}"].to(dtype))  # outliers, originals
+                    if layer_ == j and skip:
+                        rebuilt = rebuilt.view(H, rows, D)[:, skip:].reshape(-1, D)
+                    pool_kv[layer_].view(-1, D).index_copy_(0, load_slots[layer_], rebuilt)
+
+        stream.run(j, work, *pair.values(), load_slots[i], load_slots[j])
+        if stream.cuda:
+            stream.events[i] = stream.events[j]
+    if recompute:
+        step = PrefixStep(pool, rec_slots, None, None)
+        recompute_prefix(ctx.model, tokens, list(starts), step)
+    return stream
+
+
+PAIR_KEYS = ("dir_k", "dir_v", "mag_k_i", "mag_k_j", "mag_v_i", "mag_v_j", "idx_k", "idx_v",
+             "ret_k_i", "ret_k_j", "ret_v_i", "ret_v_j")
+
+
+def _restore_general(ctx, seq, tokens, meta, tensors, layout: Layout, load: bool, recompute: bool) -> LoadStream:
+    """Any layout (uneven heads, positions with gaps, H2O masses)."""
+    starts, pairs = meta["starts"], [tuple(p) for p in meta["pairs"]]
+    pool, device = seq.pool, seq.pool.device
     slots = reserve_for(seq, layout)
     H = pool.num_kv_heads
     rec_slots, rec_heads, rec_rows, load_slots, positions = [], [], [], [], []
@@ -129,6 +213,4 @@ def restore_split(ctx, seq, tokens: list[int], meta: dict, tensors: dict[str, to
             stream.run(layer, work, k, v, load_slots[layer])
     if recompute:
         recompute_prefix(ctx.model, tokens, list(starts), PrefixStep(pool, rec_slots, rec_heads, rec_rows))
-    if gate:
-        stream.gate(ctx.model)
     return stream
