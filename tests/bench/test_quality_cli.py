@@ -53,6 +53,15 @@ def test_policies_do_not_override_a_recipe_that_names_its_own():
     assert recipes["loopserve"].evict is None  # nothing to evict: no budget, no policy crossing
 
 
+def test_a_lone_policy_other_than_the_default_is_in_the_label():
+    # Two runs into one results file must never share a label: flowkv alone is named, recompress
+    # alone (the default) is not, and several policies are always named.
+    assert set(expand_recipes(parse(["--recipes", "h2o", "--policies", "flowkv"]))) == {"h2o@flowkv"}
+    assert set(expand_recipes(parse(["--recipes", "h2o", "--policies", "recompress"]))) == {"h2o"}
+    assert set(expand_recipes(parse(["--recipes", "h2o", "--policies", "recompress,flowkv", "--keep-ratio", "0.2"]))) \
+        == {"h2o@recompress@0.2", "h2o@flowkv@0.2"}
+
+
 def test_report_only_writes_the_report_of_a_partial_run_without_running(chat_model_dir, tmp_path):
     import json
 

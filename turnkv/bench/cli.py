@@ -113,7 +113,10 @@ def expand_recipes(args) -> dict[str, object]:
         for ratio in ratios:
             for policy in policies:
                 overrides = dict(amounts) | ({"keep_ratio": ratio} if ratio else {}) | ({"turns": policy} if policy else {})
-                label = spec + (f"@{policy}" if policy and len(policies) > 1 else "") + (f"@{ratio}" if ratio else "")
+                # The policy is in the label unless it is the only one and the default: a run under
+                # flowkv alone must not resume from (or be mistaken for) a recompress run's records.
+                named = policy and (len(policies) > 1 or policy != Recipe().turns.name)
+                label = spec + (f"@{policy}" if named else "") + (f"@{ratio}" if ratio else "")
                 out[label] = base.with_overrides(overrides)
     out.pop("full", None)
     return out
