@@ -41,7 +41,8 @@ def test_prefill_flops_by_hand(tiny):
 
 
 def test_run_speed_measures_every_planned_figure(tiny, tmp_path):
-    cfg = SpeedConfig(contexts=[24, 48], batches=[1, 2], new_tokens=4, turns=2, turn_tokens=8,
+    # 16 new tokens: the peer's time per token is T(16) - T(1), which must stand clear of timer noise.
+    cfg = SpeedConfig(contexts=[24, 48], batches=[1, 2], new_tokens=16, turns=2, turn_tokens=8,
                       recipes={"full": Recipe(), "snapkv": Recipe.parse("snapkv budget=16")}, repeat=1)
     result = run_speed(tiny, cfg, progress=False)
     hw = result["hardware"]
