@@ -33,6 +33,25 @@ def test_transformers_peer_shares_turnkv_weights_and_agrees(tiny):
     torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
 
 
+def test_transformers_peer_prefills_long_batches_in_chunks(tiny, monkeypatch):
+    hf = peers.transformers_model(tiny)
+    seen = []
+    generate = hf.generate
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("prefill_chunk_size"))
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "generate", spy)
+    prompts = torch.randint(3, 100, (2, 40))
+    row = peers.transformers_generate(hf, prompts, 4, tiny.device, repeat=1, prefill_chunk=16)
+    assert seen == [16, 16, 16]  # warm-up, TTFT, then the timed n-token run; all chunked
+    assert row["note"] == "transformers chunked prefill, 16 tokens per chunk" and row["tokens_per_s"] > 0
+    seen.clear()
+    row = peers.transformers_generate(hf, prompts, 4, tiny.device, repeat=1, prefill_chunk=64)
+    assert seen == [None, None, None] and "note" not in row  # a chunk longer than the prompt is no chunk
+
+
 def test_prefill_flops_by_hand(tiny):
     c = tiny.config  # hidden 64, intermediate 128, 2 layers, 4 heads, 2 KV heads, head dim 16
     per_token = 2 * (64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128)

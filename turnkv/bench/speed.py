@@ -164,7 +164,11 @@ def run_speed(llm, cfg: SpeedConfig, progress: bool = True) -> dict:
                 hf_model = hf_model or peers.transformers_model(llm)
                 prompts = torch.tensor([_prompt(ctx, llm.config.vocab_size, cfg.seed + b) for b in range(batch)],
                                        device=llm.device)
-                row |= peers.transformers_generate(hf_model, prompts, cfg.new_tokens, llm.device)
+                # Past 64K prompt tokens in the batch, transformers prefills in chunks of 2048 as it allows,
+                # or its one-shot prefill's activations alone would exhaust the GPU.
+                chunk = 2048 if batch * ctx > 65536 else None
+                row |= peers.transformers_generate(hf_model, prompts, cfg.new_tokens, llm.device,
+                                                   repeat=cfg.repeat, prefill_chunk=chunk)
         except peers.PeerUnavailable as e:
             row["unavailable"] = str(e)
         except torch.OutOfMemoryError as e:
