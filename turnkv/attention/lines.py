@@ -134,7 +134,7 @@ def blockwise_attention(keys: Keys, mask_fn, scale: float | None = None, block_r
             folded = mask.reshape(B, H, G * R, S)
         else:
             folded = mask[:, :, None].expand(B, H, G, R, S).reshape(B, H, G * R, S)
-        out[:, :, rows] = F.scaled_dot_product_attention(q, keys.k, keys.v, attn_mask=folded, scale=scale).view(B, Hq, R, D)
+        out[:, :, rows] = F.scaled_dot_product_attention(q, keys.k, keys.v, attn_mask=folded, scale=scale).reshape(B, Hq, R, D)
         visible = keys.visible(rows)
         if U != H:
             visible = visible.repeat_interleave(U // H, dim=1)
