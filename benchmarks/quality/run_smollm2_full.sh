@@ -3,7 +3,7 @@
 # Each stage is a resume of the previous one with more recipes or budgets (results.jsonl is keyed by
 # instance x position x recipe), so a run stopped at any point leaves complete, comparable slices:
 #   1. the core recipes at keep_ratio 0.2;  2. the same at 0.5 as well;
-#   3. every other preset at 0.2 under recompress;  4. the same at 0.5;  5. the others under flowkv.
+#   3. every other preset at 0.2 under recompress;  4. the same at 0.5.
 # Rerun this script to resume.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -22,4 +22,3 @@ COMMON=(--tasks needle_qa,kv_retrieval,preferences,instructions,fewshot --positi
 # Labels: "name@policy@ratio", except that a lone recompress policy is left out ("pyramidkv@0.2").
 "$TK" bench quality "${COMMON[@]}" --policies recompress --recipes "$OTHERS" --keep-ratio 0.2
 "$TK" bench quality "${COMMON[@]}" --policies recompress --recipes "$OTHERS" --keep-ratio 0.5
-"$TK" bench quality "${COMMON[@]}" --policies flowkv --recipes "$OTHERS" --keep-ratio 0.2,0.5
