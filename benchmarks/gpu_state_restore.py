@@ -15,7 +15,10 @@ pack_timing) and copy_s (into the pinned CPU tier) apart; stored bytes and their
 KV; the bandwidth floor of the load stream (stored bytes / measured H2D). "krul_s50" is Krul with
 storage=0.5 (at most half of the full KV stored).
 
-Printed last: one table and the issue's targets. JSON goes to --out (or $OUT).
+Printed last: one table and the issue's targets. JSON goes to --out (or $OUT), rewritten after every
+row. A failing row is recorded with its error and the others go on; but a CUDA error (a device-side
+assert, an illegal address) poisons the process's CUDA context, so after one the script stops: the
+rows so far are written, with "fatal" saying why, the table is printed, and it exits with status 1.
 Usage: python benchmarks/gpu_state_restore.py [--histories 8192,16384,32768] [--out DIR]
        [--cpu-memory 20GiB] [--repeats 3] [--skip-disk]
        python benchmarks/gpu_state_restore.py --smoke     # CPU, SmolLM2-135M shape, small histories
@@ -68,20 +71,42 @@ def make_state(llm, n: int, turn_prompt: int, turn_decode: int):
     return ids, seq, window
 
 
+class DeviceLost(RuntimeError):
+    """A CUDA error left the context unusable: every later row would fail (or, worse, run on
+    corrupted memory), so the run stops here with the rows it has."""
+
+
+def device_error(llm) -> str | None:
+    """Why the device can no longer be used, or None. A CUDA error is sticky: once a kernel failed,
+    every later synchronisation raises it again."""
+    if llm.device.type != "cuda":
+        return None
+    try:
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - whatever the error, the context is gone
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def ttft(llm, fn, new_prompt, repeats):
-    """Best wall time of: fn(seq) (the restore) + prefill of the new prompt + the first token."""
+    """Best wall time of: fn(seq) (the restore; it may return the restore's load stream) + prefill of
+    the new prompt + the first token."""
     best, detail = float("inf"), None
     for _ in range(repeats):
         seq = SequenceKV(llm.pool)
-        sync()
-        t = time.perf_counter()
-        fn(seq)
-        logits = llm.runner.prefill(seq, new_prompt)
-        int(logits.argmax())
-        elapsed = time.perf_counter() - t
-        sync()
-        best = min(best, elapsed)
-        seq.free()
+        try:
+            sync()
+            t = time.perf_counter()
+            stream = fn(seq)
+            logits = llm.runner.prefill(seq, new_prompt)
+            int(logits.argmax())
+            elapsed = time.perf_counter() - t
+            sync()
+            if stream is not None:
+                stream.synchronize()  # as the engine does after a turn: the host sources are free again
+            best = min(best, elapsed)
+        finally:
+            seq.free()  # also after a failure: a row must not leave pages behind for the next ones
     return best, detail
 
 
@@ -92,74 +117,100 @@ def stream_times(llm, ids, meta, tensors, repeats):
         best = float("inf")
         for _ in range(repeats):
             seq = SequenceKV(llm.pool)
-            sync()
-            t = time.perf_counter()
-            restore_split(llm.state.ctx, seq, ids, meta, tensors, gate=False, **parts).wait_all()
-            sync()
-            best = min(best, time.perf_counter() - t)
-            seq.free()
+            try:
+                sync()
+                t = time.perf_counter()
+                stream = restore_split(llm.state.ctx, seq, ids, meta, tensors, gate=False, **parts)
+                stream.wait_all()
+                sync()
+                best = min(best, time.perf_counter() - t)
+                stream.synchronize()
+            finally:
+                seq.free()
         out.append(best)
     return out
 
 
 def run_length(llm, n, args):
-    ctx, tiers = llm.state.ctx, llm.state.tiers
+    ctx = llm.state.ctx
     ids, seq, window = make_state(llm, n, args.turn_prompt, args.turn_decode)
     new_prompt = torch.randint(0, 32000, (args.new_prompt,)).tolist()
     full = n * llm.config.kv_bytes_per_token(llm.pool.k.element_size())
     rc = ctx.recompute_ratio(n, "cpu")
     bandwidth = ctx.cost("cpu").bytes_per_s
     rows = []
-    for entry in args.strategies.split(";"):
-        label, spec = entry.split("=", 1) if "=" in entry.split("(")[0] else ("", entry)
-        strategy = Recipe.parse(f"state={spec}").state
-        name = label or strategy.name
-        row = {"history": n, "strategy": name, "spec": spec, "calibrated_rc": rc}
-        try:
-            saved = [list(layer) for layer in window.turn]  # Krul's estimator consumes the recorded turn
-            sync()
-            t = time.perf_counter()
-            stored = strategy.pack(ctx, seq, window, "cpu")
-            sync()
-            row["pack_s"] = time.perf_counter() - t
-            window.turn = saved
-            key = f"bench-{n}-{name}"
-            t = time.perf_counter()
-            tiers.put(key, {"state": stored.meta}, stored.tensors, "cpu")
-            sync()
-            row["copy_s"] = time.perf_counter() - t  # device -> pinned CPU tier
-            _, meta, host = tiers.get(key)
-            if llm.device.type == "cuda":
-                assert all(t.is_pinned() for t in host.values()), "the CPU tier must be pinned for async copies"
-            row["stored_bytes"] = stored.nbytes
-            row["stored_share"] = stored.nbytes / full
-            row["load_floor_s"] = stored.nbytes / bandwidth  # the load stream at the measured H2D bandwidth
-            for key_ in ("starts", "pairs", "recompute_ratio", "recompute_share", "ir_score", "pack_timing",
-                         "estimator_rows"):
-                if key_ in stored.meta:
-                    row[key_] = stored.meta[key_]
-
-            issue = []
-
-            def restore(s, strategy=strategy, meta=meta, host=host):
-                t0 = time.perf_counter()
-                strategy.restore(ctx, s, ids, meta["state"], host)
-                issue.append(time.perf_counter() - t0)
-
-            row["ttft_s"], _ = ttft(llm, restore, new_prompt, args.repeats)
-            row["restore_issue_s"] = min(issue)
-            if "starts" in stored.meta:
-                row["t_compute_s"], row["t_load_s"], row["t_both_s"] = stream_times(llm, ids, meta["state"], host,
-                                                                                    args.repeats)
-                row["overlap"] = row["t_both_s"] / max(row["t_compute_s"], row["t_load_s"])
-            tiers.delete(key)
-        except Exception as e:  # one strategy failing must not lose the others' figures
-            row["error"] = f"{type(e).__name__}: {e}"
-            traceback.print_exc()
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("ir_score", "starts")}), flush=True)
-    seq.free()
+    try:
+        for entry in args.strategies.split(";"):
+            rows.append(run_row(llm, n, args, entry, ids, seq, window, new_prompt, full, rc, bandwidth))
+            if "fatal" in rows[-1]:
+                raise DeviceLost(rows[-1]["fatal"])
+    except DeviceLost as e:
+        e.rows = rows
+        raise
+    finally:
+        seq.free()
     return rows
+
+
+def run_row(llm, n, args, entry, ids, seq, window, new_prompt, full, rc, bandwidth):
+    """One strategy at one history length; a failure is recorded in the row (and "fatal" when it left
+    the device unusable)."""
+    ctx, tiers = llm.state.ctx, llm.state.tiers
+    label, spec = entry.split("=", 1) if "=" in entry.split("(")[0] else ("", entry)
+    name = label or spec.split("(")[0]
+    row = {"history": n, "strategy": name, "spec": spec, "calibrated_rc": rc}
+    key = f"bench-{n}-{name}"
+    saved = [list(layer) for layer in window.turn]  # Krul's estimator consumes the recorded turn
+    try:
+        strategy = Recipe.parse(f"state={spec}").state
+        sync()
+        t = time.perf_counter()
+        stored = strategy.pack(ctx, seq, window, "cpu")
+        sync()
+        row["pack_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        tiers.put(key, {"state": stored.meta}, stored.tensors, "cpu")
+        sync()
+        row["copy_s"] = time.perf_counter() - t  # device -> pinned CPU tier
+        _, meta, host = tiers.get(key)
+        if llm.device.type == "cuda":
+            assert all(t.is_pinned() for t in host.values()), "the CPU tier must be pinned for async copies"
+        row["stored_bytes"] = stored.nbytes
+        row["stored_share"] = stored.nbytes / full
+        row["load_floor_s"] = stored.nbytes / bandwidth  # the load stream at the measured H2D bandwidth
+        for key_ in ("starts", "pairs", "recompute_ratio", "recompute_share", "ir_score", "pack_timing",
+                     "estimator_rows"):
+            if key_ in stored.meta:
+                row[key_] = stored.meta[key_]
+
+        issue = []
+
+        def restore(s, strategy=strategy, meta=meta, host=host):
+            t0 = time.perf_counter()
+            stream = strategy.restore(ctx, s, ids, meta["state"], host)
+            issue.append(time.perf_counter() - t0)
+            return stream  # kept until the measurement is synchronised
+
+        row["ttft_s"], _ = ttft(llm, restore, new_prompt, args.repeats)
+        row["restore_issue_s"] = min(issue)
+        if "starts" in stored.meta:
+            row["t_compute_s"], row["t_load_s"], row["t_both_s"] = stream_times(llm, ids, meta["state"], host,
+                                                                                args.repeats)
+            row["overlap"] = row["t_both_s"] / max(row["t_compute_s"], row["t_load_s"])
+        sync()  # an asynchronous device error surfaces in the row that caused it
+    except Exception as e:  # one strategy failing must not lose the others' figures
+        row["error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+        lost = device_error(llm)
+        if lost is not None:
+            row["fatal"] = (f"the CUDA context is unusable after {name} at {n} tokens ({lost[:300]}); "
+                            f"CUDA reports errors asynchronously, so the failing kernel may have been issued "
+                            f"a little earlier: rerun with CUDA_LAUNCH_BLOCKING=1 to pin it down")
+    finally:
+        window.turn = saved
+        tiers.delete(key)  # also after a failure: its CPU-tier memory would be lost to later rows
+    print(json.dumps({k: v for k, v in row.items() if k not in ("ir_score", "starts")}), flush=True)
+    return row
 
 
 RESTART = """
@@ -181,8 +232,10 @@ for key in store.keys("disk"):
         t = time.perf_counter()
         _, meta, tensors = store.get(key)
         strategy = build("state", meta["strategy"], {})  # restore reads its plan from meta, not params
-        strategy.restore(llm.state.ctx, seq, ids, meta["state"], tensors)
+        stream = strategy.restore(llm.state.ctx, seq, ids, meta["state"], tensors)
         int(llm.runner.prefill(seq, prompt).argmax())
+        if stream is not None:
+            stream.synchronize()
         rows.append({"strategy": meta["strategy"], "attempt": attempt, "ttft_s": time.perf_counter() - t,
                      "history": meta["state"]["next_position"], "startup_s": startup})
         seq.free()
@@ -252,9 +305,26 @@ def main():
               "recompute_b_s_per_token2_layer": cost.per_token2_layer_s, "rows": []}
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
     for n in map(int, args.histories.split(",")):
-        result["rows"] += run_length(llm, n, args)
+        try:
+            result["rows"] += run_length(llm, n, args)
+        except DeviceLost as e:
+            result["rows"] += e.rows
+            result["fatal"] = str(e)
+        except Exception as e:  # the history itself could not be built (make_state)
+            traceback.print_exc()
+            result["rows"].append({"history": n, "strategy": "(history)", "error": f"{type(e).__name__}: {e}"})
+            lost = device_error(llm)
+            if lost is not None:
+                result["fatal"] = f"the CUDA context is unusable after building the {n}-token history ({lost[:300]})"
         with open(os.path.join(args.out, "gpu_state_restore.json"), "w") as f:
             json.dump(result, f, indent=1)
+        if "fatal" in result:
+            break
+    if "fatal" in result:
+        print(f"\nSTOPPED: {result['fatal']}\nThe rows so far are in {args.out}/gpu_state_restore.json; "
+              f"the later ones were not run (a new process is needed).", file=sys.stderr, flush=True)
+        table(result)
+        sys.exit(1)
     if not args.skip_disk:
         n = max(map(int, args.histories.split(",")))
         with tempfile.TemporaryDirectory(dir=args.out) as tmp:
@@ -263,6 +333,15 @@ def main():
     with open(os.path.join(args.out, "gpu_state_restore.json"), "w") as f:
         json.dump(result, f, indent=1)
 
+    table(result)
+    targets(result)
+    with open(os.path.join(args.out, "gpu_state_restore.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    for r in result.get("disk_restart", []):
+        print("disk restart:", json.dumps(r))
+
+
+def table(result):
     print(f"\nH2D pinned {result['h2d_pinned_gb_s']:.1f} GB/s, pageable {result['h2d_pageable_gb_s']:.1f} GB/s; "
           f"{result['device']}")
     header = f"{'history':>8} {'strategy':>10} {'TTFT ms':>9} {'x recomp':>8} {'x load':>7} {'stored/full':>11} " \
@@ -285,11 +364,6 @@ def main():
                   f"{1000 * r.get('load_floor_s', 0):8.1f} {r.get('overlap', float('nan')):7.2f} "
                   f"{1000 * r.get('restore_issue_s', 0):8.1f} {r['pack_s']:7.3f} {r['copy_s']:6.3f}  "
                   + " ".join(f"{k[:-2]}={v:.3f}" for k, v in r.get("pack_timing", {}).items()))
-    targets(result)
-    with open(os.path.join(args.out, "gpu_state_restore.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    for r in result.get("disk_restart", []):
-        print("disk restart:", json.dumps(r))
 
 
 def targets(result):
