@@ -64,3 +64,31 @@ def test_pool_pages_return_after_generation(engines):
     graphed.generate(_prompts(4, graphed.config.vocab_size, seed=9), max_new_tokens=8)
     assert graphed.pool.bytes_in_use() == before
 
+
+
+def test_streaming_heads_page_ring_matches_eager(engines):
+    """Streaming heads drop their ring's oldest page every 16 steps (SequenceKV.drop_pages): the
+    graph's tables get the shifted cells before the step (a second asynchronous upload), and the
+    batch decodes the eager step's tokens, then its logits step by step."""
+    prompts = _prompts(3, engines[0].config.vocab_size, seed=21)
+    recipe = "prefill=streaming_heads(pattern=random,sink=16,local=32)"
+    a, b = (llm.generate(prompts, recipe=recipe, max_new_tokens=70) for llm in engines)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    from turnkv.kv.sequence import SequenceKV
+    from turnkv.methods.recipe import Recipe
+
+    r = Recipe.parse(recipe)
+    outs = []
+    for llm in engines:
+        st = r.new_state(llm.config.num_layers)
+        seq = SequenceKV(llm.pool)
+        llm.runner.prefill(seq, prompts[0] * 2, pattern=r.pattern_hook(st))
+        r.prefill.trim(seq)
+        steps = []
+        for t in range(48):
+            steps.append(llm.runner.decode([seq], llm.token_tensor([5 + t])))
+            r.prefill.trim(seq)
+        outs.append(torch.stack(steps))
+        assert seq.table_edits.any()  # pages were dropped
+        seq.free()
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-4, rtol=2e-4)

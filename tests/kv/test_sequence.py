@@ -722,3 +722,113 @@ def test_truncate_rejects_negative_and_keep_rejects_float_indices():
     with pytest.raises(ValueError, match="integers"):
         seq.keep(0, [[0.9, 2.2], [1, 2]])
     assert seq.next_position == 5 and seq.lengths.tolist() == [[5, 5]]
+
+
+# ---- drop_pages: whole pages out of a head's list (the streaming heads' ring) ------------------
+
+def drop_expected(seq: SequenceKV, exp: Expected, layer: int, head: int, first: int, count: int):
+    """What drop_pages(layer, head, first, count) must leave: the head's tokens outside the pages."""
+    H = seq.pool.num_kv_heads
+    keep = [list(range(int(n))) for n in exp.lengths()[layer]]
+    keep[head] = [i for i in keep[head] if not first * PS <= i < (first + count) * PS]
+    exp.keep(layer, keep)
+    assert len(keep) == H
+
+
+def test_drop_pages_shifts_the_table_frees_pages_and_moves_no_data(gen):
+    pool = make_pool(layers=2, heads=3, num_pages=24)
+    seq, exp = SequenceKV(pool), Expected(pool)
+    append(seq, exp, 22, gen)  # 6 pages per head, the last half full
+    k_before, v_before = pool.k.clone(), pool.v.clone()
+    free_before = [pool.free_pages(l) for l in range(2)]
+    table_before = seq.table.copy()
+    shrinks = seq.shrinks
+    # Layer 0: head 1 drops its pages 2..3, head 2 page 1; layer 1: head 0 pages 1..4 (to the partial page).
+    seq.drop_pages([0, 0, 1], [1, 2, 0], [2, 1, 1], [2, 1, 4])
+    for layer, head, first, count in [(0, 1, 2, 2), (0, 2, 1, 1), (1, 0, 1, 4)]:
+        drop_expected(seq, exp, layer, head, first, count)
+    check(seq, exp)
+    check_pool(pool, [seq])
+    assert [free_before[l] - pool.free_pages(l) for l in range(2)] == [-3, -4]  # 3 and 4 pages came back
+    assert seq.lengths.tolist() == [[22, 14, 18], [6, 22, 22]]
+    assert seq.num_pages.tolist() == [[6, 4, 5], [2, 6, 6]]
+    assert seq.table[0, 1, :4].tolist() == table_before[0, 1, [0, 1, 4, 5]].tolist()  # shifted left
+    assert seq.table[1, 0, :2].tolist() == table_before[1, 0, [0, 5]].tolist()
+    assert torch.equal(pool.k, k_before) and torch.equal(pool.v, v_before)  # no K/V moved
+    assert seq.shrinks == shrinks  # no page left a head's end: copies of the table need only the edits
+    assert seq.moves.tolist() == [[0, 1, 1], [1, 0, 0]] and seq.table_edits.tolist() == [[0, 1, 1], [1, 0, 0]]
+    assert seq.edited_from[0, 1] == 2 and seq.edited_from[0, 2] == 1 and seq.edited_from[1, 0] == 1
+    # The freed pages serve the next appends; positions still ascend.
+    append(seq, exp, 5, gen)
+    check(seq, exp)
+    check_pool(pool, [seq])
+    seq.drop_pages(0, 1, 1, 1)  # one more: edited_from keeps the lowest column ever rewritten
+    drop_expected(seq, exp, 0, 1, 1, 1)
+    check(seq, exp)
+    check_pool(pool, [seq])
+    assert seq.edited_from[0, 1] == 1 and seq.table_edits[0, 1] == 2
+    seq.truncate(20)
+    exp.truncate(20)
+    check(seq, exp)
+    seq.free()
+    check_pool(pool, [seq])
+
+
+@pytest.mark.parametrize("bad", [
+    dict(layers=0, heads=0, first=4, count=2),   # reaches the partial page
+    dict(layers=0, heads=0, first=-1, count=1),
+    dict(layers=0, heads=5, first=0, count=1),
+    dict(layers=2, heads=0, first=0, count=1),
+    dict(layers=[0, 0], heads=[1, 1], first=0, count=1),  # the same head twice
+    dict(layers=[0, 1], heads=[0, 1], first=0, count=[1, 6]),  # one bad: nothing changes
+])
+def test_drop_pages_rejects_bad_requests_without_changing_anything(gen, bad):
+    pool = make_pool(layers=2, heads=2, num_pages=16)
+    seq, exp = SequenceKV(pool), Expected(pool)
+    append(seq, exp, 21, gen)  # 6 pages: 5 full + 1 token
+    before, pool_before = snapshot(seq), pool_snapshot(pool)
+    with pytest.raises(ValueError, match="drop_pages"):
+        seq.drop_pages(**bad)
+    assert_same(before, snapshot(seq))
+    assert_pool_same(pool_before, pool_snapshot(pool))
+    assert not seq.moves.any() and not seq.table_edits.any()
+
+
+def test_random_drop_pages_mixed_with_appends_keep_and_truncate():
+    rng = random.Random(3)
+    gen = torch.Generator().manual_seed(3)
+    pool = make_pool(layers=2, heads=3, num_pages=40)
+    seqs = [SequenceKV(pool) for _ in range(2)]
+    exps = [Expected(pool) for _ in range(2)]
+    drops = 0
+    for _ in range(150):
+        i = rng.randrange(2)
+        seq, exp = seqs[i], exps[i]
+        op = rng.random()
+        if op < 0.45:
+            try:
+                append(seq, exp, rng.randint(1, 9), gen)
+            except KVCacheFullError:
+                pass
+        elif op < 0.8:
+            layer, head = rng.randrange(2), rng.randrange(3)
+            full = int(seq.lengths[layer, head]) // PS
+            if full:
+                first = rng.randrange(full)
+                count = rng.randint(1, full - first)
+                seq.drop_pages(layer, head, first, count)
+                drop_expected(seq, exp, layer, head, first, count)
+                drops += 1
+        elif op < 0.9:
+            layer = rng.randrange(2)
+            keep = [sorted(rng.sample(range(n), rng.randint(0, n))) for n in seq.lengths[layer]]
+            seq.keep(layer, keep)
+            exp.keep(layer, keep)
+        else:
+            n = rng.randint(0, seq.next_position)
+            seq.truncate(n)
+            exp.truncate(n)
+        for s, e in zip(seqs, exps):
+            check(s, e)
+        check_pool(pool, seqs)
+    assert drops > 20

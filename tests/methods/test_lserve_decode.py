@@ -185,10 +185,14 @@ def test_lserve_streaming_heads_read_their_window_and_dense_heads_select(chat_ll
     finally:
         conv.close()
     L, G = chat_llm.config.num_layers, chat_llm.config.num_heads // chat_llm.config.num_kv_heads
+    ps = chat_llm.pool.page_size
     for step in range(1, new):
         length = reply.prompt_tokens + step
+        # A streaming head reads its sink, its ring as trimmed at the step before (the last local ..
+        # local + page_size - 1 tokens: whole pages leave it) and the step's own token.
+        ring = local + (length - 1 - sink - local) % ps
         for layer, (slots, lengths, _) in enumerate(calls[(step - 1) * L : step * L]):
-            want = [sink + local + 1 if s else expected_read(length, 32, 3) for s in np.repeat(streaming[layer], G)]
+            want = [sink + ring + 1 if s else expected_read(length, 32, 3) for s in np.repeat(streaming[layer], G)]
             assert slots and lengths.flatten().tolist() == want
     # Streaming heads' trimming each step moves only them: the dense heads' selection is still reused.
     assert 0 < stats["selections"] < new - 1

@@ -1,6 +1,7 @@
-"""The prefill axis `streaming_heads`: its mask against brute force, a multi-turn conversation (trimmed
-store) equal to one prefill of the whole history under the brute-force streaming mask, and the bytes
-the trimmed streaming heads free, by number."""
+"""The prefill axis `streaming_heads`: its mask against brute force; the store's page ring (sink + the
+last local .. local + page - 1 tokens, exact positions after every step); a multi-turn conversation
+equal to one prefill of the whole history masked to exactly the positions the store held; the pages
+the streaming heads free, by number; and trim's host-only bookkeeping."""
 
 from __future__ import annotations
 
@@ -65,28 +66,116 @@ def test_prefill_mask_equals_brute_force(pattern_file, history):
         assert stats["computed"].sum() < stats["causal"].sum()  # the streaming head skipped cells
 
 
-def test_multi_turn_with_trimmed_store_equals_one_brute_force_prefill(chat_llm, pattern_file):
-    """Streaming heads keep sink + last `local`; a decode step reads them + itself (a window of
-    local + 1). With prefill_local = local + 1 the whole conversation is then one streaming mask of
-    window local + 1 over every token: one prefill of the history must give the replies' logprobs."""
-    sink, local = 4, 8
-    recipe = f"prefill=streaming_heads(pattern={pattern_file},sink={sink},local={local},prefill_local={local + 1})"
+def ring_length(next_position: int, sink: int, local: int, page: int) -> int:
+    """Tokens a streaming head keeps after its sink once trimmed at `next_position` (after every step):
+    the whole history up to local + page - 1 of it, then local .. local + page - 1 (whole pages go)."""
+    tail = next_position - sink
+    return tail if tail < local else local + (tail - local) % page
+
+
+def assert_trimmed(kv, streaming, sink, local):
+    """Streaming heads hold exactly [0, sink) + the last ring_length positions; dense heads everything."""
+    end, page = kv.next_position, kv.pool.page_size
+    for layer, flags in enumerate(streaming):
+        _, _, pos = kv.gather(layer)
+        for head, is_streaming in enumerate(flags):
+            n = int(kv.lengths[layer, head])
+            ring = ring_length(end, sink, local, page)
+            expected = list(range(sink)) + list(range(end - ring, end)) if is_streaming else list(range(end))
+            assert pos[head, :n].tolist() == expected, (layer, head)
+            assert int(kv.num_pages[layer, head]) == -(-n // page)
+
+
+class KeptOracle:
+    """The reference: a prefill pattern that masks each streaming head to exactly the positions the
+    engine's store held when each row was computed (`kept`: per forward, its first position, row
+    count and per (layer, head) the kept positions), plus the rows of that forward; a prefill
+    forward's rows also keep the `prefill_local` window. Dense heads: causal."""
+
+    def __init__(self, streaming, sink, prefill_local, forwards, total):
+        L, H = np.array(streaming).shape
+        self.streaming = torch.tensor(streaming)
+        self.allowed = torch.zeros(L, H, total, total, dtype=torch.bool)  # [layer, head, row, key]
+        k = torch.arange(total)
+        for start, count, kept in forwards:
+            for q in range(start, start + count):
+                for layer in range(L):
+                    for head in range(H):
+                        row = torch.zeros(total, dtype=torch.bool)
+                        row[kept[layer][head]] = True
+                        row |= (k >= start) & (k <= q)
+                        if count > 1:
+                            row &= (k < sink) | (q - k < prefill_local)
+                        self.allowed[layer, head, q] = row
+
+    def attend(self, layer, keys):
+        from turnkv.methods.pattern_hook import fixed_pattern
+
+        def mask(rows):
+            q_pos, k_pos = keys.q_pos[0, rows], keys.k_pos[0]  # one sequence
+            cells = torch.stack([self.allowed[layer, h][q_pos][:, k_pos[h]] for h in range(k_pos.shape[0])])
+            streaming = self.streaming[layer][None, :, None, None]
+            return keys.visible(rows) & torch.where(streaming, cells[None], True)
+
+        return fixed_pattern(layer, keys, mask)
+
+
+def record_kept(monkeypatch, llm, kv, streaming):
+    """Spy on the runner: before each forward over `kv`, its first position, row count and kept
+    positions per (layer, head)."""
+    forwards = []
+    forward = llm.runner.forward
+
+    def spy(seqs, token_ids, *args, **kwargs):
+        if seqs[0] is kv:
+            kept = []
+            for layer in range(len(streaming)):
+                _, _, pos = kv.gather(layer)
+                kept.append([pos[h, : int(kv.lengths[layer, h])].clone() for h in range(pos.shape[0])])
+            forwards.append((kv.next_position, token_ids.shape[1], kept))
+        return forward(seqs, token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(llm.runner, "forward", spy)
+    return forwards
+
+
+LONG_TURNS = [" ".join(MESSAGES[:2]) * 3, MESSAGES[1] + " " + MESSAGES[0], "And then?"]
+
+
+@pytest.mark.parametrize("sink,local", [(16, 32), (4, 8)])  # a sink of one page (page drops), of 1/4 page (compaction)
+def test_multi_turn_decode_equals_attention_over_exactly_the_kept_positions(chat_llm, pattern_file, monkeypatch,
+                                                                            sink, local):
+    """Every reply's logprobs, turn after turn, equal one prefill of the whole conversation whose
+    streaming heads attend to exactly what the store held at each row (plus the prefill window):
+    decode reads the ring and nothing else, and a new turn sees the kept sink + ring."""
+    prefill_local = 40
+    recipe = (f"prefill=streaming_heads(pattern={pattern_file},sink={sink},local={local},"
+              f"prefill_local={prefill_local})")
     conv = chat_llm.conversation(system="Answer briefly.", recipe=recipe)
+    forwards = record_kept(monkeypatch, chat_llm, conv.kv, STREAMING)
     try:
         replies = []
-        for message in MESSAGES:
-            reply = conv.send(message, max_new_tokens=6, ignore_eos=True, logprobs=True)
-            turn = conv.turns[-1]
-            replies.append((turn.prompt_end, reply.logprobs))
+        for message in LONG_TURNS:
+            reply = conv.send(message, max_new_tokens=24, ignore_eos=True, logprobs=True)
+            replies.append((conv.turns[-1].prompt_end, reply.logprobs))
             assert_trimmed(conv.kv, STREAMING, sink, local)
         tokens = conv.tokens
+        # Decode steps after a long prompt: the ring dropped pages many times; every forward saw
+        # sink + ring_length(its first position) tokens in each streaming head.
+        page = chat_llm.pool.page_size
+        assert conv.turns[0].prompt_end > sink + local + 3 * page
+        for start, count, kept in forwards:
+            if count == 1:
+                assert len(kept[0][0]) == sink + ring_length(start, sink, local, page)
     finally:
         conv.close()
-    r = Recipe.parse(recipe)
-    st = r.new_state(chat_llm.config.num_layers)
+    monkeypatch.undo()
+    oracle = KeptOracle(STREAMING, sink, prefill_local, forwards, len(tokens))
     seq = SequenceKV(chat_llm.pool)
     try:
-        logits = chat_llm.runner.prefill(seq, tokens, all_logits=True, pattern=r.pattern_hook(st))
+        from turnkv.methods.pattern_hook import PatternHook
+
+        logits = chat_llm.runner.prefill(seq, tokens, all_logits=True, pattern=PatternHook(oracle, []))
     finally:
         seq.free()
     full = torch.log_softmax(logits.float(), dim=-1)
@@ -95,35 +184,161 @@ def test_multi_turn_with_trimmed_store_equals_one_brute_force_prefill(chat_llm, 
         torch.testing.assert_close(logprobs, full[prompt_end - 1 : prompt_end - 1 + n], rtol=0, atol=2e-4)
 
 
-def assert_trimmed(kv, streaming, sink, local):
-    end = kv.next_position
-    for layer, flags in enumerate(streaming):
-        for head, is_streaming in enumerate(flags):
-            n = int(kv.lengths[layer, head])
-            _, _, pos = kv.gather(layer)
-            kept = pos[head, :n].tolist()
-            expected = list(range(sink)) + list(range(end - local, end)) if is_streaming else list(range(end))
-            assert kept == expected, (layer, head)
-
-
-def test_streaming_heads_free_their_pages(chat_llm, pattern_file):
-    sink, local = 4, 8
+@pytest.mark.parametrize("sink,local", [(4, 8), (16, 32)])
+def test_streaming_heads_free_their_pages(chat_llm, pattern_file, sink, local):
+    page = chat_llm.pool.page_size
     dense = chat_llm.conversation(system="Answer briefly.")
     sparse = chat_llm.conversation(system="Answer briefly.",
                                    recipe=f"prefill=streaming_heads(pattern={pattern_file},sink={sink},local={local})")
+    free = [chat_llm.pool.free_pages(layer) for layer in range(2)]
     try:
         for conv in (dense, sparse):
-            conv.send(MESSAGES[0] + " " + MESSAGES[1], max_new_tokens=5, ignore_eos=True)
+            conv.send(" ".join(MESSAGES[:2]) * 2, max_new_tokens=37, ignore_eos=True)
         n = dense.kv.next_position
-        assert sparse.kv.next_position == n and n > 3 * 16
-        page_bytes = chat_llm.pool.page_bytes
-        assert dense.kv_bytes == 4 * (-(-n // 16)) * page_bytes
-        # Two dense heads hold every token; two streaming heads hold 4 + 8 tokens in one page each.
-        assert sparse.kv_bytes == (2 * (-(-n // 16)) + 2 * 1) * page_bytes
-        assert sparse.kv.lengths.tolist() == [[sink + local, n], [n, sink + local]]
+        assert sparse.kv.next_position == n and n > sink + local + 4 * page
+        kept = sink + ring_length(n, sink, local, page)
+        assert sparse.kv.lengths.tolist() == [[kept, n], [n, kept]]
+        # Per layer: a dense head holds every token, a streaming head sink + ring in whole pages.
+        dense_pages, ring_pages = -(-n // page), -(-kept // page)
+        assert local <= kept - sink < local + page and ring_pages < dense_pages
+        used = [free[layer] - chat_llm.pool.free_pages(layer) for layer in range(2)]
+        assert used == [2 * dense_pages + dense_pages + ring_pages] * 2
+        assert dense.kv_bytes == 4 * dense_pages * chat_llm.pool.page_bytes
+        assert sparse.kv_bytes == 2 * (dense_pages + ring_pages) * chat_llm.pool.page_bytes
     finally:
         dense.close()
         sparse.close()
+    assert [chat_llm.pool.free_pages(layer) for layer in range(2)] == free
+
+
+def test_ring_survives_an_offload_and_a_rollback(chat_llm, pattern_file):
+    """A conversation moved to the CPU tier comes back through reserve_layout (its heads count as
+    moved): the next turn checks them once and the ring goes on; same for answer=reprefill's
+    rollback of the previous reply."""
+    sink, local = 16, 32
+    recipe = f"prefill=streaming_heads(pattern={pattern_file},sink={sink},local={local}) answer=reprefill"
+    conv = chat_llm.conversation(system="Answer briefly.", recipe=recipe)
+    try:
+        conv.send(LONG_TURNS[0], max_new_tokens=20, ignore_eos=True)
+        assert_trimmed(conv.kv, STREAMING, sink, local)
+        assert conv.offload("cpu") == "cpu"
+        for message in LONG_TURNS[1:]:
+            conv.send(message, max_new_tokens=21, ignore_eos=True)
+            assert conv.location == "gpu"
+            assert_trimmed(conv.kv, STREAMING, sink, local)
+    finally:
+        conv.close()
+
+
+def _ring_kv(pool, method, prompt):
+    kv = SequenceKV(pool)
+    kv.reserve(prompt)
+    method.trim(kv)
+    return kv
+
+
+def _host_only(monkeypatch, kv):
+    """Within the context: any device read or data move of the store raises."""
+    import turnkv.methods.lserve.streaming as streaming_module
+
+    def fail(*args, **kwargs):
+        raise AssertionError("trim touched the device")
+
+    monkeypatch.setattr(streaming_module, "gather_pages", fail)
+    for name in ("device_table", "gather", "keep"):
+        monkeypatch.setattr(kv, name, fail)
+
+
+def test_trim_is_host_only_and_drops_a_page_every_page_of_steps(pattern_file, monkeypatch):
+    """Sink of whole pages: after the first prefill, trimming never reads the device (not even on the
+    steps that drop a page) and drops exactly one page per streaming head every page_size steps."""
+    from turnkv.kv.pool import PagePool
+
+    sink, local, page = 8, 12, 4
+    pool = PagePool(2, 2, 8, 64, page)
+    method = StreamingHeads(pattern=pattern_file, sink=sink, local=local)
+    method.bind(2)
+    kv = _ring_kv(pool, method, 50)
+    drops = []
+    drop_pages = kv.drop_pages
+    monkeypatch.setattr(kv, "drop_pages", lambda *a: (drops.append(kv.next_position), drop_pages(*a)))
+    free = [pool.free_pages(layer) for layer in range(2)]
+    for step in range(30):
+        kv.reserve_on_host(1)  # the CUDA-graph step's reservation: no device work either
+        with monkeypatch.context() as m:
+            _host_only(m, kv)
+            method.trim(kv)
+        n = kv.next_position
+        ring = ring_length(n, sink, local, page)
+        assert kv.lengths.tolist() == [[sink + ring, n], [n, sink + ring]]
+    # A page left each streaming head whenever its ring reached local + page tokens.
+    assert drops == [n for n in range(51, 81) if (n - sink - local) % page == 0]
+    # Per layer: the dense head took a page every `page` steps; the streaming head took as many and
+    # gave one back at each drop, so its count stays sink + ring in whole pages.
+    dense_growth = -(-80 // page) - -(-50 // page)
+    assert [pool.free_pages(layer) - free[layer] for layer in range(2)] == [len(drops) - 2 * dense_growth] * 2
+    dense_pages, ring_pages = -(-80 // page), -(-(sink + ring_length(80, sink, local, page)) // page)
+    assert [pool.used_pages(layer) for layer in range(2)] == [dense_pages + ring_pages] * 2
+    assert (dense_pages, ring_pages) == (20, 5)  # 80 tokens; 8 + 12 (the ring just dropped a page)
+    # Nothing to drop: trim returns from host arithmetic without calling drop_pages.
+    before = len(drops)
+    kv.reserve_on_host(1)
+    with monkeypatch.context() as m:
+        _host_only(m, kv)
+        method.trim(kv)
+    assert len(drops) == before
+
+
+def test_trim_checks_heads_that_something_else_moved(pattern_file, monkeypatch):
+    """A rollback (truncate) moves heads: the next trim reads their positions once, then it is host
+    only again. A head with a hole (another method evicted from its ring) is trimmed exactly to the
+    last `local` positions and checked at every trim."""
+    import turnkv.methods.lserve.streaming as streaming_module
+    from turnkv.kv.pool import PagePool
+
+    sink, local, page = 8, 12, 4
+    pool = PagePool(2, 2, 8, 64, page)
+    method = StreamingHeads(pattern=pattern_file, sink=sink, local=local)
+    method.bind(2)
+    kv = _ring_kv(pool, method, 50)
+    reads = []
+    gather = streaming_module.gather_pages
+    monkeypatch.setattr(streaming_module, "gather_pages", lambda *a: (reads.append(1), gather(*a))[1])
+    kv.truncate(47)
+    method.trim(kv)
+    assert len(reads) == 2  # one per layer with a streaming head that moved
+    ring = ring_length(50, sink, local, page) - 3
+    assert kv.lengths.tolist() == [[sink + ring, 47], [47, sink + ring]]
+    for _ in range(10):
+        kv.reserve(1)
+        method.trim(kv)
+    assert len(reads) == 2
+    assert_trimmed(kv, STREAMING, sink, local)
+    # A hole in layer 0's streaming head (another method evicted one ring token): not a ring any
+    # more; trimmed exactly (positions < sink or within the last `local`) while the hole is in view.
+    n = int(kv.lengths[0, 0])
+    _, _, pos = kv.gather(0)
+    hole = int(pos[0, sink + 2])
+    kv.keep(0, [[i for i in range(n) if i != sink + 2], list(range(int(kv.lengths[0, 1])))])
+    kv.reserve(1)
+    method.trim(kv)
+    N = kv.next_position
+    assert hole >= N - local and len(reads) == 3  # layer 0 read again, layer 1 not
+    _, _, pos = kv.gather(0)
+    assert pos[0, : int(kv.lengths[0, 0])].tolist() == list(range(sink)) + [p for p in range(N - local, N) if p != hole]
+    # The next trim checks it again: the hole left the window, it is sink + a run (a ring) again.
+    kv.reserve(1)
+    method.trim(kv)
+    start = kv.next_position
+    assert len(reads) == 4 and hole < start - local
+    for _ in range(9):  # then host only, the ring following the page rule from its new start
+        _, _, pos = kv.gather(0)
+        N, ring = kv.next_position, local + (kv.next_position - start) % page
+        assert pos[0, : int(kv.lengths[0, 0])].tolist() == list(range(sink)) + list(range(N - ring, N))
+        kv.reserve(1)
+        method.trim(kv)
+    assert len(reads) == 4
+    assert kv.lengths[1].tolist() == [kv.next_position, sink + ring_length(kv.next_position, sink, local, page)]
 
 
 def test_pattern_sources_and_errors(tmp_path, pattern_file):

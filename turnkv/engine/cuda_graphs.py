@@ -10,6 +10,11 @@ page-table cells that changed since the last step go into a pinned buffer and cr
 asynchronous copy; the graph itself scatters them into place. Nothing in a step waits for the GPU,
 so the CPU prepares step n+1 while step n runs (a copy from pageable memory would wait).
 
+A head whose table SequenceKV.drop_pages shifted (streaming heads dropping their ring's oldest page)
+changed in more cells than one append: those cells (the head's columns from the first one the drop
+rewrote) cross in a second asynchronous copy from pinned memory, only on the steps that have any, and
+are scattered outside the graph on the same stream before it runs (`table_changes` says which).
+
 Rows of a bucket beyond the live batch get length 0 (their attention reads nothing) and write their
 K/V into a page set aside for that purpose.
 """
@@ -25,6 +30,25 @@ from turnkv.kv.sequence import SequenceKV
 from turnkv.model.decoder import Transformer
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+
+
+def table_changes(seq: SequenceKV, uploaded_pages: np.ndarray, uploaded_edits: np.ndarray):
+    """What a copy of seq's page table needs to be current, given the head page counts [L, H] and the
+    SequenceKV.table_edits [L, H] it was made at (it holds every column below uploaded_pages, and no
+    page was released behind it: seq.shrinks unchanged). Returns None when it must be copied whole (a
+    head that drop_pages did not edit grew by more than one page: a prefill), else (appended,
+    rewritten): appended = (layer, head, column) arrays, one new column per head that grew (decode
+    adds at most one page per head and step); rewritten = (layer, head, lo, hi) arrays, column
+    ranges [lo, hi) to copy again in heads that drop_pages edited (their table shifted left: every
+    column from the first one it rewrote, or from the first one the copy lacks, to the head's end)."""
+    edited = seq.table_edits != uploaded_edits
+    if ((seq.num_pages - uploaded_pages > 1) & ~edited).any():
+        return None
+    layer, head = np.nonzero((seq.num_pages > uploaded_pages) & ~edited)
+    e_layer, e_head = np.nonzero(edited)
+    lo = np.minimum(uploaded_pages[e_layer, e_head], seq.edited_from[e_layer, e_head])
+    hi = np.maximum(seq.num_pages[e_layer, e_head], lo)
+    return (layer, head, uploaded_pages[layer, head]), (e_layer, e_head, lo, hi)
 
 
 class _GraphStep:
@@ -83,15 +107,26 @@ class GraphedDecode:
         self.uploaded = [torch.cuda.Event() for _ in range(2)] if pinned else None
         self.turn = 0
         self.sizes = sizes
-        self.rows: list[tuple[SequenceKV, int, np.ndarray] | None] = [None] * B  # (seq, shrinks, pages uploaded)
+        # (seq, shrinks, pages uploaded [L, H], table_edits uploaded [L, H]) per row
+        self.rows: list[tuple[SequenceKV, int, np.ndarray, np.ndarray] | None] = [None] * B
+        # Table cells to rewrite before the step (heads drop_pages shifted): (flat cells, page ids), and
+        # per staging turn a pinned buffer they cross from, grown on demand.
+        self.rewrites: tuple[np.ndarray, np.ndarray] | None = None
+        self.rewrite_staging: list[torch.Tensor | None] = [None, None]
         self.layer_base = torch.arange(L, device=dev)[:, None] * pool.positions[0].numel()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, _GraphStep]] = {}
         self.memory_pool = None
+        # A decode selection's graphs (engine/graph_selection.py): `selection` keeps them; `variant`,
+        # set by the runner around one step, replays one of them in place of the plain graph.
+        self.selection = None
+        self.variant = None
 
     def close(self) -> None:
         for layer, page in enumerate(self.trash_pages):
             self.pool.release(layer, [int(page)])
         self.graphs.clear()
+        if self.selection is not None:
+            self.selection.close()
 
     def fits(self, seqs: list[SequenceKV]) -> bool:
         return len(seqs) <= self.buckets[-1] and max(s.next_position for s in seqs) < self.capacity
@@ -136,10 +171,13 @@ class GraphedDecode:
         n = self._table_updates(seqs, cells, pages)
         cells[n:] = self.tables_flat.numel() - 1  # unused pairs write the trash cell
         self.meta.copy_(self.staging[k], non_blocking=True)
+        self._upload_rewrites(k)
         if self.uploaded is not None:
             self.uploaded[k].record()
         self.input_ids[:B, 0].copy_(token_ids.view(B))
         self.input_ids[B:bucket].zero_()
+        if self.variant is not None:  # a selection's graph (engine/graph_selection.py), after the same upload
+            return self.variant(bucket, B)
         if self.pool.device.type != "cuda":  # the same steps without a graph: how CPU tests check them
             return self._run(bucket, _GraphStep(self, bucket))[:B, 0]
         if bucket not in self.graphs:
@@ -149,28 +187,59 @@ class GraphedDecode:
         return logits[:B, 0]
 
     def _table_updates(self, seqs, cells, pages) -> int:
-        """Fill (cell, page) pairs for the table columns each row gained since the last step. A row that
-        changed sequence, or whose sequence released pages, gets its whole table copied right away."""
+        """Fill (cell, page) pairs for the table columns each row gained since the last step, and put in
+        self.rewrites the cells of heads whose table drop_pages shifted (`_upload_rewrites` sends them).
+        A row that changed sequence, whose sequence released pages (keep, truncate) or grew by more
+        than a page in some head (a prefill) gets its whole table copied right away."""
         L, H, P = self.pool.num_layers, self.pool.num_kv_heads, self.tables.shape[3]
         B_max = self.tables.shape[1]
         n = 0
+        rewrite_cells, rewrite_pages = [], []
         for b, seq in enumerate(seqs):
             row = self.rows[b]
-            if row is None or row[0] is not seq or row[1] != seq.shrinks or (seq.num_pages - row[2] > 1).any():
+            changes = None
+            if row is not None and row[0] is seq and row[1] == seq.shrinks:
+                changes = table_changes(seq, row[2], row[3])
+            if changes is None:
                 width = min(int(seq.num_pages.max(initial=0)), P)
                 self.tables[:, b, :, :width].copy_(torch.from_numpy(seq.table[:, :, :width]))
-                self.rows[b] = (seq, seq.shrinks, seq.num_pages.copy())
+                self.rows[b] = (seq, seq.shrinks, seq.num_pages.copy(), seq.table_edits.copy())
                 continue
-            grown = np.nonzero(seq.num_pages > row[2])
-            count = len(grown[0])
+            (layer, head, col), (e_layer, e_head, lo, hi) = changes
+            count = len(layer)
             if count:
-                layer, head = grown
-                col = row[2][layer, head]
                 cells[n : n + count] = ((layer * B_max + b) * H + head) * P + col
                 pages[n : n + count] = seq.table[layer, head, col]
                 n += count
                 row[2][layer, head] += 1
+            if len(e_layer):
+                owner = np.repeat(np.arange(len(lo)), hi - lo)
+                col = lo[owner] + np.arange(owner.size) - np.repeat(np.cumsum(hi - lo) - (hi - lo), hi - lo)
+                layer, head = e_layer[owner], e_head[owner]
+                rewrite_cells.append(((layer * B_max + b) * H + head) * P + col)
+                rewrite_pages.append(seq.table[layer, head, col])
+                row[2][e_layer, e_head] = seq.num_pages[e_layer, e_head]
+                row[3][:] = seq.table_edits
+        self.rewrites = (np.concatenate(rewrite_cells), np.concatenate(rewrite_pages)) if rewrite_cells else None
         return n
+
+    def _upload_rewrites(self, k: int) -> None:
+        """Scatter self.rewrites into the tables before the step runs: one asynchronous copy from this
+        turn's pinned buffer (the event recorded after it guards the buffer, as the metadata's) and
+        one index_copy_ on the step's stream, outside the graph. Nothing waits for the GPU."""
+        if self.rewrites is None:
+            return
+        cells, pages = self.rewrites
+        m = len(cells)
+        buf = self.rewrite_staging[k]
+        if buf is None or buf.numel() < 2 * m:
+            size = 1 << max(12, (2 * m - 1).bit_length())
+            buf = self.rewrite_staging[k] = torch.zeros(size, dtype=torch.int64, pin_memory=self.uploaded is not None)
+        host = buf.numpy()
+        host[:m], host[m : 2 * m] = cells, pages
+        sent = buf[: 2 * m].to(self.pool.device, non_blocking=True)
+        self.tables_flat.index_copy_(0, sent[:m], sent[m:].to(torch.int32))
+        self.rewrites = None
 
     def _prepare(self, batch: int) -> None:
         """Inside the graph: put the uploaded metadata in place."""

@@ -8,6 +8,7 @@ import contextlib
 import torch
 
 from turnkv.attention import decode as decode_kernel
+from turnkv.engine import graph_selection
 from turnkv.engine.cuda_graphs import GraphedDecode
 from turnkv.engine.step import Step
 from turnkv.kv.pool import PagePool
@@ -88,16 +89,32 @@ class ModelRunner:
                accumulate: bool = False, selectors: list | None = None) -> torch.Tensor:
         """One decode step for a batch: tokens [B] -> logits [B, V]. selectors: per sequence, a decode
         selection state or None (read every kept token)."""
-        # A selection changes the slot lists every step, which the captured graphs cannot replay.
         selecting = selectors is not None and any(s is not None for s in selectors)
-        if self.graphs is None or accumulate or selecting or not self.graphs.fits(seqs):
+        if self.graphs is None or accumulate or not self.graphs.fits(seqs):
             return self.forward(seqs, tokens.view(-1, 1), windows=windows, accumulate=accumulate,
                                 selectors=selectors if selecting else None, decoding=True)
-        return self._graphed_decode(seqs, tokens, windows)
+        if not selecting:
+            return self._graphed_decode(seqs, tokens, windows)
+        # A selection inside the graphs (engine/graph_selection.py), or the eager step where it cannot
+        # be (conversations with different selectors in one batch, LoopServe's warm-up beside selecting
+        # conversations): the eager step's selection is then handed to the graphs' buffers.
+        chooser = graph_selection.for_graphs(self.graphs)
+        plan = chooser.plan(seqs, selectors)
+        if plan is None:
+            logits = self.forward(seqs, tokens.view(-1, 1), windows=windows, selectors=selectors, decoding=True)
+            chooser.after_eager(seqs, selectors)
+            return logits
+        return self._graphed_decode(seqs, tokens, windows, plan)
 
     @torch.inference_mode()
-    def _graphed_decode(self, seqs, tokens, windows):
-        logits = self.graphs.step(seqs, tokens)  # reserves the new token's slots; all or nothing
+    def _graphed_decode(self, seqs, tokens, windows, plan=None):
+        self.graphs.variant = None if plan is None else plan.variant
+        try:
+            logits = self.graphs.step(seqs, tokens)  # reserves the new token's slots; all or nothing
+        finally:
+            self.graphs.variant = None
+        if plan is not None:
+            plan.after(seqs)
         if windows is not None:
             self.graphs.record_windows(seqs, windows)
         return logits.clone()

@@ -6,6 +6,11 @@ tokens continue from the uncompressed position count (`next_position`).
 
 Page tables and lengths live on the host (numpy) for allocation decisions without device syncs; the
 device copy of the table is refreshed lazily, only over the columns that changed.
+
+How a table changes, for copies of it kept elsewhere (the CUDA-graph decode step's): appends fill
+columns at a head's end; `drop_pages` removes whole pages from inside a head's list (its table shifts
+left, `table_edits` counts it per head and `edited_from` bounds the columns it rewrote); `keep`,
+`truncate` and `free` release pages from a head's end after compacting (`shrinks` counts them).
 """
 
 from __future__ import annotations
@@ -27,12 +32,20 @@ class SequenceKV:
         self.next_position = 0
         self._table_device: torch.Tensor | None = None
         self._dirty_from = 0  # first table column whose device copy is stale
-        # Bumped whenever pages are released: table columns below num_pages may then be refilled with
-        # other page ids, so a copy of the table kept elsewhere (the CUDA-graph step's) is stale.
+        # Bumped whenever keep / truncate / free release pages: table columns below num_pages may then
+        # be refilled with other page ids, so a copy of the table kept elsewhere (the CUDA-graph
+        # step's) is stale. drop_pages does not bump it: it records its edits per head (below).
         self.shrinks = 0
-        # Per (layer, head): bumped whenever the head's tokens move or go (keep, truncate, free), not on
-        # appends. Statistics kept beside the pages (LServe's key min/max) rebuild only these heads.
+        # Per (layer, head): bumped whenever the head's tokens move or go (keep, truncate, free,
+        # drop_pages), not on appends. Statistics kept beside the pages (LServe's key min/max) rebuild
+        # only these heads.
         self.moves = np.zeros((L, H), dtype=np.int64)
+        # Per (layer, head): bumped by drop_pages, which shifts the head's table left (no data moves);
+        # edited_from is the lowest table column any drop_pages has rewritten (a lower bound kept for
+        # good). A copy of the table that saw table_edits[l, h] == e is current again after
+        # rewriting columns [min(edited_from, the head's pages it had), num_pages) of the head.
+        self.table_edits = np.zeros((L, H), dtype=np.int64)
+        self.edited_from = np.full((L, H), np.iinfo(np.int64).max, dtype=np.int64)
 
     # ---- accounting -------------------------------------------------------------------------
     def tokens(self) -> int:
@@ -212,6 +225,46 @@ class SequenceKV:
                 flat = per_token[layer].view(-1)
                 flat.index_copy_(0, dst, flat.index_select(0, src))
         self._shrink(layer, np.asarray(counts, dtype=np.int64), moved)
+
+    def drop_pages(self, layers, heads, first, count) -> None:
+        """Drop whole pages from inside heads' lists: for each (layers[i], heads[i]), the `count[i]`
+        pages at table columns [first[i], first[i] + count[i]) go back to the pool and the columns
+        after them shift left. Arguments broadcast (ints or arrays). The dropped pages must be full
+        (their tokens are the head's indices [first * page_size, (first + count) * page_size)): the
+        rest keeps its order, so positions still ascend. No K/V data moves; no device work.
+
+        This is how streaming heads trim their window (a sink, then a ring of recent pages): the
+        oldest pages of the ring go. Everything is checked before anything changes."""
+        ls, hs, fs, cs = (a.astype(np.int64).ravel() for a in np.broadcast_arrays(layers, heads, first, count))
+        L, H = self.lengths.shape
+        ps = self.pool.page_size
+        if ((ls < 0) | (ls >= L) | (hs < 0) | (hs >= H)).any():
+            raise ValueError(f"drop_pages: layers must be in [0, {L}) and heads in [0, {H})")
+        if len(set(zip(ls.tolist(), hs.tolist()))) != len(ls):
+            raise ValueError("drop_pages: each (layer, head) at most once per call")
+        if ((fs < 0) | (cs < 0) | ((fs + cs) * ps > self.lengths[ls, hs])).any():
+            raise ValueError("drop_pages: pages to drop must be whole pages within each head's list")
+        todo = cs > 0
+        ls, hs, fs, cs = ls[todo], hs[todo], fs[todo], cs[todo]
+        if not len(ls):
+            return
+        num_pages = self.num_pages[ls, hs]
+        # Vectorised per distinct (first, count) (streaming heads share one): gather what goes, then
+        # shift the columns after it left, up to the longest of these heads' tables.
+        for f, c in set(zip(fs.tolist(), cs.tolist())):
+            sel = (fs == f) & (cs == c)
+            l, h = ls[sel], hs[sel]
+            width = int(num_pages[sel].max())
+            dropped = self.table[l, h, f : f + c]  # [n, c] (advanced indexing copies)
+            self.table[l, h, f : width - c] = self.table[l, h, f + c : width]
+            for layer in np.unique(l):
+                self.pool.release(int(layer), dropped[l == layer].ravel())
+        self.num_pages[ls, hs] -= cs
+        self.lengths[ls, hs] -= cs * ps
+        self.moves[ls, hs] += 1
+        self.table_edits[ls, hs] += 1
+        self.edited_from[ls, hs] = np.minimum(self.edited_from[ls, hs], fs)
+        self._dirty_from = min(self._dirty_from, int(fs.min()))
 
     def _shrink(self, layer: int, new_lengths: np.ndarray, moved: np.ndarray | None = None) -> None:
         self.shrinks += 1

@@ -69,34 +69,88 @@ class _Picked:
 
 class ProgressiveSelection:
     """One conversation's selection state; the engine calls begin() once per forward step, observe()
-    per layer with the step's queries, and entries() per layer of a decode step."""
+    per layer with the step's queries, and entries() per layer of a decode step.
+
+    The CUDA-graph decode (engine/graph_selection.py) replays the steps between re-selections: it
+    hands in each step's queries of every layer at once (record_step, filed per layer only when the
+    window is read), reads what each row reads from read_rows(), and tells by `ticks` (bumped by
+    every begin()) whether an eager step ran since it last copied a selection."""
 
     def __init__(self, config: LoopServeDecode, num_layers: int):
         self.config = config
-        self.queries: list[torch.Tensor | None] = [None] * num_layers  # [W, Hq, D], post-RoPE
-        self.positions: list[torch.Tensor | None] = [None] * num_layers
+        self._queries: list[torch.Tensor | None] = [None] * num_layers  # [W, Hq, D], post-RoPE
+        self._positions: list[torch.Tensor | None] = [None] * num_layers
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # graphed steps: ([L, Hq, D], [1])
         self.picked: list[_Picked | None] = [None] * num_layers
         self.steps = 0  # decode steps in this turn
+        self.ticks = 0  # begin() calls, ever
         self.reselect = False
         self.selections = 0  # re-selections in this turn (counted in layer 0)
+        self.version = 0  # bumped whenever a layer's selection is made again
+        self.graph_record = None  # engine/graph_selection.py's bookkeeping for this conversation
+
+    def graph_config(self):
+        return ("progressive", self.config)
+
+    @property
+    def queries(self) -> list[torch.Tensor | None]:
+        self._flush()
+        return self._queries
+
+    @property
+    def positions(self) -> list[torch.Tensor | None]:
+        self._flush()
+        return self._positions
+
+    def reselects_at(self, steps: int) -> bool:
+        """Whether decode step `steps` of a turn makes the selection again (Alg. 6 line 3)."""
+        w, n = self.config.warmup, self.config.interval
+        return steps == w or (steps > w and (steps - w) % n == 0)
 
     def begin(self, decoding: bool) -> None:
+        self.ticks += 1
         if not decoding:  # a prefill: a new turn starts from warm-up (§3.4: selections are per turn)
             self.steps, self.reselect, self.selections = 0, False, 0
             self.picked = [None] * len(self.picked)
             return
         self.steps += 1
-        w, n = self.config.warmup, self.config.interval
-        self.reselect = self.steps == w or (self.steps > w and (self.steps - w) % n == 0)
+        self.reselect = self.reselects_at(self.steps)
 
     def observe(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> None:
         """q [T, Hq, D] of this step; keeps the last `window` of them (the prompt's tail included)."""
+        self._flush()
+        self._file(layer, q, positions)
+
+    def record_step(self, q: torch.Tensor, position: torch.Tensor) -> None:
+        """A graphed decode step's queries of every layer, q [L, Hq, D] (a copy is kept), position [1]."""
+        self._pending.append((q.detach().clone(), position.clone()))
+        del self._pending[: -self.config.observation]  # older ones leave the window anyway
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        q = torch.stack([p[0] for p in pending], dim=1)  # [L, T, Hq, D]
+        positions = torch.cat([p[1] for p in pending])
+        for layer in range(q.shape[0]):
+            self._file(layer, q[layer], positions)
+
+    def _file(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> None:
         size = self.config.observation
-        if self.queries[layer] is not None and q.shape[0] < size:
-            q = torch.cat([self.queries[layer], q])
-            positions = torch.cat([self.positions[layer], positions])
-        self.queries[layer] = q[-size:].detach().clone()
-        self.positions[layer] = positions[-size:].clone()
+        if self._queries[layer] is not None and q.shape[0] < size:
+            q = torch.cat([self._queries[layer], q])
+            positions = torch.cat([self._positions[layer], positions])
+        self._queries[layer] = q[-size:].detach().clone()
+        self._positions[layer] = positions[-size:].clone()
+
+    def stale(self, layer: int, lengths: np.ndarray, steps: int | None = None) -> bool:
+        """Whether layer's selection no longer names the right tokens at decode step `steps` (this
+        one by default) with the heads holding `lengths` [H] (the step's token included): none made
+        yet, or tokens evicted since (an eviction axis in the same recipe shifts entries)."""
+        picked = self.picked[layer]
+        steps = self.steps if steps is None else steps
+        return picked is None or not np.array_equal(
+            picked.recent_from[:: picked.recent_from.shape[0] // len(lengths)] + (steps - picked.step) + 1, lengths)
 
     def entries(self, layer: int, seq):
         """What this decode step reads in `layer` (see engine/selection.py), or None in warm-up."""
@@ -104,14 +158,17 @@ class ProgressiveSelection:
             return None
         lengths = seq.lengths[layer]  # [H], the current token included
         picked = self.picked[layer]
-        # Tokens evicted since the selection (an eviction axis in the same recipe) shift entries:
-        # then the old selection no longer names the right tokens and is made again.
-        stale = picked is None or not np.array_equal(
-            picked.recent_from[:: picked.recent_from.shape[0] // len(lengths)] + (self.steps - picked.step) + 1, lengths)
-        if self.reselect or stale:
-            picked = self.picked[layer] = self._select(layer, seq)
+        if self.reselect or self.stale(layer, lengths) or picked.entries is None:  # None: made inside a graph
+            self.picked[layer] = self._select(layer, seq)
+            self.version += 1
             if layer == 0:
                 self.selections += 1
+        return self.read_rows(layer, lengths)
+
+    def read_rows(self, layer: int, lengths: np.ndarray):
+        """(entries [R, W], counts [R]): per row the selected history tokens, then every token from
+        the selection's on (the current one last), for heads holding `lengths` [H]."""
+        picked = self.picked[layer]
         rows = picked.entries.shape[0]
         recent_from = picked.recent_from
         total = np.repeat(lengths, rows // len(lengths))
@@ -129,28 +186,54 @@ class ProgressiveSelection:
     def _select(self, layer: int, seq) -> _Picked:
         """Alg. 6 line 5: per row, the top-budget history tokens by the window's summed attention."""
         cfg = self.config
-        k, _, k_pos = seq.gather(layer)  # [H, S, D], [H, S]
-        H, S = k_pos.shape
         lengths = seq.lengths[layer]
+        S = int(lengths.max(initial=0))
         q, q_pos = self.queries[layer], self.positions[layer]  # [W, Hq, D], [W]
-        Hq = q.shape[1]
-        valid = torch.arange(S, device=k.device) < torch.from_numpy(lengths).to(k.device)[:, None]
-        mask = valid[:, None, :] & (k_pos[:, None, :] <= q_pos[None, :, None])  # [H, W, S]
-        scores = reference.attention_weights(q.transpose(0, 1)[None], k[None], mask[None])[0].sum(dim=1)  # [Hq, S]
-        rows = Hq if cfg.granularity == "query" else H
-        if rows == H and Hq != H:
-            scores = scores.view(H, Hq // H, S).sum(dim=1)
-        group = rows // H
+        device = q.device
+        H, Hq = len(lengths), q.shape[1]
+        scores = window_scores(q[None], q_pos[None], seq.pool.k[layer], seq.pool.positions[layer],
+                               seq.device_table()[layer][None], torch.from_numpy(lengths).to(device)[None], S,
+                               per_kv=cfg.granularity == "kv", sinks=cfg.sinks)[0]  # [rows, S]
+        group = scores.shape[0] // H
         # History = everything before the current token, which is read as a recent token.
         recent_from = np.repeat(lengths - 1, group)
-        history = torch.arange(S, device=k.device)[None] < torch.from_numpy(recent_from).to(k.device)[:, None]
-        scores = scores.masked_fill(~history, float("-inf"))
-        if cfg.sinks:
-            sink = k_pos.repeat_interleave(group, dim=0) < cfg.sinks
-            scores = scores.masked_fill(history & sink, float("inf"))
         kept = min(cfg.budget, int(recent_from.max()))
         top = scores.topk(kept, dim=1).indices
         counts = np.minimum(recent_from, cfg.budget)
         # Rows with fewer history tokens than `kept` picked padding last; push it past the valid ones.
-        top = torch.where(history.gather(1, top), top, S).sort(dim=1).values
+        top = torch.where(top < torch.from_numpy(recent_from).to(device)[:, None], top, S).sort(dim=1).values
         return _Picked(top, counts, recent_from, self.steps)
+
+
+def window_scores(q: torch.Tensor, qpos: torch.Tensor, k_pool: torch.Tensor, kpos_pool: torch.Tensor,
+                  table: torch.Tensor, lengths: torch.Tensor, capacity: int, per_kv: bool = False,
+                  sinks: int = 0) -> torch.Tensor:
+    """Each history key's score for a re-selection: the softmax weights (over every key the head holds)
+    of the window queries, summed over the window (and over the query group with per_kv).
+
+    q [B, W, Hq, D] post-RoPE, qpos [B, W] (< 0: an empty window slot); k_pool / kpos_pool one layer's
+    keys [pages, page_size, D] and positions; table [B, H, P] page ids, lengths [B, H] (the current
+    token included) -> fp32 [B, X, capacity] (X = H with per_kv, else Hq), -inf past the history
+    (which ends before the current token), +inf at history positions below `sinks`. A window query
+    sees the keys at positions up to its own. The eager re-selection and the graphed one (the Triton
+    kernel turnkv/attention/triton/window_scores.py is checked against this) share it."""
+    B, W, Hq, D = q.shape
+    H = table.shape[1]
+    keys = reference.gather_pages(k_pool, table, capacity)  # [B, H, S, D]
+    key_pos = reference.gather_pages(kpos_pool, table, capacity)  # [B, H, S]
+    j = torch.arange(capacity, device=q.device)
+    lengths = lengths.long()
+    valid = j < lengths[..., None]
+    mask = valid[:, :, None, :] & (key_pos[:, :, None, :] <= qpos[:, None, :, None])  # [B, H, W, S]
+    weights = reference.attention_weights(q.transpose(1, 2), keys, mask)  # [B, Hq, W, S]
+    weights = torch.where((qpos >= 0)[:, None, :, None], weights, 0.0)  # empty slots (all masked: NaN)
+    scores = weights.sum(dim=2)
+    if per_kv and Hq != H:
+        scores = scores.view(B, H, Hq // H, capacity).sum(dim=2)
+    group = scores.shape[1] // H
+    history = j < (lengths - 1).repeat_interleave(group, dim=1)[..., None]
+    scores = scores.masked_fill(~history, float("-inf"))
+    if sinks:
+        sink = key_pos.repeat_interleave(group, dim=1) < sinks
+        scores = scores.masked_fill(history & sink, float("inf"))
+    return scores

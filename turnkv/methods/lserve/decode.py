@@ -88,23 +88,36 @@ class LServeDecode:
 
 class PagedSelection:
     """One conversation's page selection; the engine calls begin() per forward step, written() and
-    observe() per layer, and entries() per layer of a decode step."""
+    observe() per layer, and entries() per layer of a decode step. The CUDA-graph decode
+    (engine/graph_selection.py) keeps its selections in the graph's buffers instead and drives this
+    state through sync_all() and the fields below; `ticks` (bumped by every begin()) tells it whether
+    an eager step ran since it last wrote them."""
 
     def __init__(self, config: SelectorConfig, num_layers: int):
         self.selector = PageSelector(config)
         self.state = SelectionState(num_layers)
         self.static = None  # the recipe's streaming-heads component (LServe), whose heads never select
         self.queries: list[torch.Tensor | None] = [None] * num_layers  # the step's last query [Hq, D]
-        self._synced: list = [None] * num_layers  # (seq, its moves[layer]) when the stats last matched
+        # The statistics are exact for the heads whose SequenceKV.moves match these (per layer).
+        self._synced_seq = None
+        self._synced_moves: np.ndarray | None = None
+        self._synced_ok = np.zeros(num_layers, dtype=bool)
         self.steps = 0  # decode steps in this turn
+        self.ticks = 0  # begin() calls, ever
         self._selections_before = 0
+        self.graph_record = None  # engine/graph_selection.py's bookkeeping for this conversation
 
     @property
     def selections(self) -> int:
         """Fresh selections this turn (counted in the last layer, which every scheme selects in)."""
         return self.state.selections[-1] - self._selections_before
 
+    def graph_config(self):
+        """What the graphed decode keys its buffers and graphs by (engine/graph_selection.py)."""
+        return ("paged", self.selector.config)
+
     def begin(self, decoding: bool) -> None:
+        self.ticks += 1
         if not decoding:  # a prefill changes the pages: a new turn selects afresh
             self.state.invalidate()
             self.steps, self._selections_before = 0, self.state.selections[-1]
@@ -119,18 +132,36 @@ class PagedSelection:
         summaries.update(layer, slots, k)
         self._sync(layer, seq, summaries)  # after the update: a rebuild reads the new keys too
 
-    def _sync(self, layer: int, seq, summaries: PageSummaries) -> None:
-        """Rebuild the statistics of the heads whose tokens moved since they were last exact."""
-        last = self._synced[layer]
+    def _sync(self, layer: int, seq, summaries: PageSummaries) -> bool:
+        """Rebuild the statistics of the selecting heads whose tokens moved since they were last exact
+        (streaming heads never select: their statistics are not kept). Returns whether a selecting
+        head moved (a cached selection then names pages of the old layout and is dropped)."""
         moves = seq.moves[layer]
-        if last is not None and last[0] is seq and np.array_equal(last[1], moves):
-            return
-        heads = np.arange(len(moves)) if last is None or last[0] is not seq else np.flatnonzero(moves != last[1])
-        summaries.rebuild_heads(seq, layer, heads)
-        self._synced[layer] = (seq, moves.copy())
+        if self._synced_seq is not seq:
+            self._synced_seq, self._synced_moves = seq, seq.moves.copy()
+            self._synced_ok[:] = False
+        elif self._synced_ok[layer] and np.array_equal(self._synced_moves[layer], moves):
+            return False
+        heads = np.arange(len(moves)) if not self._synced_ok[layer] else np.flatnonzero(moves != self._synced_moves[layer])
         selecting = heads[~self._streaming(seq, layer)[heads]]
-        if len(selecting):  # a cached selection names pages of the old layout
+        if len(selecting):
+            summaries.rebuild_heads(seq, layer, selecting)
             self.state.chosen[layer] = None
+        self._synced_moves[layer] = moves
+        self._synced_ok[layer] = True
+        return bool(len(selecting))
+
+    def sync_all(self, seq) -> np.ndarray:
+        """_sync every layer (host checks only, unless something moved); -> [L] bool, the layers where
+        a selecting head moved."""
+        L = seq.lengths.shape[0]
+        moved = np.zeros(L, dtype=bool)
+        if self._synced_seq is seq and self._synced_ok.all() and np.array_equal(self._synced_moves, seq.moves):
+            return moved
+        summaries = summaries_for(seq.pool, self.selector.config.logical_page)
+        for layer in range(L):
+            moved[layer] = self._sync(layer, seq, summaries)
+        return moved
 
     def entries(self, layer: int, seq):
         """What this decode step reads in `layer` (engine/selection.py), or None: everything."""
@@ -147,12 +178,16 @@ class PagedSelection:
         table = seq.device_table()[layer][None, :, :width]
         dense = torch.from_numpy(~streaming) if streaming.any() else None
         self.selector.select(layer, self.queries[layer][None], table, torch.from_numpy(lengths).to(device)[None],
-                             summaries, [self.state], dense, host_lengths=lengths[None])
+                             summaries, [self.state], dense, host_lengths=lengths[None], tables_out=False)
         return _to_entries(self.state.chosen[layer], lengths, streaming, cfg.physical_page)
 
-    def _streaming(self, seq, layer: int) -> np.ndarray:
+    def streaming_flags(self, seq) -> np.ndarray:
+        """[L, H] bool: the heads that never select (LServe's streaming heads)."""
         L, H = seq.lengths.shape
-        return np.zeros(H, dtype=bool) if self.static is None else self.static.flags(L, H)[layer]
+        return np.zeros((L, H), dtype=bool) if self.static is None else self.static.flags(L, H)
+
+    def _streaming(self, seq, layer: int) -> np.ndarray:
+        return self.streaming_flags(seq)[layer]
 
 
 def _to_entries(chosen: torch.Tensor, lengths: np.ndarray, streaming: np.ndarray, page: int):

@@ -87,15 +87,60 @@ def page_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, lengths
     return scores.view(B, H, Hq // H, n_log // g, g).amax(-1)
 
 
-def choose_pages(scores: torch.Tensor, num_pages: torch.Tensor, config: SelectorConfig) -> torch.Tensor:
+def graph_page_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, table: torch.Tensor,
+                      lengths: torch.Tensor, num_phys: int, config: SelectorConfig, page_size: int) -> torch.Tensor:
+    """The candidates' scores for a selection inside a CUDA graph: q [B, Hq, D] (post-RoPE); kmax /
+    kmin one layer's PageSummaries rows [rows, D]; table [B, H, P] the heads' pool page tables (int32)
+    and lengths [B, H] (int32, the step's token included), capacity-padded. -> fp32 [B, X, num_phys]
+    (X = Hq for group "query", else H; the group's scores reduced by max or sum): page_scores of
+    every physical page before the head's newest, -inf from the newest on (it is forced, not chosen).
+
+    The Triton kernel on CUDA (it skips the pages past each head's live length); the reference below
+    elsewhere."""
+    from turnkv.attention import decode
+
+    if decode.uses_kernel(q.device):
+        from turnkv.attention.triton import page_select
+
+        return page_select.page_scores(q, kmax, kmin, table, lengths, num_phys, config.physical_page,
+                                       config.logical_page, page_size, config.group)
+    return graph_page_scores_reference(q, kmax, kmin, table, lengths, num_phys, config, page_size)
+
+
+def graph_page_scores_reference(q, kmax, kmin, table, lengths, num_phys: int, config: SelectorConfig,
+                                page_size: int) -> torch.Tensor:
+    """graph_page_scores in torch: the same arithmetic as the eager selector (page_scores over the
+    statistics gathered through the tables), over num_phys pages."""
+    B, Hq, D = q.shape
+    H, P = table.shape[1], table.shape[2]
+    lp = config.logical_page
+    tokens = torch.arange(num_phys * (config.physical_page // lp), device=q.device) * lp  # each logical page's first
+    cols = (tokens // page_size).clamp(max=P - 1)
+    rows = table.long()[:, :, cols] * (page_size // lp) + (tokens % page_size) // lp  # [B, H, n_log]
+    scores = page_scores(q, kmax[rows], kmin[rows], lengths.long(), config)  # [B, H, G, num_phys]
+    if config.group == "query":
+        scores = scores.reshape(B, Hq, num_phys)
+    elif config.group == "max":
+        scores = scores.amax(2)
+    else:
+        scores = scores.sum(2)
+    newest = -(-lengths.long() // config.physical_page) - 1  # [B, H]
+    if scores.shape[1] != H:
+        newest = newest.repeat_interleave(scores.shape[1] // H, dim=1)
+    return scores.masked_fill(torch.arange(num_phys, device=q.device) >= newest[..., None], float("-inf"))
+
+
+def choose_pages(scores: torch.Tensor, num_pages: torch.Tensor, config: SelectorConfig,
+                 any_over: bool | None = None) -> torch.Tensor:
     """scores [B, X, n_phys] per selecting head, num_pages [B, X] physical pages each head holds.
     -> physical page ids [B, X, K] ascending, the newest (num_pages - 1) last for heads over budget;
-    0..K-1 for heads within it (K = min(pages_budget, n_phys); entries past num_pages are unused)."""
+    0..K-1 for heads within it (K = min(pages_budget, n_phys); entries past num_pages are unused).
+    any_over: whether some head is over budget, when the caller knows it on the host (spares a sync)."""
     B, X, n_phys = scores.shape
     K = min(config.pages_budget, n_phys)
     everything = torch.arange(K, device=scores.device).expand(B, X, K)
     over = num_pages > config.pages_budget
-    if not bool(over.any()) or K < 2:
+    if K < 2 or not (bool(over.any()) if any_over is None else any_over):
         return everything
     col = torch.arange(n_phys, device=scores.device)
     candidates = scores.masked_fill(col >= (num_pages[..., None] - 1), float("-inf"))  # not the newest
@@ -147,7 +192,7 @@ class PageSelector:
 
     def select(self, layer: int, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, summaries,
                states: list[SelectionState], dense: torch.Tensor | None = None,
-               host_lengths: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               host_lengths: np.ndarray | None = None, tables_out: bool = True):
         """One decode step of `layer` for B conversations.
 
         q [B, Hq, D] (post-RoPE); tables [B, H, P] pool page ids and lengths [B, H] of the heads'
@@ -155,7 +200,10 @@ class PageSelector:
         SelectionState per conversation; dense [H] bool: heads that select (streaming heads keep
         their whole, already small, table); host_lengths: lengths as numpy, to spare a device sync.
         -> (tables [B, X, W] int32, lengths [B, X] int32) for indexed_decode, X = Hq for
-        group="query", else H."""
+        group="query", else H; None with tables_out=False (the caller reads states[b].chosen).
+
+        A cached selection is made again when it is `reuse_interval` steps old, or when a selecting
+        head's physical page count changed (a new page opened: the forced newest page would be stale)."""
         cfg = self.config
         B, Hq, _ = q.shape
         H = tables.shape[1]
@@ -171,17 +219,22 @@ class PageSelector:
             # Within budget everywhere: every page, no scoring (and nothing to cache).
             return expand(tables).to(torch.int32), expand(lengths).to(torch.int32)
 
-        refresh = [b for b, s in enumerate(states) if s.chosen[layer] is None or s.age[layer] >= cfg.reuse_interval
-                   or not np.array_equal(s.num_pages[layer], host_pages[b])]
+        dense_host = np.ones(H, dtype=bool) if dense is None else dense.cpu().numpy()
+        selecting_pages = np.where(dense_host, host_pages, 0)  # streaming heads never select
+        refresh = [b for b, s in enumerate(states) if not isinstance(s.chosen[layer], torch.Tensor)
+                   or s.age[layer] >= cfg.reuse_interval or not np.array_equal(s.num_pages[layer], selecting_pages[b])]
         if refresh:
             fresh = self._fresh(layer, q[refresh], tables[refresh], lengths[refresh], summaries,
-                                dense, torch.from_numpy(host_pages[refresh]).to(q.device))
+                                dense, torch.from_numpy(host_pages[refresh]).to(q.device),
+                                any_over=bool((selecting_pages[refresh] > cfg.pages_budget).any()))
             for i, b in enumerate(refresh):
                 s = states[b]
-                s.chosen[layer], s.num_pages[layer], s.age[layer] = fresh[i], host_pages[b].copy(), 0
+                s.chosen[layer], s.num_pages[layer], s.age[layer] = fresh[i], selecting_pages[b].copy(), 0
                 s.selections[layer] += 1
         for s in states:
             s.age[layer] += 1
+        if not tables_out:
+            return None
         width = max(s.chosen[layer].shape[-1] for s in states)
         chosen = torch.stack([torch.nn.functional.pad(s.chosen[layer], (0, width - s.chosen[layer].shape[-1]))
                               for s in states])
@@ -201,7 +254,7 @@ class PageSelector:
             out_lengths = torch.where(keep, out_lengths, full_lengths)
         return out_tables, out_lengths
 
-    def _fresh(self, layer, q, tables, lengths, summaries, dense, num_pages) -> torch.Tensor:
+    def _fresh(self, layer, q, tables, lengths, summaries, dense, num_pages, any_over=None) -> torch.Tensor:
         cfg = self.config
         B, Hq, _ = q.shape
         H = tables.shape[1]
@@ -218,4 +271,4 @@ class PageSelector:
         else:
             scores = scores.sum(2)
         # Streaming heads are "within budget" (0 pages selecting): they keep 0..K-1, i.e. their table.
-        return choose_pages(scores, selecting, cfg)
+        return choose_pages(scores, selecting, cfg, any_over)

@@ -5,12 +5,22 @@ axis `streaming_heads` and also owns what streaming heads keep:
 - prefill: streaming heads attend to keys at positions < sink or within `prefill_local` of the row
   (the spec's [code] asymmetry: 8192 in prefill), dense heads to every key; computed on the
   blockwise mask path (reference attention with a per-head mask, not the block-sparse kernel);
-- store: after every prefill and decode step (Recipe calls `trim`), a streaming head keeps only its
-  sink and the last `local` positions (SequenceKV.keep with per-head index lists: its pages free),
-  so a decode step reads sink + local + the current token, as LServe's decode does;
+- store, a ring of pages: a streaming head's list is its sink (positions [0, sink)) then one run of
+  recent positions (the ring). After every prefill and decode step (Recipe calls `trim`) the ring's
+  oldest pages go whole once at least one full page of it lies beyond `local`: a head keeps sink +
+  the last `local` .. `local + page_size - 1` tokens, as LServe's streaming cache keeps its local
+  window in whole blocks. A decode step reads those + the current token. Dropping a page edits the
+  head's page table (SequenceKV.drop_pages): no K/V moves, the page returns to the pool, and `trim`
+  works on the host alone from kv.lengths and kv.next_position (no device read, no sync);
+- a sink that is not a whole number of pages (sink % page_size != 0) shares its last page with the
+  ring, so the same window is kept by compaction instead (SequenceKV.keep, which moves the ring's
+  tokens): same tokens kept, device work on the steps that drop;
+- a streaming head that something else moved (eviction, a rollback, a restore from the state tiers;
+  kv.moves tells) is checked once against the pool's positions; one that is no longer sink + one run
+  (another method evicted from it) is trimmed exactly, to positions < sink or >= next - `local`;
 - multi-turn (spec §7 item 12): a new turn's streaming heads attend to what was kept, the sink and the
-  last `local` positions of the history, plus the new tokens within `prefill_local`. The history
-  outside that is gone for them; dense heads keep and read everything.
+  ring of the history, plus the new tokens within `prefill_local`. The history outside that is gone
+  for them; dense heads keep and read everything.
 
 Patterns: `pattern=None` thresholds the calibrated SmolLM2 gates (benchmarks/results) at `ratio`;
 `pattern="random"` draws one at `ratio` (speed runs); a path loads a JSON/TSV pattern file, or a
@@ -19,6 +29,7 @@ DuoAttention release (`full_attention_heads.tsv` or its folder) thresholded at `
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +54,8 @@ class StreamingHeads:
 
     pattern: a pattern file, "random", or None (calibrated SmolLM2 gates). ratio: streaming fraction
     for gates (None: the file's flags, 0.5 otherwise). sink / local: what streaming heads keep and
-    decode reads (128 / 256). prefill_local: their window in prefill (8192)."""
+    decode reads (128 / 256; the ring holds local .. local + page_size - 1 recent tokens).
+    prefill_local: their window in prefill (8192)."""
 
     pattern: str | None = None
     ratio: float | None = None
@@ -51,6 +63,10 @@ class StreamingHeads:
     local: int = 256
     prefill_local: int = 8192
     _flags: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # Per SequenceKV: its `moves` when its streaming heads were last known to be sink + ring (-1: a
+    # head that is not). A SequenceKV not in it has only been appended to where its moves are 0.
+    _rings: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, init=False,
+                                              repr=False, compare=False)
 
     def __post_init__(self):
         if self.sink < 0 or self.local < 1 or self.prefill_local < self.local:
@@ -116,20 +132,67 @@ class StreamingHeads:
 
     # ---- the store --------------------------------------------------------------------------------
     def trim(self, kv) -> None:
-        """Drop what streaming heads no longer see: positions in [sink, next_position - local)."""
+        """Drop the streaming heads' ring pages that lie wholly beyond the last `local` tokens.
+
+        Host work only while every streaming head is sink + ring (a head's ring then holds
+        kv.lengths - sink tokens ending at kv.next_position): which heads drop how many pages follows
+        from kv.lengths alone, and nothing is read from the device."""
         L, H = kv.lengths.shape
         streaming = self.flags(L, H)
-        lo, hi = self.sink, kv.next_position - self.local
-        if hi <= lo:
-            return
-        for layer in range(L):
-            if not streaming[layer].any():
-                continue
+        N, ps = kv.next_position, kv.pool.page_size
+        if N <= self.sink + self.local:
+            return  # no head holds a position in [sink, N - local): nothing can go
+        known = self._rings.get(kv)
+        dirty = streaming & (kv.moves != (0 if known is None else known))
+        ring = np.ones((L, H), dtype=bool)
+        if dirty.any():
+            ring[dirty] = self._check(kv, dirty)[dirty]
+        tail = kv.lengths - self.sink
+        drop = streaming & ring & (tail >= self.local + ps)
+        if drop.any():
+            pages = (tail - self.local) // ps
+            if self.sink % ps == 0:
+                layers, heads = np.nonzero(drop)
+                kv.drop_pages(layers, heads, self.sink // ps, pages[layers, heads])
+            else:
+                for layer in np.flatnonzero(drop.any(axis=1)):
+                    n, first = kv.lengths[layer], self.sink + pages[layer] * ps
+                    kv.keep(layer, [np.r_[0:self.sink, first[h]:n[h]] if drop[layer, h] else np.arange(n[h])
+                                    for h in range(H)])
+        if dirty.any() or drop.any():
+            known = kv.moves.copy()
+            known[streaming & ~ring] = -1  # checked again at every trim
+            self._rings[kv] = known
+
+    def _check(self, kv, heads: np.ndarray) -> np.ndarray:
+        """Read the positions of the layers where `heads` [L, H] are marked (one device read for all of
+        them) and say per head whether it is sink + ring: positions [0, sink) then a run ending at
+        next_position - 1. Heads that are not are trimmed exactly here: positions in
+        [sink, next_position - local) go. Returns [L, H] bool (meaningful where `heads` is set)."""
+        L, H = kv.lengths.shape
+        N = kv.next_position
+        layers = np.flatnonzero(heads.any(axis=1))
+        positions, checks = [], []
+        for layer in layers:
             S = int(kv.lengths[layer].max(initial=0))
             pos = gather_pages(kv.pool.positions[layer], kv.device_table()[layer][None], S)[0]  # [H, S]
-            lengths = torch.from_numpy(kv.lengths[layer]).to(pos.device)
-            valid = torch.arange(S, device=pos.device) < lengths[:, None]
-            gone = valid & (pos >= lo) & (pos < hi) & torch.from_numpy(streaming[layer]).to(pos.device)[:, None]
-            if not bool(gone.any()):
-                continue
-            kv.keep(layer, [(valid[h] & ~gone[h]).nonzero().flatten() for h in range(H)])
+            n = torch.from_numpy(kv.lengths[layer]).to(pos.device)[:, None]
+            j = torch.arange(S, device=pos.device)
+            valid = j < n
+            expected = torch.where(j < self.sink, j, N - n + j)
+            ok = ((pos == expected) | ~valid).all(dim=1) & (n[:, 0] >= min(self.sink, N))
+            gone = valid & (pos >= self.sink) & (pos < N - self.local)
+            positions.append((valid, gone))
+            checks.append(torch.stack([ok, gone.any(dim=1)]))
+        ok = np.zeros((L, H), dtype=bool)
+        trimmed = np.zeros((L, H), dtype=bool)
+        if checks:
+            both = torch.stack(checks).cpu().numpy()  # [layers, 2, H]
+            ok[layers], trimmed[layers] = both[:, 0], both[:, 1]
+        trimmed &= heads & ~ok
+        for i, layer in enumerate(layers):
+            if trimmed[layer].any():
+                valid, gone = positions[i]
+                gone = gone & torch.from_numpy(trimmed[layer]).to(gone.device)[:, None]
+                kv.keep(layer, [(valid[h] & ~gone[h]).nonzero().flatten() for h in range(H)])
+        return ok

@@ -50,6 +50,26 @@ class PageSummaries:
         kmax.scatter_reduce_(0, index, k.to(kmax.dtype), "amax", include_self=True)
         kmin.scatter_reduce_(0, index, k.to(kmin.dtype), "amin", include_self=True)
 
+    def fold(self, slots: torch.Tensor) -> None:
+        """update() for a decode step of every layer at once, the keys read back from the pool: slots
+        [L, n] are the flat slots each row wrote (one token per row). The Triton kernel on CUDA (one
+        launch, capturable in a CUDA graph), fold_reference elsewhere. A selection reads no page
+        from the newest on, so folding at the end of the step instead of at each layer's write gives
+        the scores the same statistics."""
+        from turnkv.attention import decode
+
+        if decode.uses_kernel(self.pool.device):
+            from turnkv.attention.triton import page_select
+
+            page_select.fold_keys(self.pool.k, slots, self.kmax, self.kmin, self.logical_page)
+        else:
+            self.fold_reference(slots)
+
+    def fold_reference(self, slots: torch.Tensor) -> None:
+        D = self.pool.head_dim
+        for layer in range(slots.shape[0]):
+            self.update(layer, slots[layer], self.pool.k[layer].view(-1, D).index_select(0, slots[layer]))
+
     def rebuild(self, layer: int, pages: torch.Tensor, counts: torch.Tensor) -> None:
         """Recompute the stats of pool `pages` [n] from the pool's keys; page i holds counts[i] tokens."""
         ps, lp, D = self.pool.page_size, self.logical_page, self.pool.head_dim

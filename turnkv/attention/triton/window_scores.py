@@ -1,0 +1,172 @@
+"""LoopServe's re-selection score inside a CUDA graph (spec loopserve.md §3.3.3): per head, the softmax
+attention weights of the observation window's queries summed per key,
+    score(c) = sum over window queries b of softmax_{c' visible to b}(q_b . k_c' / sqrt(D))[c],
+over every key the head holds, read through its page table (no gathered copy), in two passes:
+
+1. `_window_lse`: per (sequence, KV head) and chunk of keys, the running max and sum of exp for each
+   of the G * W query rows of the group (flash-decoding style partials);
+2. `_window_weights`: per (sequence, KV head) and block of keys, the rows' log-sum-exp merged from the
+   partials, then exp(s - lse) summed over the window (and over the group for per-KV-head rows).
+   Blocks past the head's history only write -inf: the grid covers the graph's capacity, the work
+   follows the live length.
+
+A window query at position p sees the keys at positions <= p (the window's older queries do not see
+the newer keys); a window slot with position < 0 is empty and adds nothing. The current token (the
+head's last key) is in the softmax but not a candidate (-inf); keys at positions below `sinks` score
++inf. The torch reference is turnkv/methods/loopserve/decode.py `window_scores`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_window(q_ptr, qpos_ptr, b, h, stride_qb, stride_qw, stride_qh, stride_pb,
+                 G: tl.constexpr, W: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr,
+                 D: tl.constexpr, BLOCK_D: tl.constexpr):
+    m = tl.arange(0, BLOCK_G * BLOCK_W)
+    g = m // BLOCK_W
+    w = m % BLOCK_W
+    d = tl.arange(0, BLOCK_D)
+    qpos = tl.load(qpos_ptr + b * stride_pb + w, mask=w < W, other=-1)
+    row_ok = (g < G) & (w < W) & (qpos >= 0)
+    q = tl.load(q_ptr + b * stride_qb + w[:, None] * stride_qw + (h * G + g)[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
+    return q, qpos, row_ok
+
+
+@triton.jit
+def _window_lse(q_ptr, qpos_ptr, k_ptr, kpos_ptr, table_ptr, lengths_ptr, m_ptr, l_ptr,
+                stride_qb, stride_qw, stride_qh, stride_pb, stride_tb, stride_th, stride_lb, scale_log2,
+                H: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr,
+                D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    length = tl.load(lengths_ptr + b * stride_lb + h)
+    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, length)
+    q, qpos, row_ok = _load_window(q_ptr, qpos_ptr, b, h, stride_qb, stride_qw, stride_qh, stride_pb,
+                                   G, W, BLOCK_G, BLOCK_W, D, BLOCK_D)
+    d = tl.arange(0, BLOCK_D)
+    M: tl.constexpr = BLOCK_G * BLOCK_W
+    mx = tl.full([M], float("-inf"), tl.float32)
+    sm = tl.zeros([M], tl.float32)
+    table = table_ptr + b * stride_tb + h * stride_th
+    for n0 in range(start, end, BLOCK_N):
+        t = n0 + tl.arange(0, BLOCK_N)
+        valid = t < end
+        page = tl.load(table + t // PAGE, mask=valid, other=0)
+        slot = page.to(tl.int64) * PAGE + t % PAGE
+        k = tl.load(k_ptr + slot[:, None] * D + d[None, :], mask=valid[:, None] & (d < D)[None, :], other=0.0)
+        kpos = tl.load(kpos_ptr + slot, mask=valid, other=0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2
+        keep = valid[None, :] & row_ok[:, None] & (kpos[None, :] <= qpos[:, None])
+        s = tl.where(keep, s, float("-inf"))
+        new = tl.maximum(mx, tl.max(s, 1))
+        shift = tl.where(new == float("-inf"), 0.0, new)
+        sm = sm * tl.exp2(mx - shift) + tl.sum(tl.exp2(s - shift[:, None]), 1)
+        mx = new
+    m = tl.arange(0, M)
+    base = (bh * NUM_SPLITS + split) * M
+    tl.store(m_ptr + base + m, mx)
+    tl.store(l_ptr + base + m, sm)
+
+
+@triton.jit
+def _window_weights(q_ptr, qpos_ptr, k_ptr, kpos_ptr, table_ptr, lengths_ptr, m_ptr, l_ptr, out_ptr,
+                    stride_qb, stride_qw, stride_qh, stride_pb, stride_tb, stride_th, stride_lb,
+                    stride_ob, stride_or, scale_log2, capacity, sinks,
+                    H: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BLOCK_G: tl.constexpr,
+                    BLOCK_W: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PER_KV: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    bh = tl.program_id(0)
+    blk = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    length = tl.load(lengths_ptr + b * stride_lb + h)
+    history = length - 1  # the current token is read as a recent one, not chosen
+    t = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    M: tl.constexpr = BLOCK_G * BLOCK_W
+    gs = tl.arange(0, BLOCK_G)
+    scores = tl.full([BLOCK_G, BLOCK_N], float("-inf"), tl.float32)
+    if blk * BLOCK_N < history:
+        q, qpos, row_ok = _load_window(q_ptr, qpos_ptr, b, h, stride_qb, stride_qw, stride_qh, stride_pb,
+                                       G, W, BLOCK_G, BLOCK_W, D, BLOCK_D)
+        m = tl.arange(0, M)
+        mx = tl.full([M], float("-inf"), tl.float32)
+        sm = tl.zeros([M], tl.float32)
+        for s_ in range(NUM_SPLITS):  # merge the partials of pass 1
+            base = (bh * NUM_SPLITS + s_) * M
+            pm = tl.load(m_ptr + base + m)
+            pl = tl.load(l_ptr + base + m)
+            new = tl.maximum(mx, pm)
+            shift = tl.where(new == float("-inf"), 0.0, new)
+            sm = sm * tl.exp2(mx - shift) + pl * tl.exp2(pm - shift)
+            mx = new
+        lse = tl.where(sm > 0, mx + tl.log2(tl.where(sm > 0, sm, 1.0)), 0.0)
+        row_ok = row_ok & (sm > 0)
+        valid = t < history
+        d = tl.arange(0, BLOCK_D)
+        page = tl.load(table_ptr + b * stride_tb + h * stride_th + t // PAGE, mask=valid, other=0)
+        slot = page.to(tl.int64) * PAGE + t % PAGE
+        k = tl.load(k_ptr + slot[:, None] * D + d[None, :], mask=valid[:, None] & (d < D)[None, :], other=0.0)
+        kpos = tl.load(kpos_ptr + slot, mask=valid, other=0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2
+        keep = valid[None, :] & row_ok[:, None] & (kpos[None, :] <= qpos[:, None])
+        p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)
+        summed = tl.sum(tl.reshape(p, (BLOCK_G, BLOCK_W, BLOCK_N)), 1)  # over the window: [BLOCK_G, BLOCK_N]
+        summed = tl.where((kpos < sinks)[None, :], float("inf"), summed)
+        scores = tl.where(valid[None, :], summed, float("-inf"))
+    in_range = t < capacity
+    if PER_KV:
+        row = tl.sum(tl.where((gs < G)[:, None], scores, 0.0), 0)
+        row = tl.where(t < history, row, float("-inf"))
+        tl.store(out_ptr + b * stride_ob + h * stride_or + t, row, mask=in_range)
+    else:
+        tl.store(out_ptr + b * stride_ob + (h * G + gs)[:, None] * stride_or + t[None, :], scores,
+                 mask=(gs < G)[:, None] & in_range[None, :])
+
+
+def window_scores(q: torch.Tensor, qpos: torch.Tensor, k_pool: torch.Tensor, kpos_pool: torch.Tensor,
+                  table: torch.Tensor, lengths: torch.Tensor, capacity: int, per_kv: bool = False, sinks: int = 0,
+                  num_splits: int | None = None, block_n: int = 64) -> torch.Tensor:
+    """q [B, W, Hq, D] window queries (post-RoPE), qpos [B, W] int64 (< 0: empty slot); k_pool one
+    layer's keys [pages, page_size, D], kpos_pool its positions [pages, page_size]; table [B, H, P]
+    int32 page ids, lengths [B, H] int32 (the current token included). -> fp32 [B, X, capacity]
+    (X = H with per_kv, else Hq): summed window weights of the history keys, -inf elsewhere."""
+    B, W, Hq, D = q.shape
+    H = table.shape[1]
+    G = Hq // H
+    PAGE = k_pool.shape[1]
+    assert q.stride(-1) == 1 and k_pool.is_contiguous() and kpos_pool.is_contiguous() and table.stride(-1) == 1
+    if num_splits is None:
+        num_splits = max(1, min(64, math.ceil(capacity / 4096)))
+    BLOCK_G, BLOCK_W = triton.next_power_of_2(G), max(16, triton.next_power_of_2(W))
+    M = BLOCK_G * BLOCK_W
+    part_m = torch.empty(B * H * num_splits * M, dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    out = torch.empty(B, H if per_kv else Hq, capacity, dtype=torch.float32, device=q.device)
+    scale_log2 = D**-0.5 * LOG2E
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    common = dict(H=H, G=G, W=W, BLOCK_G=BLOCK_G, BLOCK_W=BLOCK_W, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
+                  PAGE=PAGE, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=precision)
+    strides = (q.stride(0), q.stride(1), q.stride(2), qpos.stride(0), table.stride(0), table.stride(1),
+               lengths.stride(0))
+    _window_lse[(B * H, num_splits)](q, qpos, k_pool, kpos_pool, table, lengths, part_m, part_l, *strides, scale_log2,
+                                     num_warps=4, **common)
+    _window_weights[(B * H, triton.cdiv(capacity, block_n))](
+        q, qpos, k_pool, kpos_pool, table, lengths, part_m, part_l, out, *strides, out.stride(0), out.stride(1),
+        scale_log2, capacity, sinks, PER_KV=per_kv, num_warps=4, **common)
+    return out
