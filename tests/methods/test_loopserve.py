@@ -4,6 +4,9 @@ masks against brute force, sparse prefill = dense when every line is taken, and 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import pytest
 import torch
 
@@ -12,7 +15,8 @@ from turnkv.attention import lines
 from turnkv.errors import InvalidRequestError
 from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.loopserve.decode import LoopServeDecode
-from turnkv.methods.loopserve.greedy import greedy
+from turnkv.methods.loopserve import greedy as greedy_module
+from turnkv.methods.loopserve import prefill as prefill_module
 from turnkv.methods.loopserve.prefill import LoopServePrefill
 from turnkv.methods.recipe import Recipe
 
@@ -25,7 +29,9 @@ def t(*rows):
 
 
 # ---- Algorithm 5's greedy ---------------------------------------------------------------------------
-def test_greedy_follows_the_hand_worked_steps():
+@pytest.mark.parametrize("backend", ["torch", "python", "triton"])
+def test_greedy_follows_the_hand_worked_steps(backend):
+    greedy = functools.partial(greedy_module.greedy, backend=backend)
     # Two units, same lines; unit 1 has its best slash line forced.
     # Unit 0, normalised: (0,0) slash 0.5/10 < vertical 0.4/2 -> V (total .4, ol_v .25);
     # (0,1) slash (.5-.25)/9 < vertical .35/5 -> V (total .75, ol_v .45); verticals exhausted ->
@@ -92,6 +98,74 @@ def test_selection_reaches_alpha_and_respects_cap_and_forced_lines(granularity):
     capped = LoopServePrefill(alpha=1.0, samples=12, granularity=granularity, max_lines=7, force_local=1)
     vertical, slash, *_ = capped.select(keys, layer=0)
     assert ((vertical.sum(1) + slash.sum(1)) == 7).all()
+
+
+def contiguous_keys(B=1, Hq=4, H=2, T=40, hist=30, D=8, seed=0, ragged=False):
+    """Keys at their entries (no eviction), optionally with a KV head two entries short (padding)."""
+    g = torch.Generator().manual_seed(seed)
+    S = hist + T
+    q = torch.randn(B, Hq, T, D, generator=g) * 2
+    k = torch.randn(B, H, S, D, generator=g) * 2
+    k_pos, valid = torch.arange(S).expand(B, H, S).clone(), None
+    if ragged:
+        valid = torch.ones(B, H, S, dtype=torch.bool)
+        valid[:, -1, -2:] = False
+        k_pos[:, -1, -2:] = 10**6
+    return lines.Keys(q, k, torch.randn(B, H, S, D, generator=g), torch.arange(hist, hist + T).expand(B, T),
+                      k_pos, valid, hist, hist + T)
+
+
+SELECT_CASES = [dict(), dict(granularity="kv"), dict(alpha=0.5, samples=12, force_sink=2, force_local=3),
+                dict(compare="raw", max_lines=9), dict(lengths="sampled", sampling="strided"),
+                dict(wmax="zero", alpha=1.0), dict(samples=500, granularity="kv")]
+
+
+@pytest.mark.parametrize("options", SELECT_CASES)
+def test_selection_paths_give_the_same_lines(monkeypatch, options):
+    """The fast paths (diagonals read in place, in-place masking, the greedy's Python loop on CPU and
+    Triton kernels) select exactly the lines of the reference path (mask, scatter over offsets, torch
+    loop), with the same estimate, on keys at their entries (whole chunk, history, batches, padding)
+    and on evicted keys (which take the reference's sums either way)."""
+    method = LoopServePrefill(**options)
+    keys_list = [contiguous_keys(), contiguous_keys(T=64, hist=0, seed=1), contiguous_keys(B=3, seed=2),
+                 contiguous_keys(B=2, ragged=True, seed=3), random_keys(B=2, seed=4)]
+    real_greedy, real_diagonals = prefill_module.greedy, lines.diagonal_sums
+
+    def run(keys, reference=False, triton=False):
+        with monkeypatch.context() as m:
+            if reference:
+                m.setattr(lines, "rows_at_entries", lambda keys, rows: None)
+                m.setattr(prefill_module, "greedy", functools.partial(real_greedy, backend="torch"))
+            if triton:
+                m.setattr(lines, "diagonal_sums", functools.partial(real_diagonals, force_triton=True))
+                m.setattr(prefill_module, "greedy", functools.partial(real_greedy, backend="triton"))
+            return method.select(keys, layer=0)
+
+    def assert_same(got, ref):
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])  # vertical, slash
+        assert torch.equal(got[2], ref[2]) and torch.equal(got[4], ref[4])  # weights, estimate
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels' device (CPU: the interpreter)
+    for keys in keys_list:
+        assert_same(run(keys), run(keys, reference=True))
+        keys = dataclasses.replace(keys, **{f.name: getattr(keys, f.name).to(device) for f in dataclasses.fields(keys)
+                                            if isinstance(getattr(keys, f.name), torch.Tensor)})
+        assert_same(run(keys, triton=True), run(keys, reference=True))
+
+
+def test_rows_at_entries_and_in_place_sums_match_the_scatter():
+    keys = contiguous_keys(B=2, T=30, hist=50)
+    rows = torch.tensor([0, 3, 17, 29])
+    positions = lines.rows_at_entries(keys, rows)
+    assert positions == [[50, 53, 67, 79]] * 2
+    assert lines.rows_at_entries(random_keys(), rows) is None  # eviction holes
+    weights = lines.sample_weights(keys, rows, row_positions=positions)
+    assert torch.equal(weights, lines.sample_weights(keys, rows))  # in-place masking = the mask
+    weights = weights.reshape(8, 4, -1)
+    offsets = lines.per_unit(keys.offsets(rows), keys.group, True)
+    ref = lines.line_sums(weights, offsets, keys.end_position)
+    got = lines.line_sums(weights, None, keys.end_position, positions)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
 
 
 def test_selection_recovers_planted_lines():

@@ -71,28 +71,104 @@ def per_unit(x: torch.Tensor, group: int, per_query_head: bool) -> torch.Tensor:
     return x.reshape(-1, *x.shape[2:])
 
 
-def sample_weights(keys: Keys, rows: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """Exact softmax of the chosen rows over all their causal keys, fp32 [B, Hq, R, S] (Alg. 5 line 4)."""
+def sample_weights(keys: Keys, rows: torch.Tensor, scale: float | None = None,
+                   row_positions: list[list[int]] | None = None) -> torch.Tensor:
+    """Exact softmax of the chosen rows over all their causal keys, fp32 [B, Hq, R, S] (Alg. 5 line 4).
+
+    row_positions: rows_at_entries(keys, rows) when known. With every head's keys at their entries,
+    no padding and no window, row r at position p sees exactly the entries up to p: its masked cells
+    are then a slice of the row, filled in place, instead of the mask of every cell."""
     B, Hq, _, D = keys.q.shape
     H, G = keys.k.shape[1], keys.group
     q = keys.q[:, :, rows].float().view(B, H, G, len(rows), D)
-    scores = torch.einsum("bhgrd,bhsd->bhgrs", q, keys.k.float()) * (scale if scale is not None else D**-0.5)
-    scores = scores.masked_fill(~keys.visible(rows)[:, :, None], float("-inf"))
+    scores = torch.einsum("bhgrd,bhsd->bhgrs", q, keys.k.float()).mul_(scale if scale is not None else D**-0.5)
+    if row_positions is not None and keys.valid is None and keys.window is None:
+        for b, positions in enumerate(row_positions):
+            for r, p in enumerate(positions):
+                scores[b, :, :, r, p + 1:] = float("-inf")
+    else:
+        scores.masked_fill_(~keys.visible(rows)[:, :, None], float("-inf"))  # in place: [.., R, S] is large
     return scores.softmax(dim=-1).reshape(B, Hq, len(rows), -1)
 
 
-def line_sums(weights: torch.Tensor, offsets: torch.Tensor, num_offsets: int):
+def line_sums(weights: torch.Tensor, offsets: torch.Tensor | None, num_offsets: int,
+              row_positions: list[list[int]] | None = None):
     """Column and diagonal sums of sampled weights [N, R, S] and their largest single entries (w^max).
 
-    offsets [N, R, S] are the cells' diagonal offsets. Returns w_v, v_max [N, S] and w_s, s_max
-    [N, num_offsets] (Alg. 5 line 5; w^max per spec §3.2.4)."""
-    N = weights.shape[0]
+    Returns w_v, v_max [N, S] and w_s, s_max [N, num_offsets] (Alg. 5 line 5; w^max per spec §3.2.4).
+    The diagonals come from either
+    - offsets [N, R, S], the cells' diagonal offsets: a scatter over them, for any key positions; or
+    - row_positions [B][R] (N = B * units), the sampled rows' positions per sequence, when every valid
+      key entry c sits at position c (rows_at_entries; offsets may then be None): row r at position p
+      has offset d at entry p - d, so its diagonals are a reversed slice of the row, read in place
+      (diagonal_sums). Same results: the sums added in the same order (row by row, as the scatter
+      adds them on a CPU), the maxima exact."""
     w_v = weights.sum(dim=1)
     v_max = weights.amax(dim=1)
+    if row_positions is not None:
+        return (w_v, v_max, *diagonal_sums(weights, row_positions, num_offsets))
+    N = weights.shape[0]
     flat_w, flat_d = weights.reshape(N, -1), offsets.reshape(N, -1)
     w_s = weights.new_zeros(N, num_offsets).scatter_add_(1, flat_d, flat_w)
     s_max = weights.new_zeros(N, num_offsets).scatter_reduce_(1, flat_d, flat_w, "amax", include_self=True)
     return w_v, v_max, w_s, s_max
+
+
+def rows_at_entries(keys: Keys, rows: torch.Tensor) -> list[list[int]] | None:
+    """The positions [B][R] of the rows (indices into T) on the host when every valid key entry c of
+    every head sits at position c (no eviction holes, so line_sums can read diagonals in place), else
+    None. One host read."""
+    B, H, S = keys.k_pos.shape
+    at = keys.k_pos == torch.arange(S, device=keys.k_pos.device)
+    if keys.valid is not None:
+        at |= ~keys.valid
+    positions = keys.q_pos[:, rows].long()
+    packed = torch.cat([at.all().long().view(1), positions.reshape(-1)]).tolist()
+    return [packed[1 + b * len(rows): 1 + (b + 1) * len(rows)] for b in range(B)] if packed[0] else None
+
+
+def diagonal_sums(weights: torch.Tensor, row_positions: list[list[int]], num_offsets: int,
+                  force_triton: bool = False):
+    """Diagonal sums and maxima w_s, s_max [N, num_offsets] of weights [N, R, S] whose key entry c sits
+    at position c; row_positions [B][R] are the rows' positions per sequence (N = B * units).
+
+    On CUDA (or anywhere with force_triton) a Triton kernel (turnkv/attention/triton/diagonals.py)
+    reads every weight once. Here, the reference: offsets are accumulated reversed,
+    e = num_offsets - 1 - d, so row r at position p has e at entry e + p - num_offsets + 1 and each row
+    adds one forward slice of itself, in place. Both add the rows in order, from zero, so the sums are
+    bitwise equal to each other and to line_sums' scatter on a CPU; the maxima are exact. A Python
+    loop over the B * R sampled rows (one add and one max each), none over heads."""
+    if (force_triton or weights.is_cuda) and weights.dtype == torch.float32 and weights.stride(2) == 1:
+        kernel = _diagonals_kernel()
+        if kernel is not None:
+            return kernel.diagonal_sums(weights, row_positions, num_offsets)
+    N, _, S = weights.shape
+    O = num_offsets
+    U = N // len(row_positions)
+    total, top = weights.new_zeros(N, O), weights.new_zeros(N, O)
+    for b, positions in enumerate(row_positions):
+        units = slice(b * U, (b + 1) * U)
+        for r, p in enumerate(positions):
+            shift = p - O + 1
+            e0, e1 = max(0, -shift), min(O, S - shift)
+            if e0 >= e1:
+                continue
+            src = weights[units, r, e0 + shift: e1 + shift]
+            total[units, e0:e1] += src
+            dst = top[units, e0:e1]
+            torch.maximum(dst, src, out=dst)
+    return total.flip(1), top.flip(1)
+
+
+@functools.cache
+def _diagonals_kernel():
+    from turnkv.attention.triton import available
+
+    if not available():
+        return None
+    from turnkv.attention.triton import diagonals as kernel
+
+    return kernel
 
 
 def line_mask(keys: Keys, vertical: torch.Tensor, slash: torch.Tensor, per_query_head: bool,
@@ -235,8 +311,15 @@ def line_attention(keys: Keys, vertical: torch.Tensor, slash: torch.Tensor, per_
             q_start, kv_len = layout
             plan = kernel.Plan(vertical, slash, q_start, kv_len, keys.q.shape[2], keys.group, per_query_head,
                                keys.window, kernel.block_m_for(keys.q.dtype, config))
-            out = kernel.line_attention(keys.q, keys.k, keys.v, plan, scale, config=config)
-            return (out, *contiguous_counts(keys, vertical, slash, per_query_head, q_start, kv_len))
+            # Known defect, open: compiled for a GPU, the kernel miscounts cells when a unit's slashes
+            # form more than one run of consecutive offsets (scattered slashes; measured on an H200,
+            # relative error 2-5e-2 in fp32 and bf16), while the interpreter gives the exact answer on
+            # the same plan. One run (a local window of slashes, A-shape, streaming heads) and any
+            # vertical lines are exact on the GPU. Until that is found, such line sets take the
+            # reference path there; force_triton still runs the kernel (tests, the benchmark).
+            if force_triton or plan.max_segs <= 1:
+                out = kernel.line_attention(keys.q, keys.k, keys.v, plan, scale, config=config)
+                return (out, *contiguous_counts(keys, vertical, slash, per_query_head, q_start, kv_len))
     if mask_fn is None:
         mask_fn = lambda r: line_mask(keys, vertical, slash, per_query_head, r)  # noqa: E731
     return blockwise_attention(keys, mask_fn, scale)

@@ -2,16 +2,30 @@
 
 Each unit (a head) holds its slash and vertical lines sorted by descending sum. The greedy always takes
 the head of one list, so after it stops the selected lines are the first `i` slash and the first `j`
-vertical lines of the sorted orders: its result is two counts per unit. Every quantity its comparison
-needs at (i, j) is a prefix of the sorted arrays, so one iteration advances every unit by one line with
-a few gathers, and there is no per-unit Python loop.
+vertical lines of the sorted orders: its result is two counts per unit.
+
+Three implementations of the same loop, equal to the bit (same fp32 operations in the same order):
+- the Triton kernel (turnkv/attention/triton/greedy.py), one program per unit running the sequential
+  loop on scalars: one launch, no host read. It runs on CUDA.
+- the torch loop (greedy_torch), the reference, and the CUDA path without Triton: every quantity the
+  comparison needs at (i, j) is an entry of the sorted arrays, so one iteration advances every unit by
+  one line with a few gathers, with no per-unit Python loop (but one iteration of ~20 small ops per
+  line, and a host read every CHECK_EVERY iterations to stop).
+- the scalar Python loop per unit (greedy_python), the CPU path: on a CPU a torch op costs microseconds
+  whatever its size, so the unit-by-unit loop on Python floats (fp32 results emulated by rounding each
+  operation, exact: see there) was measured 2-40x faster than the torch loop (2x at 32 units x 2048
+  lines, 40x at 9 units x 1700 lines: the torch loop runs until the slowest unit is done).
 """
 
 from __future__ import annotations
 
+import array
+import functools
+
 import torch
 
-CHECK_EVERY = 32  # iterations between the host reads that stop the loop once every unit is done
+CHECK_EVERY = 32  # iterations between the host reads that stop the torch loop once every unit is done
+BACKENDS = ("auto", "triton", "torch", "python")
 
 
 def prefix(x: torch.Tensor) -> torch.Tensor:
@@ -19,8 +33,49 @@ def prefix(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(x.cumsum(dim=1), (1, 0))
 
 
+def start(w_s, s_max, w_v, v_max, forced_s, forced_v, max_forced: int | None = None):
+    """The state once the forced lines are taken: i, j, total, ol_s, ol_v [N].
+
+    Forced lines are counted as if all slash lines came first, then the vertical ones. max_forced, a
+    bound on forced_s and forced_v known on the host, limits the running sums to the columns they
+    need (on a GPU, scans of whole [N, 128K] rows cost more than the greedy itself)."""
+    N = w_s.shape[0]
+    ar = torch.arange(N, device=w_s.device)
+    ks = w_s.shape[1] if max_forced is None else min(w_s.shape[1], max_forced)
+    kv = w_v.shape[1] if max_forced is None else min(w_v.shape[1], max_forced)
+    i, j = forced_s.clone(), forced_v.clone()
+    ol_s, ol_v = prefix(s_max[:, :ks])[ar, i], prefix(v_max[:, :kv])[ar, j]
+    total = prefix(w_s[:, :ks])[ar, i] + prefix(w_v[:, :kv])[ar, j] - j * ol_s
+    return i, j, total, ol_s, ol_v
+
+
+@functools.cache
+def _kernel():
+    from turnkv.attention.triton import available
+
+    if not available():
+        return None
+    from turnkv.attention.triton import greedy as kernel
+
+    return kernel
+
+
+def resolve(device: torch.device, backend: str = "auto") -> str:
+    """The loop that runs: "auto" is the kernel on CUDA (the torch loop if Triton is missing) and the
+    Python loop elsewhere; "triton" runs the kernel anywhere Triton imports (its interpreter on CPU, for
+    tests)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+    if backend == "auto":
+        backend = ("triton" if _kernel() is not None else "torch") if device.type == "cuda" else "python"
+    if backend == "triton" and _kernel() is None:
+        raise RuntimeError("the triton greedy needs triton")
+    return backend
+
+
 def greedy(w_s, s_max, l_s, n_s, w_v, v_max, l_v, n_v, target, forced_s, forced_v,
-           normalised: bool = True, max_lines: int | None = None):
+           normalised: bool = True, max_lines: int | None = None, backend: str = "auto",
+           max_forced: int | None = None):
     """Counts (i, j) of slash and vertical lines taken, and the estimated mass they cover.
 
     w_s, s_max, l_s [N, Ms]: slash sums, largest entries and lengths in descending order of w_s (forced
@@ -28,15 +83,27 @@ def greedy(w_s, s_max, l_s, n_s, w_v, v_max, l_v, n_v, target, forced_s, forced_
     (padding after them). target [N]: alpha times the sampled mass. forced_s, forced_v [N]: the forced
     lines at the front, taken before the greedy starts. The estimate subtracts w^max of the other kind
     of line already taken (ol_s, ol_v): a slash and a vertical line share at most one cell, so it never
-    exceeds the mass really covered (spec §3.2.4)."""
+    exceeds the mass really covered (spec §3.2.4). backend: one of BACKENDS (see resolve()); all give
+    the same result. max_forced: a host bound on forced_s and forced_v, or None (see start())."""
+    Ms, Mv = w_s.shape[1], w_v.shape[1]
+    # Every unit takes at most its n_s + n_v lines, so the cap never needs to exceed Ms + Mv.
+    cap = min(max_lines, Ms + Mv) if max_lines is not None else Ms + Mv
+    n_s, n_v = n_s.clamp_max(Ms), n_v.clamp_max(Mv)
+    state = start(w_s, s_max, w_v, v_max, forced_s, forced_v, max_forced)
+    backend = resolve(w_s.device, backend)
+    if backend == "triton" and Ms and Mv:
+        return _kernel().greedy(w_s, s_max, l_s, n_s, w_v, v_max, l_v, n_v, target, *state, cap, normalised)
+    if backend == "python":
+        return greedy_python(w_s, s_max, l_s, n_s, w_v, v_max, l_v, n_v, target, *state, cap, normalised)
+    return greedy_torch(w_s, s_max, l_s, n_s, w_v, v_max, l_v, n_v, target, *state, cap, normalised)
+
+
+def greedy_torch(w_s, s_max, l_s, n_s, w_v, v_max, l_v, n_v, target, i, j, total, ol_s, ol_v, cap: int,
+                 normalised: bool = True):
+    """The loop of greedy() in torch, every unit one line per iteration, from the state start() gives."""
     N = w_s.shape[0]
-    ps_w, ps_max, pv_w, pv_max = prefix(w_s), prefix(s_max), prefix(w_v), prefix(v_max)
-    i, j = forced_s.clone(), forced_v.clone()
     ar = torch.arange(N, device=w_s.device)
-    ol_s, ol_v = ps_max[ar, i], pv_max[ar, j]
-    # Forced lines counted as if all slash lines came first, then the vertical ones.
-    total = ps_w[ar, i] + pv_w[ar, j] - j * ol_s
-    cap = torch.full_like(i, max_lines if max_lines is not None else w_s.shape[1] + w_v.shape[1])
+    cap = torch.full_like(i, cap)
     zero = torch.zeros_like(total)
     for it in range(w_s.shape[1] + w_v.shape[1]):
         can_s, can_v = i < n_s, j < n_v
@@ -59,6 +126,71 @@ def greedy(w_s, s_max, l_s, n_s, w_v, v_max, l_v, n_v, target, forced_s, forced_
         ol_v = ol_v + torch.where(take_v, v_max[ar, vj], zero)  # line 16
         i, j = i + take_s, j + take_v
     return i, j, total
+
+
+def greedy_python(w_s, s_max, l_s, n_s, w_v, v_max, l_v, n_v, target, i, j, total, ol_s, ol_v, cap: int,
+                  normalised: bool = True):
+    """The loop of greedy() unit by unit on Python floats, from the state start() gives.
+
+    The arrays are fp32 and torch computes every step in fp32. Python computes in fp64 and each result
+    is rounded to fp32 (through a one-slot array('f')), which gives the fp32 result exactly: a sum,
+    difference or product of two fp32 numbers computed in fp64 (53 >= 2 * 24 + 2 bits) and then
+    rounded to fp32 is the correctly rounded fp32 result. Comparisons of fp32 values are the same in
+    either precision. Each unit's lists are read (tolist) in growing chunks, as far as it gets."""
+    dtype, device = total.dtype, total.device
+    if w_s.dtype != torch.float32 or not (w_s.shape[1] and w_v.shape[1]):  # fp32 only, like the emulation
+        return greedy_torch(w_s, s_max, l_s, n_s, w_v, v_max, l_v, n_v, target, i, j, total, ol_s, ol_v, cap,
+                            normalised)
+    N, Ms = w_s.shape
+    Mv = w_v.shape[1]
+    slot = array.array("f", [0.0])
+    st = [x.tolist() for x in (n_s, n_v, target, i, j, total, ol_s, ol_v)]
+    rows_s, rows_v = (w_s, s_max, l_s), (w_v, v_max, l_v)
+    out_i, out_j, out_total = [], [], []
+    for u in range(N):
+        ns, nv, goal, ii, jj, tot, os_, ov = (x[u] for x in st)
+        ks = kv = 0  # entries read so far
+        while tot < goal and (ii < ns or jj < nv) and ii + jj < cap:
+            si = ii if ii < Ms else Ms - 1
+            vj = jj if jj < Mv else Mv - 1
+            if si >= ks:  # read the next chunk: twice what was read, at least 256 and what is needed
+                ks = min(Ms, max(2 * ks, 256, si + 1))
+                ws, sm, ls = (x[u, :ks].tolist() for x in rows_s)
+            if vj >= kv:
+                kv = min(Mv, max(2 * kv, 256, vj + 1))
+                wv, vm, lv = (x[u, :kv].tolist() for x in rows_v)
+            slot[0] = ws[si] - ov  # Alg. 5 line 11
+            gain_s = slot[0]
+            slot[0] = wv[vj] - os_
+            gain_v = slot[0]
+            if normalised:  # line 12, cross-multiplied: both denominators are >= 1
+                slot[0] = ls[si] - jj
+                den_s = slot[0] if slot[0] > 1.0 else 1.0
+                slot[0] = lv[vj] - ii
+                den_v = slot[0] if slot[0] > 1.0 else 1.0
+                slot[0] = gain_s * den_v
+                lhs = slot[0]
+                slot[0] = gain_v * den_s
+                prefer_s = lhs >= slot[0]
+            else:
+                prefer_s = gain_s >= gain_v
+            if ii < ns and (prefer_s or jj >= nv):
+                slot[0] = tot + gain_s  # line 14
+                tot = slot[0]
+                slot[0] = os_ + sm[si]  # line 13
+                os_ = slot[0]
+                ii += 1
+            else:
+                slot[0] = tot + gain_v  # line 17
+                tot = slot[0]
+                slot[0] = ov + vm[vj]  # line 16
+                ov = slot[0]
+                jj += 1
+        out_i.append(ii)
+        out_j.append(jj)
+        out_total.append(tot)
+    as_long = lambda x: torch.tensor(x, dtype=i.dtype, device=device)  # noqa: E731
+    return as_long(out_i), as_long(out_j), torch.tensor(out_total, dtype=dtype, device=device)
 
 
 def chosen(order: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

@@ -81,13 +81,16 @@ class LoopServePrefill:
         q_start, q_end = keys.first_position, keys.end_position
         rows = self.sample_rows(T, layer, q_start, keys.q.device)
         R = len(rows)
-        weights = lines.sample_weights(keys, rows)  # [B, Hq, R, S]
+        # Keys at their entries (no eviction yet): the rows' positions on the host (one read), for
+        # in-place masking and diagonals read in place; else a mask and a scatter over offsets.
+        positions = lines.rows_at_entries(keys, rows)
+        weights = lines.sample_weights(keys, rows, row_positions=positions)  # [B, Hq, R, S]
         if not per_q:
             weights = weights.view(B, H, G, R, -1).sum(dim=2)
         weights = weights.reshape(B * U, R, -1)
-        offsets = lines.per_unit(keys.offsets(rows), G, per_q)
         num_offsets = q_end
-        w_v, v_max, w_s, s_max = lines.line_sums(weights, offsets, num_offsets)
+        offsets = lines.per_unit(keys.offsets(rows), G, per_q) if positions is None else None
+        w_v, v_max, w_s, s_max = lines.line_sums(weights, offsets, num_offsets, positions)
         if self.wmax == "zero":
             v_max, s_max = torch.zeros_like(v_max), torch.zeros_like(s_max)
         if times is not None:
@@ -116,7 +119,8 @@ class LoopServePrefill:
         n_s = torch.full((B * U,), num_offsets, device=mass.device)
         i, j, estimate = greedy(ss(w_s), ss(s_max), ss(l_s), n_s, sv(w_v), sv(v_max), sv(l_v), valid.sum(dim=1),
                                 self.alpha * mass, forced_s.sum(dim=1), forced_v.sum(dim=1),
-                                normalised=self.compare == "normalised", max_lines=self.max_lines)
+                                normalised=self.compare == "normalised", max_lines=self.max_lines,
+                                max_forced=max(self.force_local, self.force_sink))
         return chosen(order_v, j), chosen(order_s, i), weights.view(B, U, R, -1), rows, estimate, mass
 
     def attend(self, layer: int, keys: lines.Keys):

@@ -1,0 +1,49 @@
+"""Which path lines.line_attention takes on a GPU: the kernel for line sets with at most one run of
+consecutive slash offsets per unit, the reference path otherwise (the kernel miscounts scattered
+slashes when compiled for a GPU; see the comment in line_attention). Simulated on CPU by making
+uses_kernel answer as it does on CUDA."""
+
+from __future__ import annotations
+
+import torch
+
+from turnkv.attention import lines
+from turnkv.attention.triton import lines as kernel
+
+
+def _keys(n=96, T=40, Hq=4, H=2, D=16):
+    torch.manual_seed(0)
+    q = torch.randn(1, Hq, T, D)
+    k, v = torch.randn(1, H, n, D), torch.randn(1, H, n, D)
+    q_pos = torch.arange(n - T, n)[None]
+    k_pos = torch.arange(n).expand(1, H, n)
+    return lines.Keys(q, k, v, q_pos, k_pos, None, n - T, n)
+
+
+def _run(monkeypatch, keys, slash):
+    calls = []
+    real = kernel.line_attention
+    monkeypatch.setattr(lines, "uses_kernel", lambda device, force=False: True)  # as on CUDA
+    monkeypatch.setattr(kernel, "line_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    vertical = torch.zeros(keys.q.shape[1], keys.k.shape[2], dtype=torch.bool)
+    vertical[:, :4] = True
+    out, computed, causal = lines.line_attention(keys, vertical, slash, True)
+    ref, ref_computed, _ = lines.blockwise_attention(keys, lambda r: lines.line_mask(keys, vertical, slash, True, r))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(computed, ref_computed)
+    return len(calls)
+
+
+def test_a_window_of_slashes_takes_the_kernel(monkeypatch):
+    keys = _keys()
+    slash = torch.zeros(4, keys.end_position, dtype=torch.bool)
+    slash[:, :20] = True  # one run per unit
+    assert _run(monkeypatch, keys, slash) == 1
+
+
+def test_scattered_slashes_take_the_reference_path(monkeypatch):
+    keys = _keys()
+    slash = torch.zeros(4, keys.end_position, dtype=torch.bool)
+    slash[:, :8] = True
+    slash[:, 50] = True  # a second run: the GPU kernel is not trusted with it
+    assert _run(monkeypatch, keys, slash) == 0
