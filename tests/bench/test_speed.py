@@ -52,6 +52,29 @@ def test_transformers_peer_prefills_long_batches_in_chunks(tiny, monkeypatch):
     assert seen == [None, None, None] and "note" not in row  # a chunk longer than the prompt is no chunk
 
 
+def test_batched_rows_drive_the_recipe_as_the_engine_does(tiny, monkeypatch):
+    # A selecting recipe's batched row must time its selection, not dense decode: every step hands
+    # the runner the conversations' selectors, and the recipe's per-step hook runs for each.
+    from turnkv.bench.speed import measure_batch
+
+    decode, hook = tiny.runner.decode, Recipe.after_decode_step
+    seen, hooked = [], []
+
+    def spy(seqs, tokens, **kwargs):
+        seen.append(kwargs.get("selectors"))
+        return decode(seqs, tokens, **kwargs)
+
+    monkeypatch.setattr(tiny.runner, "decode", spy)
+    monkeypatch.setattr(Recipe, "after_decode_step", lambda self, *a, **k: hooked.append(1) or hook(self, *a, **k))
+    cfg = SpeedConfig(contexts=[64], new_tokens=4, repeat=1)
+    hw = {"weight_bytes": 1, "copy_bandwidth": 1e9}
+    measure_batch(tiny, Recipe.parse("decode=quest(budget=16,dense_layers=0)"), 64, 2, cfg, hw)
+    assert len(seen) == 3 + 4  # warm-up steps, then the timed ones
+    assert all(sel is not None and len(sel) == 2 and all(s is not None for s in sel) for sel in seen)
+    assert all(s.selections > 0 for s in seen[-1])  # 64 kept tokens over a 16-token budget: it selected
+    assert len(hooked) == 2 * len(seen)
+
+
 def test_prefill_flops_by_hand(tiny):
     c = tiny.config  # hidden 64, intermediate 128, 2 layers, 4 heads, 2 KV heads, head dim 16
     per_token = 2 * (64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128)

@@ -75,12 +75,25 @@ def measure_batch(llm, recipe, ctx: int, batch: int, cfg: SpeedConfig, hw: dict)
         states = [recipe.new_state(llm.config.num_layers) for _ in seqs]
         for b, (seq, st) in enumerate(zip(seqs, states)):
             ids = _prompt(ctx, llm.config.vocab_size, cfg.seed + b)
-            last.append(llm.runner.prefill(seq, ids, window=st.window, accumulate=recipe.accumulates_attention))
+            last.append(llm.runner.prefill(seq, ids, window=st.window, accumulate=recipe.accumulates_attention,
+                                           pattern=recipe.pattern_hook(st), selector=st.decode))
             recipe.after_prompt(seq, st, ctx, llm.model.inv_freq, turn=1)
         tokens = torch.stack(last).argmax(-1)
+        # Each step as the engine drives it (LLM.generate): the recipe's decode selection, observation
+        # windows and attention accumulation, then its per-step hook (decode-time eviction, trimming
+        # the streaming heads' ring). Without them a selecting recipe's rows would time dense decode.
+        observe = dict(windows=[st.window for st in states], accumulate=recipe.accumulates_attention,
+                       selectors=[st.decode for st in states])
+
+        def step(tokens):
+            tokens = llm.runner.decode(seqs, tokens, **observe).argmax(-1)
+            for seq, st in zip(seqs, states):
+                recipe.after_decode_step(seq, st, llm.model.inv_freq, turn=1)
+            return tokens
+
         _peak_reset(llm.device)
         for _ in range(3):  # warm-up (captures the graph of this batch size)
-            tokens = llm.runner.decode(seqs, tokens).argmax(-1)
+            tokens = step(tokens)
         kv_bytes = sum(s.bytes() for s in seqs)  # pages held
         kv_read = sum(s.tokens() for s in seqs) * 2 * llm.config.head_dim * llm.dtype.itemsize  # what a step reads
         steps = cfg.new_tokens
@@ -88,7 +101,7 @@ def measure_batch(llm, recipe, ctx: int, batch: int, cfg: SpeedConfig, hw: dict)
         def run():
             nonlocal tokens
             for _ in range(steps):
-                tokens = llm.runner.decode(seqs, tokens).argmax(-1)
+                tokens = step(tokens)
 
         seconds = hardware.median_time(run, llm.device, repeat=1, warmup=0)
         for s in seqs:  # leave the context where it was for the next repeat
