@@ -257,19 +257,24 @@ class GraphedDecode:
 
     def _capture(self, batch: int):
         step = _GraphStep(self, batch)
-        # Warm up outside the graph: Triton compiles its kernels on the first call. The warm-up runs
-        # the real step (same writes as the replay that follows).
+        graph, logits = self.capture(lambda: self._run(batch, step))
+        return graph, logits, step
+
+    def capture(self, run):
+        """A CUDA graph of run() -> (graph, its output), in the memory pool every graph of this runner
+        shares (the selection variants of engine/graph_selection.py too). Warm up outside the graph
+        first: Triton compiles its kernels on the first call; the warm-up's writes are the replay's."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._run(batch, step)
+            run()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         if self.memory_pool is None:
             self.memory_pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.memory_pool):
-            logits = self._run(batch, step)
-        return graph, logits, step
+            out = run()
+        return graph, out
 
     def record_windows(self, seqs: list[SequenceKV], windows: list) -> None:
         """Hand the step's queries to the observation windows of the conversations that keep one."""

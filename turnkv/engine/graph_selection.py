@@ -209,19 +209,7 @@ class _Handler:
         return g.model(g.input_ids[:bucket], g.positions[:bucket, None], step)
 
     def _capture(self, bucket: int, step):
-        g = self.graphs
-        # As GraphedDecode._capture: a warm-up run outside the graph (Triton compiles; the writes are
-        # the same as the replay's), then the capture into the shared memory pool.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._run(bucket, step)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        if g.memory_pool is None:
-            g.memory_pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=g.memory_pool):
-            logits = self._run(bucket, step)
+        graph, logits = self.graphs.capture(lambda: self._run(bucket, step))
         return graph, logits, step
 
 
