@@ -258,7 +258,12 @@ def disk_restart(llm, n, args, out_dir):
         stored = strategy.pack(llm.state.ctx, seq, window, "disk")
         store.put(f"restart-{name}", {"strategy": name, "state": stored.meta}, stored.tensors, "disk")
     seq.free()
-    result = subprocess.run([sys.executable, "-c", RESTART, store_dir, args.kv_memory, args.shape, str(llm.device)],
+    # The new process shares the GPU with this one, which still holds its weights and KV pool: give
+    # it a pool sized for this history only, and return this process's cached blocks first.
+    if llm.device.type == "cuda":
+        torch.cuda.empty_cache()
+    child_kv = (n + 4096) * llm.config.kv_bytes_per_token(llm.dtype.itemsize)
+    result = subprocess.run([sys.executable, "-c", RESTART, store_dir, str(child_kv), args.shape, str(llm.device)],
                             capture_output=True, text=True)
     if result.returncode:
         return [{"error": result.stderr[-2000:]}]
