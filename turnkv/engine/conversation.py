@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from turnkv.engine import chat_template
+from turnkv.engine import chat_template, decode_loop
 from turnkv.engine.generation import Reply
 from turnkv.errors import ContextLengthError, InvalidRequestError
 from turnkv.kv.sequence import SequenceKV
@@ -202,16 +202,12 @@ class Conversation:
             else:
                 logits = self.llm.runner.prefill(self.kv, prompt, **observe)
             recipe.after_prompt(self.kv, st, segment_end, inv_freq, turn)
-            while True:
-                token = gen.sample(logits)
-                piece = gen.accept(token)
+            piece = gen.accept(gen.sample(logits))
+            if piece:
+                yield piece
+            for _, piece in decode_loop.decode(self.llm, recipe, [gen], [st], turn):
                 if piece:
                     yield piece
-                if gen.done:
-                    break
-                logits = self.llm.runner.decode([self.kv], self.llm.token_tensor([token]), windows=[st.window],
-                                                accumulate=observe["accumulate"], selectors=[st.decode])[0]
-                recipe.after_decode_step(self.kv, st, inv_freq, turn)
             recipe.at_turn_end(self.kv, st, inv_freq, turn)
             finished = True
         finally:

@@ -59,17 +59,22 @@ class Generation:
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
 
-    def sample(self, logits: torch.Tensor) -> int:
+    def limit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
-            logits = logits[: self.vocab_limit]  # ids the tokenizer cannot decode are never produced
+            return logits[..., : self.vocab_limit]  # ids the tokenizer cannot decode are never produced
+        return logits
+
+    def sample(self, logits: torch.Tensor) -> int:
+        logits = self.limit_vocab(logits)
         if self.logprobs is not None:
             self.logprobs.append(logits.float().log_softmax(-1).cpu())
         if self.forced is not None:
             return self.forced[len(self.token_ids)]
         return int(sample(logits, self.params, self.generator))
 
-    def accept(self, token: int) -> str:
-        """Record a sampled token; return the text it made final. Sets finish_reason when done."""
+    def accept(self, token: int, ahead: bool = False) -> str:
+        """Record a sampled token; return the text it made final. Sets finish_reason when done.
+        ahead: the sequence already holds the next step's token (engine/decode_loop.py)."""
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self.token_ids.append(token)
@@ -82,13 +87,21 @@ class Generation:
                 self.finish_reason = "stop"
         if self.finish_reason is None:
             # The token is fed back at position next_position, which must stay inside the context.
-            if len(self.token_ids) >= self.params.max_new_tokens or self.seq.next_position + 1 >= self.max_positions:
+            if self._at_length(len(self.token_ids), self.seq.next_position - ahead):
                 self.finish_reason = "length"
             elif self.forced is not None and len(self.token_ids) >= len(self.forced):
                 self.finish_reason = "forced"
         if self.finish_reason is not None and self.detok is not None:
             piece += self.detok.flush()
         return piece
+
+    def _at_length(self, num_tokens: int, next_position: int) -> bool:
+        return num_tokens >= self.params.max_new_tokens or next_position + 1 >= self.max_positions
+
+    def stops_by_length_next(self) -> bool:
+        """Whether the next token accepted (the sequence holding the step that samples it) ends the
+        generation by length: known before the token is."""
+        return self._at_length(len(self.token_ids) + 1, self.seq.next_position)
 
     @property
     def done(self) -> bool:

@@ -6,6 +6,7 @@ import re
 
 import torch
 
+from turnkv.engine import decode_loop
 from turnkv.engine.conversation import Conversation
 from turnkv.engine.generation import Generation, Reply
 from turnkv.engine.runner import ModelRunner
@@ -170,17 +171,8 @@ class LLM:
                                              pattern=recipe.pattern_hook(st), selector=st.decode)
                 recipe.after_prompt(gen.seq, st, len(ids), inv_freq, turn=1)
                 gen.accept(gen.sample(logits))
-            while True:
-                active = [i for i, g in enumerate(gens) if not g.done]
-                if not active:
-                    break
-                logits = self.runner.decode([gens[i].seq for i in active],
-                                            self.token_tensor([gens[i].token_ids[-1] for i in active]),
-                                            windows=[states[i].window for i in active], accumulate=accumulate,
-                                            selectors=[states[i].decode for i in active])
-                for row, i in zip(logits, active):
-                    recipe.after_decode_step(gens[i].seq, states[i], inv_freq, turn=1)
-                    gens[i].accept(gens[i].sample(row))
+            for _ in decode_loop.decode(self, recipe, gens, states, turn=1):
+                pass
             replies = [g.reply(prompt_tokens=len(ids), cached_tokens=0) for g, ids in zip(gens, encoded)]
         finally:
             for seq in seqs:

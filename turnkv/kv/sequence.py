@@ -288,6 +288,16 @@ class SequenceKV:
             self._shrink(layer, counts.astype(np.int64))
         self.next_position = num_positions
 
+    def unreserve(self, num_tokens: int) -> None:
+        """Undo the last reserve of num_tokens, with nothing done to the sequence since: they are the
+        last num_tokens slots of every head (a decode step launched ahead for a generation that turned
+        out to have stopped). Unlike truncate, reads nothing from the device."""
+        if num_tokens > int(self.lengths.min()) or num_tokens > self.next_position:
+            raise ValueError(f"cannot unreserve {num_tokens} tokens from heads holding {int(self.lengths.min())}")
+        for layer in range(self.pool.num_layers):
+            self._shrink(layer, self.lengths[layer] - num_tokens)
+        self.next_position -= num_tokens
+
     def free(self) -> None:
         """Return every page to the pool."""
         for layer in range(self.pool.num_layers):
