@@ -18,6 +18,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--kv-memory", default=None, help="KV page pool size, e.g. 2GiB")
+    p.add_argument("--kv-dtype", default=None,
+                   help="K/V storage: int8 or fp8 (quantized per token and head), or none (the model dtype, default)")
     p.add_argument("--tokenizer", default=None, help="tokenizer for a shape name or a folder without one")
     p.add_argument("--recipe", default=None,
                    help="a preset (turnkv methods --presets), a recipe string, or a .json/.yaml file")
@@ -54,7 +56,7 @@ def _load(args):
     from turnkv import LLM
 
     return LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory, tokenizer=args.tokenizer,
-               recipe=_recipe(args))
+               recipe=_recipe(args), kv_dtype=args.kv_dtype)
 
 
 def _turn_stats(reply) -> str:
@@ -151,7 +153,7 @@ def cmd_serve(args) -> int:
     # _load's engine plus the state tiers idle conversations move to when the KV pool fills.
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory, tokenizer=args.tokenizer,
               recipe=_recipe(args), state_cpu_memory=args.state_cpu_memory, state_disk_dir=args.state_disk_dir,
-              state_disk_memory=args.state_disk_memory)
+              state_disk_memory=args.state_disk_memory, kv_dtype=args.kv_dtype)
     serve(llm, config, idle_ttl_s=args.idle_ttl, log_level=args.log_level, tiers=None if args.no_tiers else "state")
     return 0
 

@@ -38,11 +38,13 @@ def num_splits(device: torch.device, batch_kv_heads: int, max_length: int) -> in
 
 
 def indexed_decode(q, k_cache, v_cache, table, lengths, splits: int = 1, scale=None, window=None,
-                   key_positions=None, query_positions=None, out=None, workspace=None):
-    """q [B, Hq, D] -> [B, Hq, D]; table [B, H, P] and lengths [B, H] as int32 on q's device."""
+                   key_positions=None, query_positions=None, out=None, workspace=None, k_scale=None, v_scale=None):
+    """q [B, Hq, D] -> [B, Hq, D]; table [B, H, P] and lengths [B, H] as int32 on q's device.
+    A quantized pool (PagePool.scale_kwargs) adds k_scale / v_scale beside its codes."""
     if uses_kernel(q.device):
         return _kernel().indexed_decode(q, k_cache, v_cache, table, lengths, splits, scale, window,
-                                        key_positions, query_positions, out, workspace)
+                                        key_positions, query_positions, out, workspace,
+                                        k_scale=k_scale, v_scale=v_scale)
     result = reference.indexed_decode(q, k_cache, v_cache, table, lengths, scale, window, key_positions,
-                                      query_positions)
+                                      query_positions, k_scale, v_scale)
     return result if out is None else out.copy_(result)

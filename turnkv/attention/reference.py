@@ -83,14 +83,22 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | Non
 
 def indexed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                    lengths: torch.Tensor, scale: float | None = None, window: int | None = None,
-                   key_positions: torch.Tensor | None = None, query_positions: torch.Tensor | None = None) -> torch.Tensor:
+                   key_positions: torch.Tensor | None = None, query_positions: torch.Tensor | None = None,
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence, q [B, Hq, D], over the first lengths[b, h] entries named by table [B, H, P]
     in one layer's pool [num_pages, page_size, D] (page_size 1 when the table lists single slots).
     With a window, only keys whose position is above query_positions[b] - window count.
+    A quantized pool passes its codes as k_cache / v_cache and their per-slot scales k_scale / v_scale
+    [num_pages, page_size]: the rows are dequantized after the gather, into q's dtype.
     The contract of the Triton kernel in turnkv/attention/triton/decode.py."""
     S = int(lengths.max())
     keys = gather_pages(k_cache, table, S)
     values = gather_pages(v_cache, table, S)
+    if k_scale is not None:
+        from turnkv.kv.quant import dequantize
+
+        keys = dequantize(keys, gather_pages(k_scale, table, S), q.dtype)
+        values = dequantize(values, gather_pages(v_scale, table, S), q.dtype)
     mask = torch.arange(S, device=q.device) < lengths[:, :, None].long()  # [B, H, S]
     if window is not None:
         key_pos = gather_pages(key_positions, table, S)

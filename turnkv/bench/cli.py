@@ -29,6 +29,7 @@ def add_quality_parser(sub) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--kv-memory", default=None)
+    p.add_argument("--kv-dtype", default=None, help="K/V storage of every run: int8, fp8 or none (default)")
     # Flags a preset can set default to None here; quality_presets.apply fills them in.
     p.add_argument("--preset", default=None, help="named settings: smoke (the CI subset) or full (the committed run)")
     p.add_argument("--tasks", default=None, help="comma-separated task names (default: all five)")
@@ -57,6 +58,7 @@ def add_speed_parser(sub) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--kv-memory", default=None, help="KV pool size; by default what the largest case needs")
+    p.add_argument("--kv-dtype", default=None, help="K/V storage: int8, fp8 or none (the model dtype, default)")
     p.add_argument("--contexts", default="1024,4096")
     p.add_argument("--batch", default="1", help="comma-separated batch sizes")
     p.add_argument("--new-tokens", type=int, default=64)
@@ -80,11 +82,15 @@ def cmd_speed(args) -> int:
     need = max(contexts) + args.new_tokens + args.turns * args.turn_tokens
 
     def kv_memory(config, dtype):  # room for the largest batch at the largest context, and no more
+        from turnkv.kv.pool import PagePool
+
         tokens = max(need, (max(contexts) + args.new_tokens + 16) * max(batches))
-        return int(tokens * config.kv_bytes_per_token(dtype.itemsize) * 1.1) + (64 << 20)
+        per_token = config.num_layers * config.num_kv_heads * PagePool.token_head_bytes(config.head_dim, dtype,
+                                                                                         args.kv_dtype)
+        return int(tokens * per_token * 1.1) + (64 << 20)
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory or kv_memory,
-              max_model_len=need + 16)
+              max_model_len=need + 16, kv_dtype=args.kv_dtype)
     recipes = {spec: Recipe.parse(spec) for spec in _split(args.recipes)}
     config = SpeedConfig(contexts=contexts, batches=batches, new_tokens=args.new_tokens, turns=args.turns,
                          turn_tokens=args.turn_tokens, recipes=recipes,
@@ -131,7 +137,8 @@ def cmd_quality(args) -> int:
     from turnkv.bench.report import write_report
 
     apply(args)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory,
+              kv_dtype=getattr(args, "kv_dtype", None))
     per_task = [generate(task, n=args.n, seed=args.seed, turns=args.turns, context_tokens=args.context_tokens,
                          difficulty=args.difficulty, tokenizer=llm.tokenizer) for task in _split(args.tasks)]
     # Instance i of every task before instance i+1 of any: a run stopped part-way covers every task.

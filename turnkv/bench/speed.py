@@ -95,7 +95,7 @@ def measure_batch(llm, recipe, ctx: int, batch: int, cfg: SpeedConfig, hw: dict)
         for _ in range(3):  # warm-up (captures the graph of this batch size)
             tokens = step(tokens)
         kv_bytes = sum(s.bytes() for s in seqs)  # pages held
-        kv_read = sum(s.tokens() for s in seqs) * 2 * llm.config.head_dim * llm.dtype.itemsize  # what a step reads
+        kv_read = sum(s.tokens() for s in seqs) * llm.pool.token_bytes  # what a step reads (scales included)
         steps = cfg.new_tokens
 
         def run():
@@ -191,5 +191,6 @@ def run_speed(llm, cfg: SpeedConfig, progress: bool = True) -> dict:
             row["unavailable"] = f"KV pool full: {e}"
         rows.append(row)
     return {"hardware": hw, "model": llm.name, "dtype": str(llm.dtype).removeprefix("torch."),
+            "kv_dtype": llm.pool.kv_dtype_name,
             "config": {k: v for k, v in vars(cfg).items() if k != "recipes"},
             "recipes": {name: str(r) for name, r in recipes.items()}, "rows": rows}

@@ -14,10 +14,15 @@ def _frac(x):
     return "" if x is None else f"{x:.2f}"
 
 
+def _kv(result: dict) -> str:
+    kv = result.get("kv_dtype", "none")
+    return "" if kv == "none" else f", KV {kv}"
+
+
 def markdown(result: dict, command: str) -> str:
     hw = result["hardware"]
     lines = [
-        f"# turnkv bench speed: {result['model']} ({result['dtype']}) on {hw['device']}", "",
+        f"# turnkv bench speed: {result['model']} ({result['dtype']}{_kv(result)}) on {hw['device']}", "",
         f"Command: `{command}`", "",
         f"Measured in this run: copy bandwidth {hw['copy_bandwidth'] / 1e12:.2f} TB/s, "
         f"matmul {hw['matmul_rate'] / 1e12:.1f} TFLOP/s, weights {hw['weight_bytes'] / 1e9:.2f} GB. "

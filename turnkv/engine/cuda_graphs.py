@@ -74,7 +74,7 @@ class _GraphStep:
         out = decode.indexed_decode(q[:, 0], self.pool.k[layer], self.pool.v[layer], self.tables[layer],
                                     self.lengths[layer], self.splits, window=self.window,
                                     key_positions=self.pool.positions[layer], query_positions=self.positions,
-                                    workspace=self.workspace)
+                                    workspace=self.workspace, **self.pool.scale_kwargs(layer))
         return out[:, None]
 
 

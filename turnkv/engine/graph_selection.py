@@ -378,21 +378,25 @@ class _PagedStep(_GraphStep):
 
     def attention(self, layer, q, k, v):
         B, _, Hq, D = q.shape
-        self.pool.write(layer, self.slots[layer], k.transpose(1, 2).reshape(-1, D), v.transpose(1, 2).reshape(-1, D))
+        flat_k = k.transpose(1, 2).reshape(-1, D)
+        self.pool.write(layer, self.slots[layer], flat_k, v.transpose(1, 2).reshape(-1, D))
         self.queries[layer].copy_(q[:, 0])
-        if layer == self.pool.num_layers - 1:  # every layer's key is in the pool now
+        if self.pool.quantized:  # the statistics stay those of the compute-dtype keys, not of the codes
+            self.handler.summaries.update(layer, self.slots[layer], flat_k)
+        elif layer == self.pool.num_layers - 1:  # every layer's key is in the pool now
             self.handler.summaries.fold(self.slots)
         common = dict(window=self.window, key_positions=self.pool.positions[layer], query_positions=self.positions)
         if layer < self.dense_layers:
             out = decode.indexed_decode(q[:, 0], self.pool.k[layer], self.pool.v[layer], self.tables[layer],
-                                        self.lengths[layer], self.splits, workspace=self.workspace, **common)
+                                        self.lengths[layer], self.splits, workspace=self.workspace, **common,
+                                        **self.pool.scale_kwargs(layer))
             return out[:, None]
         if self.variant == "select":
             table, lengths = self.handler.select(layer, q[:, 0], self.batch, self.kw)
         else:
             table, lengths = self.expanded[0][layer], self.expanded[1][layer]
         out = decode.indexed_decode(q[:, 0], self.pool.k[layer], self.pool.v[layer], table, lengths, self.sel_splits,
-                                    workspace=self.sel_workspace, **common)
+                                    workspace=self.sel_workspace, **common, **self.pool.scale_kwargs(layer))
         return out[:, None]
 
 
@@ -545,12 +549,14 @@ class _ProgressiveHandler(_Handler):
         lengths = g.lengths[layer, :batch]
         args = (self.window[layer, :batch], self.window_pos[:batch], pool.k[layer], pool.positions[layer],
                 g.tables[layer, :batch], lengths, self.capacity)
+        k_scale = pool.k_scale[layer] if pool.quantized else None
         if decode.uses_kernel(self.device):
             from turnkv.attention.triton import window_scores as kernel
 
-            scores = kernel.window_scores(*args, per_kv=cfg.granularity == "kv", sinks=cfg.sinks)
+            scores = kernel.window_scores(*args, per_kv=cfg.granularity == "kv", sinks=cfg.sinks, k_scale=k_scale)
         else:
-            scores = window_scores(*args, per_kv=cfg.granularity == "kv", sinks=cfg.sinks)  # [batch, R, capacity]
+            scores = window_scores(*args, per_kv=cfg.granularity == "kv", sinks=cfg.sinks,
+                                   k_scale=k_scale)  # [batch, R, capacity]
         top = scores.topk(self.budget, dim=-1, sorted=False).indices
         history = (lengths.long() - 1).index_select(1, self.head_of_row)[..., None]
         top = torch.where(top < history, top, self.capacity).sort(dim=-1).values  # padding past the valid ones
@@ -610,5 +616,5 @@ class _ProgressiveStep(_GraphStep):
             q[:, 0], self.pool.k[layer].view(-1, 1, D), self.pool.v[layer].view(-1, 1, D),
             self.handler.table[layer, : self.batch], read, self.sel_splits, window=self.window,
             key_positions=self.pool.positions[layer].view(-1, 1), query_positions=self.positions,
-            workspace=self.sel_workspace)
+            workspace=self.sel_workspace, **self.pool.scale_kwargs(layer, slots=True))
         return out[:, None]

@@ -13,6 +13,7 @@ from turnkv.engine.runner import ModelRunner
 from turnkv.engine.sampling import SamplingParams
 from turnkv.errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from turnkv.kv.pool import PagePool
+from turnkv.kv.quant import kv_dtype_name
 from turnkv.kv.sequence import SequenceKV
 from turnkv.model.load import DEFAULT_MODEL, embedded_model_path, load_model
 from turnkv.model.tokenizer import load_gguf_tokenizer
@@ -47,13 +48,17 @@ class LLM:
     state_cpu_memory / state_disk_dir / state_disk_memory / state_gpu_memory: the tiers conversation
     state moves to between turns (turnkv.state): a host pool (pinned with CUDA, allocated on first
     use), a directory (kept across restarts), and optional caps on disk and resident bytes.
+    kv_dtype: how the pool stores K/V: None or "none" (the model's dtype), "int8" or "fp8" (e4m3),
+    quantized per token and head with an fp32 scale (turnkv/kv/quant.py). A recipe's kv_dtype key
+    sets it too; conversations whose recipe asks for another one are refused.
     """
 
     def __init__(self, model: str | None = None, dtype=None, device: str | None = None,
                  kv_memory: int | str | None = None, page_size: int = 16, max_model_len: int | None = None,
                  tokenizer: str | None = None, prefill_chunk: int | None = None, seed: int = 0, recipe=None,
                  cuda_graphs: bool = True, state_cpu_memory: int | str = "1GiB", state_disk_dir: str | None = None,
-                 state_disk_memory: int | str | None = None, state_gpu_memory: int | str | None = None):
+                 state_disk_memory: int | str | None = None, state_gpu_memory: int | str | None = None,
+                 kv_dtype: str | torch.dtype | None = None):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         loaded = load_model(model, dtype, self.device, seed)
         self.model, self.name, self.source = loaded.model, loaded.name, loaded.source
@@ -71,7 +76,10 @@ class LLM:
                 self.tokenizer = None
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
-        self.pool = PagePool.for_budget(self.config, self._kv_budget(kv_memory), page_size, self.dtype, self.device)
+        default_recipe = self._parse_recipe(recipe)
+        self.kv_dtype = self._choose_kv_dtype(kv_dtype, default_recipe)
+        self.pool = PagePool.for_budget(self.config, self._kv_budget(kv_memory), page_size, self.dtype, self.device,
+                                        self.kv_dtype)
         if prefill_chunk is None:
             # Bigger chunks on a GPU: each chunk re-reads the kept history, and flash attention over
             # 4K queries runs at about 60% of its rate over 32K (measured on an H100).
@@ -82,12 +90,22 @@ class LLM:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = eos
         self.vocab_limit = len(self.tokenizer) if self.tokenizer is not None else None
-        self.recipe = self.resolve_recipe(recipe)
+        self.recipe = self.resolve_recipe(default_recipe)
         self.state = StateManager(self, parse_bytes(state_cpu_memory), state_disk_dir,
                                   _optional_bytes(state_disk_memory), _optional_bytes(state_gpu_memory))
 
     def resolve_recipe(self, recipe):
-        """A Recipe, a recipe string or file path, or None for this engine's default (full cache)."""
+        """A Recipe, a recipe string or file path, or None for this engine's default (full cache).
+        A recipe whose kv_dtype differs from this engine's pool is refused (InvalidRequestError)."""
+        recipe = self._parse_recipe(recipe)
+        if recipe.kv_dtype is not None and recipe.kv_dtype != self.pool.kv_dtype_name:
+            raise InvalidRequestError(
+                f"the recipe asks for kv_dtype={recipe.kv_dtype}, but this engine's KV pool holds "
+                f"kv_dtype={self.pool.kv_dtype_name} ({str(self.pool.kv_dtype).removeprefix('torch.')}); the pool's "
+                f"storage is chosen when the engine is built: LLM(kv_dtype=...) or LLM(recipe=...)")
+        return recipe
+
+    def _parse_recipe(self, recipe):
         from turnkv.methods.recipe import Recipe
 
         if recipe is None:
@@ -100,16 +118,29 @@ class LLM:
             return Recipe.parse(recipe)
         raise InvalidRequestError(f"a recipe is a Recipe, a string or a file path, not {type(recipe).__name__}")
 
+    @staticmethod
+    def _choose_kv_dtype(kv_dtype, recipe) -> str:
+        """The pool's storage: the kv_dtype argument, else the default recipe's, else the model dtype."""
+        asked = kv_dtype_name(kv_dtype) if kv_dtype is not None else None
+        if asked is not None and recipe.kv_dtype is not None and asked != recipe.kv_dtype:
+            raise InvalidRequestError(f"kv_dtype={asked} and the recipe's kv_dtype={recipe.kv_dtype} disagree")
+        return asked or recipe.kv_dtype or "none"
+
     def _kv_budget(self, kv_memory) -> int:
         if callable(kv_memory):  # sized from the loaded model: kv_memory(config, dtype) -> bytes
             return int(kv_memory(self.config, self.dtype))
         if kv_memory is not None:
             return parse_bytes(kv_memory)
-        per_token = self.config.kv_bytes_per_token(self.dtype.itemsize)
+        per_token = self.kv_bytes_per_token()
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return max(per_token * 1024, int(free * 0.85) - (2 << 30))
         return min(4 * self.max_model_len * per_token, 8 << 30)
+
+    def kv_bytes_per_token(self) -> int:
+        """K/V bytes (scales included) one token takes in the pool, over every layer and KV head."""
+        c = self.config
+        return c.num_layers * c.num_kv_heads * PagePool.token_head_bytes(c.head_dim, self.dtype, self.kv_dtype)
 
     # ---- building blocks the conversation uses ------------------------------------------------
     def sampling_params(self, **kwargs) -> SamplingParams:
@@ -186,7 +217,7 @@ class LLM:
             "parameters": c.num_parameters(), "layers": c.num_layers, "hidden_size": c.hidden_size,
             "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
             "vocab_size": c.vocab_size, "max_model_len": self.max_model_len, "dtype": str(self.dtype).removeprefix("torch."),
-            "device": str(self.device), "kv_bytes_per_token": c.kv_bytes_per_token(self.dtype.itemsize),
+            "device": str(self.device), "kv_dtype": self.pool.kv_dtype_name, "kv_bytes_per_token": self.kv_bytes_per_token(),
             "kv_pool_bytes": self.pool.capacity_bytes(), "page_size": self.pool.page_size,
             "kv_pool_tokens": self.pool.num_pages * self.pool.page_size // c.num_kv_heads,
         }

@@ -98,20 +98,23 @@ class Step:
                 out = decode.indexed_decode(
                     q[:, :, 0], self.pool.k[layer].view(-1, 1, D), self.pool.v[layer].view(-1, 1, D), table, lengths,
                     splits, window=self.sliding_window, key_positions=self.pool.positions[layer].view(-1, 1),
-                    query_positions=self.query_positions[:, 0])
+                    query_positions=self.query_positions[:, 0], **self.pool.scale_kwargs(layer, slots=True))
                 return out[:, None]
         if self.fresh:
+            # The new tokens as the store holds them (a quantized pool's round trip), as every other
+            # path reads them: attention does not depend on whether a chunk had history.
+            k, v = self.pool.round_trip(k), self.pool.round_trip(v)
             out = reference.causal_prefill(q, k.transpose(1, 2), v.transpose(1, 2))
             return out.transpose(1, 2)
         if self.indexed:
             out = decode.indexed_decode(
                 q[:, :, 0], self.pool.k[layer], self.pool.v[layer], self.tables[layer], self.lengths[layer],
                 self.splits, window=self.sliding_window, key_positions=self.pool.positions[layer],
-                query_positions=self.query_positions[:, 0])
+                query_positions=self.query_positions[:, 0], **self.pool.scale_kwargs(layer))
             return out[:, None]
         S = self.max_len[layer]
-        keys = reference.gather_pages(self.pool.k[layer], self.tables[layer], S)
-        values = reference.gather_pages(self.pool.v[layer], self.tables[layer], S)
+        keys = self.pool.gather(layer, self.tables[layer], S, "k")
+        values = self.pool.gather(layer, self.tables[layer], S, "v")
         if not self.padded[layer] and self.sliding_window is None and not self.accumulate:
             # Every head holds S tokens, the new ones last: causal from the bottom right, which
             # flash attention runs without a mask tensor.
@@ -133,12 +136,12 @@ class Step:
         """A prefill chunk through the recipe's pattern: q [B, Hq, T, D] over every kept key."""
         B, H, T = q.shape[0], k.shape[2], q.shape[2]
         if self.fresh:
-            keys, values = k.transpose(1, 2), v.transpose(1, 2)
+            keys, values = self.pool.round_trip(k).transpose(1, 2), self.pool.round_trip(v).transpose(1, 2)
             key_pos, valid = self.query_positions[:, None, :].expand(B, H, T), None
         else:
             S = self.max_len[layer]
-            keys = reference.gather_pages(self.pool.k[layer], self.tables[layer], S)
-            values = reference.gather_pages(self.pool.v[layer], self.tables[layer], S)
+            keys = self.pool.gather(layer, self.tables[layer], S, "k")
+            values = self.pool.gather(layer, self.tables[layer], S, "v")
             key_pos = reference.gather_pages(self.pool.positions[layer], self.tables[layer], S)
             valid = torch.arange(S, device=q.device) < self.lengths[layer][..., None] if self.padded[layer] else None
         return self.pattern(layer, lines.Keys(q, keys, values, self.query_positions, key_pos, valid, *self.span,

@@ -2,13 +2,20 @@
 
 A page belongs to one (conversation, layer, kv_head) at a time, so heads can hold different numbers
 of tokens and memory follows what each head keeps. Keys are stored after RoPE.
+
+K/V are stored in the compute dtype, or quantized (`kv_dtype` int8 or fp8 e4m3; turnkv/kv/quant.py):
+narrow codes in `k`/`v` and one fp32 scale per slot (a token of a head) in `k_scale`/`v_scale`. Writes
+take compute-dtype rows and quantize them. Readers outside the attention kernels go through `gather`,
+`pages` and `rows`, which dequantize; the kernels get the codes and `scale_kwargs(layer)`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from turnkv.attention.reference import gather_pages
 from turnkv.errors import KVCacheFullError
+from turnkv.kv import quant
 
 
 class PagePool:
@@ -21,36 +28,57 @@ class PagePool:
         page_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        kv_dtype=None,
     ):
         if num_pages < 1 or page_size < 1:
             raise ValueError("a page pool needs at least one page of at least one token")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_pages, self.page_size = num_pages, page_size
+        # dtype: what writes take and reads return (the model's compute dtype); kv_dtype: what is stored.
         self.dtype, self.device = dtype, torch.device(device)
+        self.kv_dtype_name = quant.kv_dtype_name(kv_dtype)
+        self.quantized = self.kv_dtype_name != "none"
+        self.kv_dtype = quant.storage_dtype(kv_dtype) if self.quantized else dtype
         shape = (num_layers, num_pages, page_size, head_dim)
         # Zeros, not empty: padded reads of never-written slots must stay finite (0 * NaN = NaN).
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.k = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.k_scale = self.v_scale = None
+        if self.quantized:
+            self.k_scale = torch.zeros(shape[:3], dtype=quant.SCALE_DTYPE, device=self.device)
+            self.v_scale = torch.zeros(shape[:3], dtype=quant.SCALE_DTYPE, device=self.device)
         self.positions = torch.zeros(num_layers, num_pages, page_size, dtype=torch.int64, device=self.device)
         # Attention mass each stored token has received (H2O's heavy-hitter statistic), kept beside it.
         self.attention_mass = torch.zeros(num_layers, num_pages, page_size, dtype=torch.float32, device=self.device)
         # Stacks of free page ids per layer; popping from the end hands out low ids first.
         self._free = [list(range(num_pages - 1, -1, -1)) for _ in range(num_layers)]
 
+    @staticmethod
+    def token_head_bytes(head_dim: int, dtype: torch.dtype, kv_dtype=None) -> int:
+        """K and V bytes of one token of one KV head: the rows, plus their scales when quantized."""
+        stored = kv_dtype if isinstance(kv_dtype, torch.dtype) else (quant.storage_dtype(kv_dtype) or dtype)
+        scales = 2 * quant.SCALE_BYTES if quant.is_quantized(stored) else 0
+        return 2 * head_dim * torch.empty((), dtype=stored).element_size() + scales
+
     @classmethod
-    def for_budget(cls, config, max_bytes: int, page_size: int, dtype: torch.dtype, device) -> PagePool:
-        """A pool whose K/V pages take at most `max_bytes` in all."""
-        element = torch.empty((), dtype=dtype).element_size()
-        page_bytes = 2 * page_size * config.head_dim * element
+    def for_budget(cls, config, max_bytes: int, page_size: int, dtype: torch.dtype, device, kv_dtype=None) -> PagePool:
+        """A pool whose K/V pages (and scales) take at most `max_bytes` in all."""
+        page_bytes = page_size * cls.token_head_bytes(config.head_dim, dtype, kv_dtype)
         num_pages = max_bytes // (page_bytes * config.num_layers)
         if num_pages < config.num_kv_heads:
             raise KVCacheFullError(f"{max_bytes} bytes cannot hold one page per KV head")
-        return cls(config.num_layers, config.num_kv_heads, config.head_dim, int(num_pages), page_size, dtype, device)
+        return cls(config.num_layers, config.num_kv_heads, config.head_dim, int(num_pages), page_size, dtype, device,
+                   kv_dtype)
+
+    @property
+    def token_bytes(self) -> int:
+        """K and V bytes of one token of one KV head (scales included): what a read of it costs."""
+        return self.token_head_bytes(self.head_dim, self.dtype, self.kv_dtype)
 
     @property
     def page_bytes(self) -> int:
-        """K and V bytes of one page."""
-        return 2 * self.page_size * self.head_dim * self.k.element_size()
+        """K and V bytes of one page (scales included)."""
+        return self.page_size * self.token_bytes
 
     def free_pages(self, layer: int) -> int:
         return len(self._free[layer])
@@ -84,7 +112,92 @@ class PagePool:
     def release(self, layer: int, pages) -> None:
         self._free[layer].extend(int(p) for p in reversed(list(pages)))
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store rows of K/V ([n, head_dim]) at flat slots (page * page_size + offset)."""
-        self.k[layer].view(-1, self.head_dim).index_copy_(0, slots, k)
-        self.v[layer].view(-1, self.head_dim).index_copy_(0, slots, v)
+    # ---- K/V data ---------------------------------------------------------------------------------
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+        """Store rows of K/V ([n, head_dim], compute dtype) at flat slots (page * page_size + offset);
+        a quantized pool quantizes them. With scales, k/v are stored codes (`export_rows`): copied as
+        they are into a pool of the same kv_dtype, dequantized (and requantized) into any other."""
+        D = self.head_dim
+        if k_scale is not None:
+            if self.quantized and k.dtype == self.kv_dtype:
+                for store, scales, codes, s in ((self.k, self.k_scale, k, k_scale), (self.v, self.v_scale, v, v_scale)):
+                    quant.raw(store[layer]).view(-1, D).index_copy_(0, slots, quant.raw(codes.to(self.device)))
+                    scales[layer].view(-1).index_copy_(0, slots, s.to(self.device, quant.SCALE_DTYPE))
+                return
+            k, v = quant.dequantize(k, k_scale, self.dtype), quant.dequantize(v, v_scale, self.dtype)
+        if not self.quantized:
+            self.k[layer].view(-1, D).index_copy_(0, slots, k.to(self.dtype))
+            self.v[layer].view(-1, D).index_copy_(0, slots, v.to(self.dtype))
+            return
+        for store, scales, rows in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            codes, s = quant.quantize(rows, self.kv_dtype)
+            quant.raw(store[layer]).view(-1, D).index_copy_(0, slots, quant.raw(codes))
+            scales[layer].view(-1).index_copy_(0, slots, s)
+
+    def _store(self, kind: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if kind == "k":
+            return self.k, self.k_scale
+        if kind == "v":
+            return self.v, self.v_scale
+        raise ValueError(f"kind is 'k' or 'v', not {kind!r}")
+
+    def gather(self, layer: int, tables: torch.Tensor, length: int, kind: str = "k") -> torch.Tensor:
+        """K (or V) rows of a layer for page tables [B, H, P] -> [B, H, length, D] in the compute
+        dtype (dequantized after the gather: the gather reads the narrow codes)."""
+        store, scales = self._store(kind)
+        rows = gather_pages(store[layer], tables, length)
+        if scales is None:
+            return rows
+        return quant.dequantize(rows, gather_pages(scales[layer], tables, length), self.dtype)
+
+    def pages(self, layer: int, pages: torch.Tensor, kind: str = "k") -> torch.Tensor:
+        """Whole pool pages [n] of a layer -> [n, page_size, D] in the compute dtype."""
+        store, scales = self._store(kind)
+        rows = store[layer].index_select(0, pages)
+        return rows if scales is None else quant.dequantize(rows, scales[layer].index_select(0, pages), self.dtype)
+
+    def rows(self, layer: int, slots: torch.Tensor, kind: str = "k") -> torch.Tensor:
+        """Rows at flat slots [n] of a layer -> [n, D] in the compute dtype."""
+        store, scales = self._store(kind)
+        rows = store[layer].view(-1, self.head_dim).index_select(0, slots)
+        return rows if scales is None else quant.dequantize(rows, scales[layer].view(-1).index_select(0, slots), self.dtype)
+
+    def export_rows(self, layer: int, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The stored form of the rows at flat slots [n]: {"k", "v"} [n, D], and for a quantized pool
+        the codes with their scales {"k_scale", "v_scale"} [n]. `write(..., **rows)` puts them back
+        bit for bit."""
+        D = self.head_dim
+        out = {}
+        for kind in ("k", "v"):
+            store, scales = self._store(kind)
+            out[kind] = store[layer].view(-1, D).index_select(0, slots)
+            if scales is not None:
+                out[f"{kind}_scale"] = scales[layer].view(-1).index_select(0, slots)
+        return out
+
+    def move(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every per-slot tensor (K, V, their scales, positions, attention mass) from flat slots
+        src to dst within a layer (eviction's compaction); overlapping lists are safe."""
+        D = self.head_dim
+        for store in (self.k, self.v):
+            flat = quant.raw(store[layer]).view(-1, D)
+            flat.index_copy_(0, dst, flat.index_select(0, src))  # index_select copies first: safe overlap
+        for per_slot in (self.k_scale, self.v_scale, self.positions, self.attention_mass):
+            if per_slot is not None:
+                flat = per_slot[layer].view(-1)
+                flat.index_copy_(0, dst, flat.index_select(0, src))
+
+    def scale_kwargs(self, layer: int, slots: bool = False) -> dict[str, torch.Tensor]:
+        """The arguments the indexed decode takes besides a quantized pool's codes: its scales, shaped
+        like the codes without head_dim ([pages, page_size], or [slots, 1] for slot lists). Empty
+        for a pool in the compute dtype."""
+        if not self.quantized:
+            return {}
+        if slots:
+            return {"k_scale": self.k_scale[layer].view(-1, 1), "v_scale": self.v_scale[layer].view(-1, 1)}
+        return {"k_scale": self.k_scale[layer], "v_scale": self.v_scale[layer]}
+
+    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., D] as this pool would give it back after a write (itself when not quantized)."""
+        return quant.round_trip(x, self.kv_dtype) if self.quantized else x

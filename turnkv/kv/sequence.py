@@ -173,12 +173,12 @@ class SequenceKV:
         return self._table_device
 
     def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """K, V [kv_heads, S, D] and positions [kv_heads, S] of one layer, padded to S = max length.
-        Entries past a head's length are padding."""
+        """K, V [kv_heads, S, D] (in the compute dtype, dequantized from a quantized pool) and positions
+        [kv_heads, S] of one layer, padded to S = max length. Entries past a head's length are padding."""
         S = int(self.lengths[layer].max(initial=0))
         table = self.device_table()[layer][None]
-        k, v, pos = (gather_pages(pool[layer], table, S)[0] for pool in (self.pool.k, self.pool.v, self.pool.positions))
-        return k, v, pos
+        k, v = (self.pool.gather(layer, table, S, kind)[0] for kind in ("k", "v"))
+        return k, v, gather_pages(self.pool.positions[layer], table, S)[0]
 
     def gather_attention_mass(self, layer: int) -> torch.Tensor:
         """[kv_heads, S] accumulated attention mass of the layer's tokens, padded like gather()."""
@@ -196,7 +196,7 @@ class SequenceKV:
         """Keep, per KV head of `layer`, the tokens at the given indices (into its current order) and
         drop the rest. Kept tokens are compacted, in order, into the head's first pages; the pages
         left empty go back to the pool. Needs no new page, so it cannot fail for lack of memory."""
-        H, D, ps = self.pool.num_kv_heads, self.pool.head_dim, self.pool.page_size
+        H, ps = self.pool.num_kv_heads, self.pool.page_size
         if len(keep) != H:
             raise ValueError(f"keep needs one index tensor per KV head ({H}), got {len(keep)}")
         table = self.device_table()[layer]
@@ -217,13 +217,8 @@ class SequenceKV:
             src.append(table[head, idx // ps] * ps + idx % ps)
             dst.append(table[head, target // ps] * ps + target % ps)
         if src:
-            src, dst = torch.cat(src), torch.cat(dst)
-            for pool_tensor in (self.pool.k, self.pool.v):
-                flat = pool_tensor[layer].view(-1, D)
-                flat.index_copy_(0, dst, flat.index_select(0, src))  # index_select copies first: safe overlap
-            for per_token in (self.pool.positions, self.pool.attention_mass):
-                flat = per_token[layer].view(-1)
-                flat.index_copy_(0, dst, flat.index_select(0, src))
+            # K, V (with a quantized pool's scales), positions and attention mass move together.
+            self.pool.move(layer, torch.cat(src), torch.cat(dst))
         self._shrink(layer, np.asarray(counts, dtype=np.int64), moved)
 
     def drop_pages(self, layers, heads, first, count) -> None:

@@ -58,32 +58,54 @@ class Layout:
         return all(p is None for p in self.positions) and bool((self.lengths == self.next_position).all())
 
 
-def _flat(seq: SequenceKV, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """K, V [n, D], positions [n], mass [n] of one layer in (head, token) order."""
-    k, v, pos = seq.gather(layer)
-    mass = seq.gather_attention_mass(layer)
-    lengths = torch.from_numpy(seq.lengths[layer]).to(pos.device)
-    valid = torch.arange(pos.shape[1], device=pos.device)[None, :] < lengths[:, None]
-    return k[valid], v[valid], pos[valid], mass[valid]
+def _flat(seq: SequenceKV, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flat pool slots [n], positions [n] and attention mass [n] of one layer in (head, token) order."""
+    slots = slots_of(seq, layer)
+    pool = seq.pool
+    return slots, pool.positions[layer].view(-1).index_select(0, slots), \
+        pool.attention_mass[layer].view(-1).index_select(0, slots)
 
 
 def layout_of(seq: SequenceKV) -> Layout:
     positions, masses = [], []
     for layer in range(seq.pool.num_layers):
-        _, _, pos, mass = _flat(seq, layer)
+        _, pos, mass = _flat(seq, layer)
         contiguous = torch.cat([torch.arange(int(n), device=pos.device) for n in seq.lengths[layer]])
         positions.append(None if torch.equal(pos, contiguous) else pos.clone())
         masses.append(mass.clone() if bool((mass != 0).any()) else None)
     return Layout(seq.lengths.copy(), seq.next_position, positions, masses)
 
 
+def _slots_from(seq: SequenceKV, layer: int, start: int) -> torch.Tensor:
+    slots, pos, _ = _flat(seq, layer)
+    return slots if start <= 0 else slots[pos >= start]
+
+
 def export_rows(seq: SequenceKV, layer: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V rows [n, D] of the layer's tokens at positions >= start, in (head, token) order."""
-    k, v, pos, _ = _flat(seq, layer)
-    if start <= 0:
-        return k, v
-    keep = pos >= start
-    return k[keep], v[keep]
+    """K, V rows [n, D] of the layer's tokens at positions >= start, in (head, token) order, in the
+    compute dtype (dequantized from a quantized pool)."""
+    slots = _slots_from(seq, layer, start)
+    return seq.pool.rows(layer, slots, "k"), seq.pool.rows(layer, slots, "v")
+
+
+def stored_rows(seq: SequenceKV, layer: int, start: int = 0) -> dict[str, torch.Tensor]:
+    """The same rows as they are stored: {"k", "v"}, plus {"k_scale", "v_scale"} for a quantized pool
+    (int8 / fp8 codes and their scales). PagePool.write(layer, slots, **rows) restores them exactly."""
+    return seq.pool.export_rows(layer, _slots_from(seq, layer, start))
+
+
+STORED_KINDS = ("k", "v", "k_scale", "v_scale")
+
+
+def put_stored_rows(tensors: dict[str, torch.Tensor], layer: int, rows: dict[str, torch.Tensor]) -> None:
+    """Name a layer's stored rows in an export: k.{l}, v.{l}, and k_scale.{l}, v_scale.{l} when quantized."""
+    for kind, t in rows.items():
+        tensors[f"{kind}.{layer}"] = t
+
+
+def get_stored_rows(tensors: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
+    """The stored rows of a layer in an export, as PagePool.write's keyword arguments."""
+    return {kind: tensors[f"{kind}.{layer}"] for kind in STORED_KINDS if f"{kind}.{layer}" in tensors}
 
 
 def reserve_for(seq: SequenceKV, layout: Layout) -> list[torch.Tensor]:
@@ -111,11 +133,12 @@ def slots_of(seq: SequenceKV, layer: int) -> torch.Tensor:
 
 
 def export_kv(seq: SequenceKV) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The whole KV as (meta, tensors): k.{l}, v.{l} plus the layout's tensors."""
+    """The whole KV as (meta, tensors): k.{l}, v.{l} (with k_scale.{l}, v_scale.{l} from a quantized
+    pool: its codes and scales, not dequantized rows) plus the layout's tensors."""
     layout = layout_of(seq)
     tensors = layout.tensors()
     for layer in range(seq.pool.num_layers):
-        tensors[f"k.{layer}"], tensors[f"v.{layer}"] = export_rows(seq, layer)
+        put_stored_rows(tensors, layer, stored_rows(seq, layer))
     return layout.meta(), tensors
 
 
@@ -125,5 +148,4 @@ def import_kv(seq: SequenceKV, meta: dict, tensors: dict[str, torch.Tensor]) -> 
     slots = reserve_for(seq, layout)
     pool = seq.pool
     for layer, s in enumerate(slots):
-        pool.write(layer, s, tensors[f"k.{layer}"].to(pool.device, pool.dtype),
-                   tensors[f"v.{layer}"].to(pool.device, pool.dtype))
+        pool.write(layer, s, **{kind: t.to(pool.device) for kind, t in get_stored_rows(tensors, layer).items()})

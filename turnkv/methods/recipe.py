@@ -4,7 +4,13 @@ state between turns. The engine calls it at fixed points of a turn and never the
 Recipes are dataclasses, or strings such as
     "evict=snapkv(window=32)+adakv(alpha=0.2) budget=1024 turns=flowkv"
     "ada-snapkv budget=256"                      (a preset, then overrides)
+    "snapkv budget=256 kv_dtype=int8"            (K/V stored as int8; see below)
 or JSON/YAML files with the same keys.
+
+`kv_dtype` (int8, fp8 or none) is not an axis but a property of the engine's page pool, which holds
+every conversation's K/V in one storage dtype: an engine built with a recipe that names it
+(`LLM(recipe=...)`) builds its pool in that dtype, and a conversation whose recipe asks for another
+one than its engine's pool holds is refused (InvalidRequestError). Unset, a recipe runs on any pool.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any
 
 from turnkv.engine.observe import QueryWindow
 from turnkv.errors import InvalidRequestError
+from turnkv.kv.quant import kv_dtype_name
 from turnkv.methods.all_tokens import AllTokens
 from turnkv.methods.dense import Dense
 from turnkv.methods.eviction import Eviction
@@ -54,8 +61,12 @@ class Recipe:
     # decoded (cheaper), or "reprefill" it: drop it and prefill the reply again with the new message,
     # so that it goes through the prefill pattern like the rest of the new block (the faithful reading).
     answer: str = "keep"
+    # The KV storage dtype the recipe needs ("int8", "fp8", "none" = the compute dtype), or None: any.
+    kv_dtype: str | None = None
 
     def __post_init__(self):
+        if self.kv_dtype is not None:
+            self.kv_dtype = kv_dtype_name(self.kv_dtype)
         if self.answer not in ("keep", "reprefill"):
             raise InvalidRequestError(f"answer must be 'keep' or 'reprefill', not {self.answer!r}")
         if self.evict is not None and self.evict.schedule == "decode" and self.turns.name == "flowkv":
@@ -121,9 +132,11 @@ class Recipe:
                 recipe = replace(recipe, **{axis: build(axis, name, params)})
             elif axis == "answer":
                 recipe = replace(recipe, answer=spec)
+            elif axis == "kv_dtype":
+                recipe = replace(recipe, kv_dtype=kv_dtype_name(spec))
             else:
                 raise InvalidRequestError(
-                    f"unknown recipe key {axis!r}; use prefill, evict, turns, decode, state, answer, or "
+                    f"unknown recipe key {axis!r}; use prefill, evict, turns, decode, state, answer, kv_dtype, or "
                     f"{', '.join(sorted(EVICTION_KEYS))}"
                 )
         if evict_params:
@@ -144,6 +157,8 @@ class Recipe:
         parts += [f"turns={_term(self.turns)}", f"decode={_term(self.decode)}", f"state={_term(self.state)}"]
         if self.answer != "keep":
             parts.append(f"answer={self.answer}")
+        if self.kv_dtype is not None:
+            parts.append(f"kv_dtype={self.kv_dtype}")
         return " ".join(parts)
 
     # ---- engine hooks -----------------------------------------------------------------------------

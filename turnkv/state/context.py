@@ -14,8 +14,11 @@ class RestoreContext:
         self._compute: tuple[float, float] | None = None
 
     @property
-    def element_size(self) -> int:
-        return self.pool.k.element_size()
+    def element_size(self) -> float:
+        """Stored bytes per K/V element: the storage dtype's, plus a quantized pool's scales spread
+        over their rows (int8 with head_dim 128: 1 + 4/128)."""
+        size = self.pool.token_bytes / (2 * self.pool.head_dim)
+        return int(size) if size == int(size) else size
 
     def cost(self, tier: str = "cpu") -> CostModel:
         """The cost model of restoring from `tier`; calibrated here unless one was given."""

@@ -114,7 +114,7 @@ class _Keys:
         seq, pool = self.seq, self.seq.pool
         S = int(seq.lengths[layer].max(initial=0))
         table = seq.device_table()[layer][None]
-        k = gather_pages(pool.k[layer], table, S)[0].to(self.device, self.dtype)
+        k = pool.gather(layer, table, S, "k")[0].to(self.device, self.dtype)
         if self.full[layer]:
             return k, None, None
         pos = gather_pages(pool.positions[layer], table, S)[0].to(self.device)

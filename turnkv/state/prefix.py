@@ -32,6 +32,8 @@ class PrefixStep:
             else:
                 rows, heads = self.rows[layer], self.heads[layer]
                 self.pool.write(layer, self.slots[layer], k[0, rows, heads], v[0, rows, heads])
+        # K/V as the store gives them back (a quantized pool's round trip), as the prefill read them.
+        k, v = self.pool.round_trip(k), self.pool.round_trip(v)
         out = reference.causal_prefill(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return out.transpose(1, 2)
 
@@ -48,8 +50,9 @@ def recompute_prefix(model, token_ids: list[int], lengths: list[int], step: Pref
     ids = torch.tensor([token_ids[:n]], dtype=torch.int64, device=device)
     x = model.embed_tokens(ids)
     cos, sin = model.rope(torch.arange(n, device=device)[None], x.dtype)
+    residual = None
     for layer, block in enumerate(model.layers):
         r = lengths[layer]
         if r == 0:
             break
-        x = block(x[:, :r], cos[:, :r], sin[:, :r], step)
+        x, residual = block(x[:, :r], None if residual is None else residual[:, :r], cos[:, :r], sin[:, :r], step)

@@ -7,7 +7,8 @@ merged the MiniCache way: one direction over layer i's loaded rows, which cover 
 starts[i] <= starts[j].
 
 Tensors: the layout's (positions, masses when they carry information), k.{l}/v.{l} per unpaired
-layer, and per pair {i}.{j}.{dir_k, dir_v, mag_k_i, mag_k_j, mag_v_i, mag_v_j, idx_k, idx_v,
+layer (as stored: a quantized pool's int8 / fp8 codes with k_scale.{l}/v_scale.{l}, so a load
+restores them bit for bit), and per pair (merged in the compute dtype, requantized on restore) {i}.{j}.{dir_k, dir_v, mag_k_i, mag_k_j, mag_v_i, mag_v_j, idx_k, idx_v,
 ret_k_i, ret_k_j, ret_v_i, ret_v_j}.
 
 Restore: pages and positions first; then the load stream copies layer by layer and writes the loaded
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from turnkv.kv.snapshot import Layout, export_rows, layout_of, reserve_for
+from turnkv.kv.snapshot import Layout, export_rows, get_stored_rows, layout_of, put_stored_rows, reserve_for, stored_rows
 from turnkv.state import merge
 from turnkv.state.prefix import PrefixStep, recompute_prefix
 from turnkv.state.streams import LoadStream
@@ -54,7 +55,7 @@ def pack_split(seq, starts: list[int], pairs: list[tuple[int, int]] = (), tau: f
     retained = {}
     for layer in range(seq.pool.num_layers):
         if layer not in paired:
-            tensors[f"k.{layer}"], tensors[f"v.{layer}"] = export_rows(seq, layer, starts[layer])
+            put_stored_rows(tensors, layer, stored_rows(seq, layer, starts[layer]))
     lap("export_s")
     for i, j in merged:
         ki, vi = export_rows(seq, i, starts[i])
@@ -113,14 +114,14 @@ def _restore_contiguous(ctx, seq, tokens, meta, tensors, n: int, load: bool, rec
         if layer in deeper:
             continue  # loaded with its shallower partner
         if layer not in partner:
-            k, v = tensors[f"k.{layer}"], tensors[f"v.{layer}"]
+            rows = get_stored_rows(tensors, layer)
 
-            def work(layer=layer, k=k, v=v):
-                pool.write(layer, load_slots[layer], stream.to_device(k, dtype), stream.to_device(v, dtype))
+            def work(layer=layer, rows=rows):
+                pool.write(layer, load_slots[layer], **{kind: stream.to_device(t) for kind, t in rows.items()})
 
             # The slots were made on the current stream and are read on the load stream: kept alive
             # until the copies are done, so the allocator cannot hand their memory out meanwhile.
-            stream.run(layer, work, k, v, load_slots[layer])
+            stream.run(layer, work, *rows.values(), load_slots[layer])
             continue
         i, j = partner[layer], layer
         name = f"{i}.{j}"
@@ -130,16 +131,19 @@ def _restore_contiguous(ctx, seq, tokens, meta, tensors, n: int, load: bool, rec
             d = {key: stream.to_device(t) for key, t in pair.items()}
             rows = n - starts[i]  # per head: the pair's rows are layer i's loaded positions
             skip = starts[j] - starts[i]  # layer j recomputes the first `skip` of them
-            for kind, pool_kv in (("k", pool.k), ("v", pool.v)):
+            rebuilt = {}
+            for kind in ("k", "v"):
                 direction, idx = d[f"dir_{kind}"], d[f"idx_{kind}"].long()
                 for layer_, side in ((i, "i"), (j, "j")):
                     # direction * |x| in one kernel, computed in fp32 and stored in the pool dtype
-                    rebuilt = torch.empty(direction.shape, dtype=dtype, device=direction.device)
-                    torch.mul(direction, d[f"mag_{kind}_{side}"][:, None], out=rebuilt)
-                    rebuilt.index_copy_(0, idx, d[f"ret_{kind}_{side}"].to(dtype))  # outliers, originals
+                    x = torch.empty(direction.shape, dtype=dtype, device=direction.device)
+                    torch.mul(direction, d[f"mag_{kind}_{side}"][:, None], out=x)
+                    x.index_copy_(0, idx, d[f"ret_{kind}_{side}"].to(dtype))  # outliers, originals
                     if layer_ == j and skip:
-                        rebuilt = rebuilt.view(H, rows, D)[:, skip:].reshape(-1, D)
-                    pool_kv[layer_].view(-1, D).index_copy_(0, load_slots[layer_], rebuilt)
+                        x = x.view(H, rows, D)[:, skip:].reshape(-1, D)
+                    rebuilt[layer_, kind] = x
+            for layer_ in (i, j):  # (quantized by a quantized pool)
+                pool.write(layer_, load_slots[layer_], rebuilt[layer_, "k"], rebuilt[layer_, "v"])
 
         stream.run(j, work, *pair.values(), load_slots[i], load_slots[j])
         if stream.cuda:
@@ -205,12 +209,12 @@ def _restore_general(ctx, seq, tokens, meta, tensors, layout: Layout, load: bool
             if stream.cuda:
                 stream.events[i] = stream.events[j]
         else:
-            k, v = tensors[f"k.{layer}"], tensors[f"v.{layer}"]
+            rows = get_stored_rows(tensors, layer)
 
-            def work(layer=layer, k=k, v=v):
-                pool.write(layer, load_slots[layer], stream.to_device(k, dtype), stream.to_device(v, dtype))
+            def work(layer=layer, rows=rows):
+                pool.write(layer, load_slots[layer], **{kind: stream.to_device(t) for kind, t in rows.items()})
 
-            stream.run(layer, work, k, v, load_slots[layer])
+            stream.run(layer, work, *rows.values(), load_slots[layer])
     if recompute:
         recompute_prefix(ctx.model, tokens, list(starts), PrefixStep(pool, rec_slots, rec_heads, rec_rows))
     return stream

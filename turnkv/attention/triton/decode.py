@@ -9,6 +9,11 @@ Flash-decoding: the list is cut into `num_splits` chunks, each program reads one
 (sequence, KV head) for the whole query group (GQA: each K/V tile is loaded once for G heads), and a
 second kernel merges the chunks by log-sum-exp. Chunk sizes come from the lengths on the device, so a
 fixed grid serves any lengths and the launch can sit in a CUDA graph.
+
+Quantized KV (turnkv/kv/quant.py; QUANT): the tiles are loaded as int8 or fp8 codes (the bytes read
+are the narrow ones) with one fp32 scale per key, and dequantized in registers without a dequantized
+copy: the codes go into the dots in q's dtype (exact: |code| <= 448 fits bf16/fp16), the key scales
+multiply the scores (q . (c s) = (q . c) s) and the value scales the probabilities (sum_j p_j s_j c_j).
 """
 
 from __future__ import annotations
@@ -23,17 +28,20 @@ LOG2E = 1.4426950408889634
 # Chosen on an H100 (benchmarks/gpu_decode_kernel.py --sweep): 0.85-1.0 of the copy bandwidth from
 # batch 1 x 32K to batch 32 x 16K keys, the most even of 36 settings.
 DEFAULT_CONFIG = dict(block_n=32, num_warps=2, num_stages=3)
+# One-byte codes: twice the keys per tile keeps the bytes in flight per stage of the setting above
+# (benchmarks/gpu_kv_quant.py sweeps it).
+QUANT_CONFIG = dict(block_n=64, num_warps=2, num_stages=3)
 
 
 @triton.jit
 def _decode_chunk(
-    q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, key_pos_ptr, query_pos_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lengths_ptr, key_pos_ptr, query_pos_ptr,
     out_ptr, part_ptr, lse_ptr,
     stride_qb, stride_qh, stride_tb, stride_th, stride_lb, stride_ob, stride_oh,
     scale_log2, window,
     H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -65,7 +73,12 @@ def _decode_chunk(
         if HAS_WINDOW:
             valid = valid & (tl.load(key_pos_ptr + slot, mask=valid, other=0) > lowest)
         k = tl.load(k_ptr + slot[:, None] * D + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2
+        if QUANT:
+            k_scale = tl.load(ks_ptr + slot, mask=valid, other=0.0)
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION).to(tl.float32)
+            s = s * (k_scale * scale_log2)[None, :]
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         # A row that has seen only masked keys keeps m = -inf; shift by 0 then so exp2 gives 0, not NaN.
@@ -74,7 +87,12 @@ def _decode_chunk(
         alpha = tl.exp2(m - shift)
         v = tl.load(v_ptr + slot[:, None] * D + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+        if QUANT:
+            v_scale = tl.load(vs_ptr + slot, mask=valid, other=0.0)
+            pv = tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv.to(tl.float32)
         m = m_new
 
     rows = h * G + g
@@ -119,7 +137,8 @@ def indexed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    window: int | None = None, key_positions: torch.Tensor | None = None,
                    query_positions: torch.Tensor | None = None, out: torch.Tensor | None = None,
                    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   config: dict | None = None) -> torch.Tensor:
+                   config: dict | None = None, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D] over the keys named by table [B, H, P] (int32) and lengths [B, H] (int32).
 
     k_cache, v_cache: one layer's pool [num_pages, page_size, D] (page_size 1 for slot lists).
@@ -127,6 +146,7 @@ def indexed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     key_positions is the layer's position pool [num_pages, page_size], query_positions [B].
     Returns [B, Hq, D] in q's dtype (into `out` when given). config overrides the launch settings
     (block_n, num_warps, num_stages), for tuning.
+    k_scale, v_scale: for int8 / fp8 caches, the fp32 scale of each slot, [num_pages, page_size].
     """
     B, Hq, D = q.shape
     H = table.shape[1]
@@ -134,6 +154,11 @@ def indexed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     page = k_cache.shape[1]
     assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert table.dtype == torch.int32 and lengths.dtype == torch.int32 and table.stride(-1) == 1
+    quantized = k_scale is not None
+    if quantized:
+        assert k_scale.is_contiguous() and v_scale.is_contiguous() and k_scale.dtype == v_scale.dtype == torch.float32
+    else:
+        k_scale = v_scale = lengths  # unused
     out = torch.empty_like(q) if out is None else out
     scale = D**-0.5 if scale is None else scale
     BLOCK_D = triton.next_power_of_2(D)
@@ -148,15 +173,15 @@ def indexed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     has_window = window is not None
     key_pos = key_positions if has_window else lengths
     query_pos = query_positions if has_window else lengths
-    launch = {**DEFAULT_CONFIG, **(config or {})}
+    launch = {**(QUANT_CONFIG if quantized else DEFAULT_CONFIG), **(config or {})}
     if D > 128:
         launch["block_n"] = min(launch["block_n"], 32)
     _decode_chunk[(B * H, num_splits)](
-        q, k_cache, v_cache, table, lengths, key_pos, query_pos, out, part, lse,
+        q, k_cache, v_cache, k_scale, v_scale, table, lengths, key_pos, query_pos, out, part, lse,
         q.stride(0), q.stride(1), table.stride(0), table.stride(1), lengths.stride(0), out.stride(0), out.stride(1),
         scale * LOG2E, window or 0,
         H=H, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_N=launch["block_n"],
-        NUM_SPLITS=num_splits, HAS_WINDOW=has_window,
+        NUM_SPLITS=num_splits, HAS_WINDOW=has_window, QUANT=quantized,
         # fp32 stays fp32: tensor cores would round the inputs to TF32 (4e-4 relative error).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=launch["num_warps"], num_stages=launch["num_stages"],

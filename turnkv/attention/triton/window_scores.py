@@ -14,6 +14,9 @@ A window query at position p sees the keys at positions <= p (the window's older
 the newer keys); a window slot with position < 0 is empty and adds nothing. The current token (the
 head's last key) is in the softmax but not a candidate (-inf); keys at positions below `sinks` score
 +inf. The torch reference is turnkv/methods/loopserve/decode.py `window_scores`.
+
+A quantized pool (int8 / fp8 key codes, one fp32 scale per key: QUANT) is read as it is stored: the
+codes go into the dot in q's dtype and each key's scale multiplies its scores.
 """
 
 from __future__ import annotations
@@ -43,11 +46,23 @@ def _load_window(q_ptr, qpos_ptr, b, h, stride_qb, stride_qw, stride_qh, stride_
 
 
 @triton.jit
-def _window_lse(q_ptr, qpos_ptr, k_ptr, kpos_ptr, table_ptr, lengths_ptr, m_ptr, l_ptr,
+def _scores(q, k_ptr, ks_ptr, slot, valid, d, scale_log2, D: tl.constexpr, PRECISION: tl.constexpr,
+            QUANT: tl.constexpr):
+    """q . k * scale (log2 units) of the window rows against the keys at `slot`, fp32."""
+    k = tl.load(k_ptr + slot[:, None] * D + d[None, :], mask=valid[:, None] & (d < D)[None, :], other=0.0)
+    if QUANT:
+        k_scale = tl.load(ks_ptr + slot, mask=valid, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION).to(tl.float32)
+        return s * (k_scale * scale_log2)[None, :]
+    return tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2
+
+
+@triton.jit
+def _window_lse(q_ptr, qpos_ptr, k_ptr, ks_ptr, kpos_ptr, table_ptr, lengths_ptr, m_ptr, l_ptr,
                 stride_qb, stride_qw, stride_qh, stride_pb, stride_tb, stride_th, stride_lb, scale_log2,
                 H: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr,
                 D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // H
@@ -68,9 +83,8 @@ def _window_lse(q_ptr, qpos_ptr, k_ptr, kpos_ptr, table_ptr, lengths_ptr, m_ptr,
         valid = t < end
         page = tl.load(table + t // PAGE, mask=valid, other=0)
         slot = page.to(tl.int64) * PAGE + t % PAGE
-        k = tl.load(k_ptr + slot[:, None] * D + d[None, :], mask=valid[:, None] & (d < D)[None, :], other=0.0)
+        s = _scores(q, k_ptr, ks_ptr, slot, valid, d, scale_log2, D, PRECISION, QUANT)
         kpos = tl.load(kpos_ptr + slot, mask=valid, other=0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2
         keep = valid[None, :] & row_ok[:, None] & (kpos[None, :] <= qpos[:, None])
         s = tl.where(keep, s, float("-inf"))
         new = tl.maximum(mx, tl.max(s, 1))
@@ -84,13 +98,13 @@ def _window_lse(q_ptr, qpos_ptr, k_ptr, kpos_ptr, table_ptr, lengths_ptr, m_ptr,
 
 
 @triton.jit
-def _window_weights(q_ptr, qpos_ptr, k_ptr, kpos_ptr, table_ptr, lengths_ptr, m_ptr, l_ptr, out_ptr,
+def _window_weights(q_ptr, qpos_ptr, k_ptr, ks_ptr, kpos_ptr, table_ptr, lengths_ptr, m_ptr, l_ptr, out_ptr,
                     stride_qb, stride_qw, stride_qh, stride_pb, stride_tb, stride_th, stride_lb,
                     stride_ob, stride_or, scale_log2, capacity, sinks,
                     H: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BLOCK_G: tl.constexpr,
                     BLOCK_W: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PER_KV: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, QUANT: tl.constexpr):
     bh = tl.program_id(0)
     blk = tl.program_id(1)
     b = bh // H
@@ -121,9 +135,8 @@ def _window_weights(q_ptr, qpos_ptr, k_ptr, kpos_ptr, table_ptr, lengths_ptr, m_
         d = tl.arange(0, BLOCK_D)
         page = tl.load(table_ptr + b * stride_tb + h * stride_th + t // PAGE, mask=valid, other=0)
         slot = page.to(tl.int64) * PAGE + t % PAGE
-        k = tl.load(k_ptr + slot[:, None] * D + d[None, :], mask=valid[:, None] & (d < D)[None, :], other=0.0)
+        s = _scores(q, k_ptr, ks_ptr, slot, valid, d, scale_log2, D, PRECISION, QUANT)
         kpos = tl.load(kpos_ptr + slot, mask=valid, other=0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2
         keep = valid[None, :] & row_ok[:, None] & (kpos[None, :] <= qpos[:, None])
         p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)
         summed = tl.sum(tl.reshape(p, (BLOCK_G, BLOCK_W, BLOCK_N)), 1)  # over the window: [BLOCK_G, BLOCK_N]
@@ -141,11 +154,12 @@ def _window_weights(q_ptr, qpos_ptr, k_ptr, kpos_ptr, table_ptr, lengths_ptr, m_
 
 def window_scores(q: torch.Tensor, qpos: torch.Tensor, k_pool: torch.Tensor, kpos_pool: torch.Tensor,
                   table: torch.Tensor, lengths: torch.Tensor, capacity: int, per_kv: bool = False, sinks: int = 0,
-                  num_splits: int | None = None, block_n: int = 64) -> torch.Tensor:
+                  num_splits: int | None = None, block_n: int = 64, k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, W, Hq, D] window queries (post-RoPE), qpos [B, W] int64 (< 0: empty slot); k_pool one
     layer's keys [pages, page_size, D], kpos_pool its positions [pages, page_size]; table [B, H, P]
     int32 page ids, lengths [B, H] int32 (the current token included). -> fp32 [B, X, capacity]
-    (X = H with per_kv, else Hq): summed window weights of the history keys, -inf elsewhere."""
+    (X = H with per_kv, else Hq): summed window weights of the history keys, -inf elsewhere.
+    k_scale: for int8 / fp8 key codes, the fp32 scale of each slot [pages, page_size]."""
     B, W, Hq, D = q.shape
     H = table.shape[1]
     G = Hq // H
@@ -161,12 +175,16 @@ def window_scores(q: torch.Tensor, qpos: torch.Tensor, k_pool: torch.Tensor, kpo
     scale_log2 = D**-0.5 * LOG2E
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     common = dict(H=H, G=G, W=W, BLOCK_G=BLOCK_G, BLOCK_W=BLOCK_W, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
-                  PAGE=PAGE, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=precision)
+                  PAGE=PAGE, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=precision, QUANT=k_scale is not None)
+    if k_scale is None:
+        k_scale = lengths  # unused
+    else:
+        assert k_scale.is_contiguous() and k_scale.dtype == torch.float32
     strides = (q.stride(0), q.stride(1), q.stride(2), qpos.stride(0), table.stride(0), table.stride(1),
                lengths.stride(0))
-    _window_lse[(B * H, num_splits)](q, qpos, k_pool, kpos_pool, table, lengths, part_m, part_l, *strides, scale_log2,
+    _window_lse[(B * H, num_splits)](q, qpos, k_pool, k_scale, kpos_pool, table, lengths, part_m, part_l, *strides, scale_log2,
                                      num_warps=4, **common)
     _window_weights[(B * H, triton.cdiv(capacity, block_n))](
-        q, qpos, k_pool, kpos_pool, table, lengths, part_m, part_l, out, *strides, out.stride(0), out.stride(1),
+        q, qpos, k_pool, k_scale, kpos_pool, table, lengths, part_m, part_l, out, *strides, out.stride(0), out.stride(1),
         scale_log2, capacity, sinks, PER_KV=per_kv, num_warps=4, **common)
     return out

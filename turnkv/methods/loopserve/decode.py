@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from turnkv.attention import reference
+from turnkv.kv.quant import dequantize
 from turnkv.methods.registry import register
 
 
@@ -193,7 +194,8 @@ class ProgressiveSelection:
         H, Hq = len(lengths), q.shape[1]
         scores = window_scores(q[None], q_pos[None], seq.pool.k[layer], seq.pool.positions[layer],
                                seq.device_table()[layer][None], torch.from_numpy(lengths).to(device)[None], S,
-                               per_kv=cfg.granularity == "kv", sinks=cfg.sinks)[0]  # [rows, S]
+                               per_kv=cfg.granularity == "kv", sinks=cfg.sinks,
+                               k_scale=seq.pool.k_scale[layer] if seq.pool.quantized else None)[0]  # [rows, S]
         group = scores.shape[0] // H
         # History = everything before the current token, which is read as a recent token.
         recent_from = np.repeat(lengths - 1, group)
@@ -207,7 +209,7 @@ class ProgressiveSelection:
 
 def window_scores(q: torch.Tensor, qpos: torch.Tensor, k_pool: torch.Tensor, kpos_pool: torch.Tensor,
                   table: torch.Tensor, lengths: torch.Tensor, capacity: int, per_kv: bool = False,
-                  sinks: int = 0) -> torch.Tensor:
+                  sinks: int = 0, k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Each history key's score for a re-selection: the softmax weights (over every key the head holds)
     of the window queries, summed over the window (and over the query group with per_kv).
 
@@ -216,10 +218,13 @@ def window_scores(q: torch.Tensor, qpos: torch.Tensor, k_pool: torch.Tensor, kpo
     token included) -> fp32 [B, X, capacity] (X = H with per_kv, else Hq), -inf past the history
     (which ends before the current token), +inf at history positions below `sinks`. A window query
     sees the keys at positions up to its own. The eager re-selection and the graphed one (the Triton
-    kernel turnkv/attention/triton/window_scores.py is checked against this) share it."""
+    kernel turnkv/attention/triton/window_scores.py is checked against this) share it. A quantized
+    pool passes its key codes as k_pool and their scales k_scale [pages, page_size]."""
     B, W, Hq, D = q.shape
     H = table.shape[1]
     keys = reference.gather_pages(k_pool, table, capacity)  # [B, H, S, D]
+    if k_scale is not None:
+        keys = dequantize(keys, reference.gather_pages(k_scale, table, capacity), q.dtype)
     key_pos = reference.gather_pages(kpos_pool, table, capacity)  # [B, H, S]
     j = torch.arange(capacity, device=q.device)
     lengths = lengths.long()

@@ -10,6 +10,10 @@ Kept current by `update` on every K write (the engine calls it right after PageP
 same slots), which resets a logical page when its first token is written. Tokens are appended in
 order, so a page's first token always comes before the others. After anything that moves or drops
 tokens (SequenceKV.keep, truncate, a restore from the state tiers) call `rebuild_sequence`.
+
+The statistics stay in the compute dtype over a quantized pool (int8 / fp8 KV): `update` folds the
+compute-dtype keys handed to it at the write (pre-quantization, as LServe's), and only a rebuild,
+after tokens moved or came back from a tier, reads the pool's keys back, dequantized.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ class PageSummaries:
         the scores the same statistics."""
         from turnkv.attention import decode
 
-        if decode.uses_kernel(self.pool.device):
+        if decode.uses_kernel(self.pool.device) and not self.pool.quantized:  # the kernel reads raw keys
             from turnkv.attention.triton import page_select
 
             page_select.fold_keys(self.pool.k, slots, self.kmax, self.kmin, self.logical_page)
@@ -66,9 +70,8 @@ class PageSummaries:
             self.fold_reference(slots)
 
     def fold_reference(self, slots: torch.Tensor) -> None:
-        D = self.pool.head_dim
         for layer in range(slots.shape[0]):
-            self.update(layer, slots[layer], self.pool.k[layer].view(-1, D).index_select(0, slots[layer]))
+            self.update(layer, slots[layer], self.pool.rows(layer, slots[layer], "k"))
 
     def rebuild(self, layer: int, pages: torch.Tensor, counts: torch.Tensor) -> None:
         """Recompute the stats of pool `pages` [n] from the pool's keys; page i holds counts[i] tokens."""
@@ -77,7 +80,7 @@ class PageSummaries:
         counts = torch.as_tensor(counts, dtype=torch.int64, device=self.pool.device)
         if pages.numel() == 0:
             return
-        keys = self.pool.k[layer].index_select(0, pages).to(self.kmax.dtype)  # [n, ps, D]
+        keys = self.pool.pages(layer, pages, "k").to(self.kmax.dtype)  # [n, ps, D]
         valid = (torch.arange(ps, device=pages.device) < counts[:, None])[..., None]
         shape = (len(pages), self.per_page, lp, D)
         kmax = keys.masked_fill(~valid, float("-inf")).view(shape).amax(2)
