@@ -3,6 +3,11 @@
 The module tree mirrors gpt-fast: Transformer -> Block -> (Attention, FeedForward, RMSNorm).
 q/k/v and gate/up projections are fused into one matmul each. Attention itself is delegated to the
 step object the engine passes in, which owns the KV store and the attention path.
+
+The residual stream is carried beside each block's output rather than added to it at the block's end:
+the add happens inside the next norm (ops.add_rms_norm), one fused kernel on CUDA. The ops in between
+(projections, RoPE, SiLU * up) go through turnkv/model/ops.py, which picks Triton kernels on CUDA and
+the plain torch ops elsewhere.
 """
 
 from __future__ import annotations
@@ -10,10 +15,11 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from turnkv.model import ops
 from turnkv.model.config import ModelConfig, rope_inverse_frequencies
+from turnkv.model.ops import apply_rope  # noqa: F401  (the torch rotation, kept importable from here)
 
 
 class AttentionStep(Protocol):
@@ -30,18 +36,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """rmsnorm(x); given the residual stream, first residual += x (in place) and norm the sum."""
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose decode-sized calls take the skinny matmul on CUDA (ops.linear)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused kernel, which accumulates in fp32 for half-precision inputs. transformers rounds
-        # to the model dtype before scaling by the weight; the difference is one rounding, and the
-        # four passes of doing it its way cost 8% of a 32K bf16 prefill on an H100.
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x: [B, T, H, D]; cos/sin: [B, T, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return rotated.mul_(sin).addcmul_(x, cos)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class Attention(nn.Module):
@@ -50,15 +56,15 @@ class Attention(nn.Module):
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, q_dim + 2 * kv_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, q_dim + 2 * kv_dim, bias=config.attention_bias)
+        self.o_proj = Linear(q_dim, config.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, step: AttentionStep):
         B, T, _ = x.shape
         Hq, Hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(B, T, Hq + 2 * Hkv, self.head_dim)
-        # One rotation over q and k together: half the elementwise launches of two.
-        q, k = apply_rope(qkv[:, :, : Hq + Hkv], cos, sin).split([Hq, Hkv], dim=2)
+        # One rotation over q and k together: half the launches of two.
+        q, k = ops.rotate_heads(qkv, Hq + Hkv, cos, sin).split([Hq, Hkv], dim=2)
         out = step.attention(self.layer, q, k, qkv[:, :, Hq + Hkv :])
         return self.o_proj(out.reshape(B, T, Hq * self.head_dim))
 
@@ -67,12 +73,12 @@ class FeedForward(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # in place: no new [T, I] buffers
+        # Written over the gate half: no new [T, I] buffer.
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x), self.intermediate_size))
 
 
 class Block(nn.Module):
@@ -83,9 +89,16 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = FeedForward(config)
 
-    def forward(self, x, cos, sin, step):
-        x = self.self_attn(self.input_layernorm(x), cos, sin, step).add_(x)
-        return self.mlp(self.post_attention_layernorm(x)).add_(x)
+    def forward(self, x, residual, cos, sin, step):
+        """x: the previous block's output, not yet added to the residual stream `residual`; the first
+        block gets the embeddings and None. Returns (this block's output, the residual stream before
+        it): the caller adds them, in the next norm. `residual` is updated in place."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(h, cos, sin, step), residual)
+        return self.mlp(h), residual
 
 
 class Transformer(nn.Module):
@@ -95,7 +108,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # fp64 so that angles stay exact at long positions; cos/sin are cast to the model dtype.
@@ -117,8 +130,11 @@ class Transformer(nn.Module):
         every position when it is None."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
+        residual = None
         for block in self.layers:
-            x = block(x, cos, sin, step)
+            x, residual = block(x, residual, cos, sin, step)
         if logits_at is not None:
-            x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
-        return self.lm_head(self.norm(x)).float()
+            index = logits_at[..., None].expand(-1, -1, x.shape[-1])
+            x = x.gather(1, index)
+            residual = None if residual is None else residual.gather(1, index)
+        return self.lm_head(self.norm(x, residual)).float()
