@@ -48,6 +48,19 @@ def test_generate_and_info(monkeypatch, capsys, chat_model_dir):
     assert code == 0 and info["kv_heads"] == 2 and info["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
 
 
+def test_kv_dtype_option(monkeypatch, capsys, chat_model_dir):
+    code, out, _ = run_cli(monkeypatch, capsys, ["info", "--json", "--model", str(chat_model_dir), "--kv-memory", "32MiB",
+                                                 "--kv-dtype", "int8"])
+    info = json.loads(out)
+    assert code == 0 and info["kv_dtype"] == "int8" and info["kv_bytes_per_token"] == 2 * 2 * (2 * 16 + 2 * 4)
+    code, out, err = run_cli(monkeypatch, capsys, ["chat", "--model", str(chat_model_dir), "--max-new-tokens", "3",
+                                                   "--kv-memory", "32MiB", "--kv-dtype", "fp8"], "Hello.\n/stats\n")
+    assert code == 0, err
+    assert "KV fp8" in out
+    code, _, err = run_cli(monkeypatch, capsys, ["info", "--model", str(chat_model_dir), "--kv-dtype", "int4"])
+    assert code == 2 and "choose one of: int8, fp8, none" in err
+
+
 def test_errors_exit_with_a_message(monkeypatch, capsys, tmp_path):
     code, _, err = run_cli(monkeypatch, capsys, ["info", "--model", str(tmp_path / "missing.gguf")])
     assert code == 2 and "not found" in err

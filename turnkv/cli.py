@@ -71,7 +71,7 @@ def _conversation_stats(llm, conv) -> str:
     lines = [
         f"turns: {len(conv.turns)}   history: {len(conv.tokens)} tokens   in KV: {kv.next_position} positions",
         f"KV held: {kv.tokens()} token-heads across {pool.num_layers} layers x {pool.num_kv_heads} KV heads "
-        f"= {kv.bytes() / MB:.2f} MB ({llm.config.kv_bytes_per_token(llm.dtype.itemsize)} B/token dense)",
+        f"= {kv.bytes() / MB:.2f} MB ({llm.kv_bytes_per_token()} B/token dense, KV {pool.kv_dtype_name if pool.quantized else str(pool.dtype).removeprefix('torch.')})",
         f"per layer: min {per_layer.min():.2f} MB, max {per_layer.max():.2f} MB",
         f"pool: {pool.bytes_in_use() / MB:.1f} MB used of {pool.capacity_bytes() / MB:.0f} MB "
         f"({pool.free_pages(0)} free pages of {pool.page_size} tokens in layer 0)",

@@ -18,7 +18,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton is first imported
 
 from turnkv.attention import reference  # noqa: E402
-from turnkv.attention.triton.decode import indexed_decode  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from turnkv.attention.triton.decode import codes_to_f32, indexed_decode  # noqa: E402
 from turnkv.kv import quant  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -48,16 +51,18 @@ def _relative_error(out, ref):
 
 
 @pytest.mark.parametrize("kv", list(KV))
+@pytest.mark.parametrize("dequant", ["cast", "fp32"])
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 @pytest.mark.parametrize("G,D", [(1, 32), (3, 64), (4, 64)])
 @pytest.mark.parametrize("splits", [1, 3, 8])
-def test_quantized_pages_with_uneven_lengths(kv, dtype, tol, G, D, splits):
+def test_quantized_pages_with_uneven_lengths(kv, dequant, dtype, tol, G, D, splits):
     B, H, ps = 2, 2, 4
     q, p, table, lengths = _case(B, H, G, D, ps, 64, [1, 37, 64, 13], kv, dtype)
     ref = reference.indexed_decode(q.float(), p["k"], p["v"], table, lengths, k_scale=p["k_scale"],
                                    v_scale=p["v_scale"])
     out = torch.full_like(q, float("nan"))
-    indexed_decode(q, p["k"], p["v"], table, lengths, splits, out=out, k_scale=p["k_scale"], v_scale=p["v_scale"])
+    indexed_decode(q, p["k"], p["v"], table, lengths, splits, out=out, k_scale=p["k_scale"], v_scale=p["v_scale"],
+                   dequant=dequant)
     assert not out.isnan().any(), "every output element must be written"
     assert _relative_error(out, ref) < tol
 
@@ -75,8 +80,9 @@ def test_reference_dequantizes_after_the_gather(kv):
 
 
 @pytest.mark.parametrize("kv", list(KV))
+@pytest.mark.parametrize("dequant", ["cast", "fp32"])
 @pytest.mark.parametrize("dtype,tol", DTYPES)
-def test_quantized_slot_lists(kv, dtype, tol):
+def test_quantized_slot_lists(kv, dequant, dtype, tol):
     """Token selection: a table of single slots (page_size 1 views of the codes and of the scales)."""
     B, H, G, D, ps = 2, 2, 4, 64, 8
     q, p, _, _ = _case(B, H, G, D, ps, 32, [1, 1, 1, 1], kv, dtype)
@@ -89,7 +95,7 @@ def test_quantized_slot_lists(kv, dtype, tol):
                                    v_scale=flat["v_scale"])
     out = torch.full_like(q, float("nan"))
     indexed_decode(q, flat["k"], flat["v"], slots, lengths, 4, out=out, k_scale=flat["k_scale"],
-                   v_scale=flat["v_scale"])
+                   v_scale=flat["v_scale"], dequant=dequant)
     assert not out.isnan().any() and _relative_error(out, ref) < tol
 
 
@@ -112,6 +118,23 @@ def test_quantized_sliding_window(splits):
     out = indexed_decode(q, p["k"], p["v"], table, lengths, splits, window=8, key_positions=key_pos,
                          query_positions=query_pos, **scales)
     assert _relative_error(out, ref) < 1e-4
+
+
+@triton.jit
+def _convert(x_ptr, o_ptr, N: tl.constexpr, FP8: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(o_ptr + i, codes_to_f32(tl.load(x_ptr + i), FP8))
+
+
+def test_codes_to_fp32_by_bit_arithmetic_is_exact_for_every_code():
+    every = {"int8": torch.arange(-128, 128, dtype=torch.int16).to(torch.int8),
+             "fp8": torch.arange(256, dtype=torch.int16).to(torch.uint8).view(torch.float8_e4m3fn)}
+    for kv, codes in every.items():
+        out = torch.empty(256, device=DEVICE)
+        _convert[(1,)](codes.to(DEVICE), out, N=256, FP8=kv == "fp8")
+        want = codes.float().to(DEVICE)
+        finite = ~want.isnan()  # (e4m3's two NaN codes are never stored: codes are clamped to 448)
+        assert torch.equal(out[finite], want[finite]), kv
 
 
 def test_dispatcher_passes_the_scales_to_the_reference_off_cuda():

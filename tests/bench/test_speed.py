@@ -133,3 +133,16 @@ def test_a_shape_past_the_kv_pool_is_reported_and_the_rest_runs(chat_model_dir):
     assert by_context[16]["tpot_s"] > 0
     assert by_context[400]["unavailable"].startswith("KV pool full")
     assert small.pool.bytes_in_use() == 0
+
+
+def test_batched_rows_count_what_a_quantized_pool_reads(chat_model_dir):
+    """With int8 KV the floor's KV read is the codes and their scales: (2 x 16 + 2 x 4) bytes per
+    token-head of the tiny model (head_dim 16), against 2 x 16 x 4 in fp32."""
+    from turnkv.bench.speed import measure_batch
+
+    llm = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="32MiB", kv_dtype="int8")
+    cfg = SpeedConfig(contexts=[48], batches=[2], new_tokens=4, turns=0, repeat=1)
+    hw = {"weight_bytes": 1000, "copy_bandwidth": 1e9}
+    row = measure_batch(llm, Recipe(), 48, 2, cfg, hw)
+    assert row["kv_read_bytes"] == 2 * (48 + 3) * 2 * 2 * (2 * 16 + 2 * 4)
+    assert row["tpot_floor_s"] == pytest.approx((1000 + row["kv_read_bytes"]) / 1e9)

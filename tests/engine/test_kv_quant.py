@@ -160,3 +160,22 @@ def test_graphed_decode_selection_equals_eager_on_int8(chat_model_dir, monkeypat
     b = drive(graphed, recipe, lengths, 12, monkeypatch)
     assert_same(a, b)
     assert b[2] == []
+
+
+def test_disk_tier_keeps_the_codes(chat_model_dir, tmp_path):
+    """fp8 codes and their scales through the disk tier (safetensors) and back: the same next turn."""
+    llm = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="64MiB", kv_dtype="fp8", state_disk_dir=str(tmp_path))
+    replies = []
+    for offload in (False, True):
+        conv = llm.conversation(recipe="state=load")
+        try:
+            conv.send(MESSAGES[0], max_new_tokens=6, ignore_eos=True)
+            if offload:
+                assert conv.offload("disk") == "disk" and conv.location == "disk"
+                _, tensors = llm.state.tiers.disk.read(conv.id)
+                assert tensors["k.1"].dtype == torch.float8_e4m3fn and tensors["v_scale.1"].dtype == torch.float32
+            r = conv.send(MESSAGES[1], max_new_tokens=6, ignore_eos=True, logprobs=True)
+            replies.append((r.token_ids, r.logprobs))
+        finally:
+            conv.close()
+    assert replies[0][0] == replies[1][0] and torch.equal(replies[0][1], replies[1][1])

@@ -73,7 +73,7 @@ class Metrics:
     def bind(self, llm: LLM, scheduler: Scheduler, store: ConversationStore) -> None:
         """Gauges read the engine's state when scraped, so they are never stale."""
         pool = llm.pool
-        dense_per_token = llm.config.kv_bytes_per_token(llm.dtype.itemsize)
+        dense_per_token = llm.kv_bytes_per_token()  # in the pool's storage (int8 / fp8 KV included)
         self.labels(self.running).set_function(lambda: scheduler.num_running)
         self.labels(self.waiting).set_function(lambda: scheduler.num_waiting)
         self.labels(self.kv_usage).set_function(lambda: pool.bytes_in_use() / pool.capacity_bytes())

@@ -12,8 +12,15 @@ fixed grid serves any lengths and the launch can sit in a CUDA graph.
 
 Quantized KV (turnkv/kv/quant.py; QUANT): the tiles are loaded as int8 or fp8 codes (the bytes read
 are the narrow ones) with one fp32 scale per key, and dequantized in registers without a dequantized
-copy: the codes go into the dots in q's dtype (exact: |code| <= 448 fits bf16/fp16), the key scales
-multiply the scores (q . (c s) = (q . c) s) and the value scales the probabilities (sum_j p_j s_j c_j).
+copy: the key scales multiply the scores (q . (c s) = (q . c) s) and the value scales the
+probabilities (sum_j p_j s_j c_j), so the codes enter the dots as they are, converted exactly:
+  "cast" (QUANT=1): codes cast to q's dtype (|code| <= 448 is exact in bf16/fp16), dots as unquantized;
+  "fp32" (QUANT=2): codes turned into fp32 by bit arithmetic (int8: 1.5 * 2**23 + c in an integer add
+    and a float subtract; e4m3: its bits moved into an fp32's, times 2**120), dots on fp32 tiles in
+    TF32 (exact for q and the codes; p rounded to 10 bits). Integer-to-float conversion instructions
+    run at a quarter of the arithmetic rate on recent NVIDIA GPUs (16 per clock per SM), about the rate
+    int8 codes arrive at full bandwidth, which this variant avoids.
+`DEQUANT` picks the variant per storage dtype (benchmarks/gpu_kv_quant.py times both).
 """
 
 from __future__ import annotations
@@ -28,9 +35,25 @@ LOG2E = 1.4426950408889634
 # Chosen on an H100 (benchmarks/gpu_decode_kernel.py --sweep): 0.85-1.0 of the copy bandwidth from
 # batch 1 x 32K to batch 32 x 16K keys, the most even of 36 settings.
 DEFAULT_CONFIG = dict(block_n=32, num_warps=2, num_stages=3)
-# One-byte codes: twice the keys per tile keeps the bytes in flight per stage of the setting above
-# (benchmarks/gpu_kv_quant.py sweeps it).
-QUANT_CONFIG = dict(block_n=64, num_warps=2, num_stages=3)
+# Per storage dtype of quantized KV (benchmarks/gpu_kv_quant.py times the choices): the launch
+# settings (one-byte codes: twice the keys per tile keeps the bytes in flight per stage of the
+# setting above), and how the codes are dequantized in registers ("cast" or "fp32", module docstring).
+QUANT_CONFIG = {torch.int8: dict(block_n=64, num_warps=2, num_stages=3),
+                torch.float8_e4m3fn: dict(block_n=64, num_warps=2, num_stages=3)}
+DEQUANT = {torch.int8: "fp32", torch.float8_e4m3fn: "cast"}
+_QUANT_MODE = {"cast": 1, "fp32": 2}
+
+
+@triton.jit
+def codes_to_f32(c, FP8: tl.constexpr):
+    """int8 or fp8 e4m3 codes -> their exact values in fp32, without conversion instructions."""
+    if FP8:
+        b = c.to(tl.uint8, bitcast=True).to(tl.int32)
+        # sign to bit 31, exponent and mantissa to bits 26..20 (an fp32 with exponent e - 127 + ...):
+        # times 2**120 re-biases 127 to e4m3's 7 (subnormal codes become fp32 subnormals, exactly).
+        bits = ((b & 0x80) << 24) | ((b & 0x7F) << 20)
+        return bits.to(tl.float32, bitcast=True) * 1.329227995784916e36
+    return (c.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
 
 
 @triton.jit
@@ -41,7 +64,7 @@ def _decode_chunk(
     scale_log2, window,
     H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, QUANT: tl.constexpr,
+    PRECISION: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr, PRECISION32: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -60,6 +83,8 @@ def _decode_chunk(
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     if HAS_WINDOW:
         lowest = tl.load(query_pos_ptr + b) - window  # keys at or below this position are outside
+    if QUANT == 2:
+        q32 = q.to(tl.float32)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
@@ -73,7 +98,11 @@ def _decode_chunk(
         if HAS_WINDOW:
             valid = valid & (tl.load(key_pos_ptr + slot, mask=valid, other=0) > lowest)
         k = tl.load(k_ptr + slot[:, None] * D + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
-        if QUANT:
+        if QUANT == 2:
+            k_scale = tl.load(ks_ptr + slot, mask=valid, other=0.0)
+            s = tl.dot(q32, tl.trans(codes_to_f32(k, FP8)), input_precision=PRECISION32)
+            s = s * (k_scale * scale_log2)[None, :]
+        elif QUANT == 1:
             k_scale = tl.load(ks_ptr + slot, mask=valid, other=0.0)
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION).to(tl.float32)
             s = s * (k_scale * scale_log2)[None, :]
@@ -87,7 +116,10 @@ def _decode_chunk(
         alpha = tl.exp2(m - shift)
         v = tl.load(v_ptr + slot[:, None] * D + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
         l = l * alpha + tl.sum(p, 1)
-        if QUANT:
+        if QUANT == 2:
+            v_scale = tl.load(vs_ptr + slot, mask=valid, other=0.0)
+            pv = tl.dot(p * v_scale[None, :], codes_to_f32(v, FP8), input_precision=PRECISION32)
+        elif QUANT == 1:
             v_scale = tl.load(vs_ptr + slot, mask=valid, other=0.0)
             pv = tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         else:
@@ -138,7 +170,7 @@ def indexed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    query_positions: torch.Tensor | None = None, out: torch.Tensor | None = None,
                    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
                    config: dict | None = None, k_scale: torch.Tensor | None = None,
-                   v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                   v_scale: torch.Tensor | None = None, dequant: str | None = None) -> torch.Tensor:
     """q [B, Hq, D] over the keys named by table [B, H, P] (int32) and lengths [B, H] (int32).
 
     k_cache, v_cache: one layer's pool [num_pages, page_size, D] (page_size 1 for slot lists).
@@ -147,6 +179,7 @@ def indexed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     Returns [B, Hq, D] in q's dtype (into `out` when given). config overrides the launch settings
     (block_n, num_warps, num_stages), for tuning.
     k_scale, v_scale: for int8 / fp8 caches, the fp32 scale of each slot, [num_pages, page_size].
+    dequant: "cast" or "fp32" (the module docstring) instead of DEQUANT's choice for the cache dtype.
     """
     B, Hq, D = q.shape
     H = table.shape[1]
@@ -157,8 +190,11 @@ def indexed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     quantized = k_scale is not None
     if quantized:
         assert k_scale.is_contiguous() and v_scale.is_contiguous() and k_scale.dtype == v_scale.dtype == torch.float32
+        assert k_cache.dtype in DEQUANT, f"no dequantization for {k_cache.dtype} codes"
+        mode = _QUANT_MODE[dequant or DEQUANT[k_cache.dtype]]
     else:
         k_scale = v_scale = lengths  # unused
+        mode = 0
     out = torch.empty_like(q) if out is None else out
     scale = D**-0.5 if scale is None else scale
     BLOCK_D = triton.next_power_of_2(D)
@@ -173,7 +209,7 @@ def indexed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     has_window = window is not None
     key_pos = key_positions if has_window else lengths
     query_pos = query_positions if has_window else lengths
-    launch = {**(QUANT_CONFIG if quantized else DEFAULT_CONFIG), **(config or {})}
+    launch = {**(QUANT_CONFIG[k_cache.dtype] if quantized else DEFAULT_CONFIG), **(config or {})}
     if D > 128:
         launch["block_n"] = min(launch["block_n"], 32)
     _decode_chunk[(B * H, num_splits)](
@@ -181,9 +217,11 @@ def indexed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         q.stride(0), q.stride(1), table.stride(0), table.stride(1), lengths.stride(0), out.stride(0), out.stride(1),
         scale * LOG2E, window or 0,
         H=H, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_N=launch["block_n"],
-        NUM_SPLITS=num_splits, HAS_WINDOW=has_window, QUANT=quantized,
+        NUM_SPLITS=num_splits, HAS_WINDOW=has_window, QUANT=mode, FP8=k_cache.dtype == torch.float8_e4m3fn,
         # fp32 stays fp32: tensor cores would round the inputs to TF32 (4e-4 relative error).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        # fp32 tiles of a half-precision model's query and codes: TF32 holds them exactly.
+        PRECISION32="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=launch["num_warps"], num_stages=launch["num_stages"],
     )
     if num_splits > 1:
