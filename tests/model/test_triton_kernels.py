@@ -24,7 +24,7 @@ from turnkv.model import ops  # noqa: E402
 from turnkv.model.config import ModelConfig  # noqa: E402
 from turnkv.model.load import empty_model  # noqa: E402
 from turnkv.model.triton.activation import silu_mul_in_place  # noqa: E402
-from turnkv.model.triton.gemv import FMA_CONFIG, skinny_matmul  # noqa: E402
+from turnkv.model.triton.gemv import skinny_matmul  # noqa: E402
 from turnkv.model.triton.norm import add_rms_norm  # noqa: E402
 from turnkv.model.triton.rope import rope_in_place  # noqa: E402
 

@@ -19,7 +19,6 @@ from torch import nn
 
 from turnkv.model import ops
 from turnkv.model.config import ModelConfig, rope_inverse_frequencies
-from turnkv.model.ops import apply_rope  # noqa: F401  (the torch rotation, kept importable from here)
 
 
 class AttentionStep(Protocol):
