@@ -46,14 +46,19 @@ _QUANT_MODE = {"cast": 1, "fp32": 2}
 
 @triton.jit
 def codes_to_f32(c, FP8: tl.constexpr):
-    """int8 or fp8 e4m3 codes -> their exact values in fp32, without conversion instructions."""
+    """int8 or fp8 e4m3 codes -> their exact values in fp32, without conversion instructions.
+
+    One return in each branch of an if/else: compiled for a GPU, Triton also type-checks the code
+    after a return inside a constexpr `if`, which casts fp8 codes to int32 and fails."""
     if FP8:
         b = c.to(tl.uint8, bitcast=True).to(tl.int32)
         # sign to bit 31, exponent and mantissa to bits 26..20 (an fp32 with exponent e - 127 + ...):
         # times 2**120 re-biases 127 to e4m3's 7 (subnormal codes become fp32 subnormals, exactly).
         bits = ((b & 0x80) << 24) | ((b & 0x7F) << 20)
-        return bits.to(tl.float32, bitcast=True) * 1.329227995784916e36
-    return (c.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+        x = bits.to(tl.float32, bitcast=True) * 1.329227995784916e36
+    else:
+        x = (c.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+    return x
 
 
 @triton.jit
