@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import json
 import shlex
 import sys
+import time
 from pathlib import Path
 
 
@@ -34,7 +36,9 @@ def add_quality_parser(sub) -> None:
     p.add_argument("--preset", default=None, help="named settings: smoke (the CI subset) or full (the committed run)")
     p.add_argument("--tasks", default=None, help="comma-separated task names (default: all five)")
     p.add_argument("--data", action="append", default=[], help="FORMAT:PATH of a public data file (repeatable)")
-    p.add_argument("--recipes", default=None, help="comma-separated presets or recipe strings (default: snapkv,ada-snapkv)")
+    p.add_argument("--recipes", default=None,
+                   help="comma-separated presets or recipe strings, each optionally 'LABEL: SPEC' "
+                        "(default: snapkv,ada-snapkv)")
     p.add_argument("--policies", default=None, help="turn policies crossed with every evicting recipe (default: recompress)")
     p.add_argument("--budget", type=int, default=None, help="tokens per KV head for every evicting recipe")
     p.add_argument("--keep-ratio", default=None, help="fraction kept; a comma list sweeps several budgets")
@@ -46,6 +50,13 @@ def add_quality_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=None, help="default: 0")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: 48")
     p.add_argument("--no-fidelity", action="store_true")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes that split the recipes, each with cores/workers torch threads (default: 1)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="recipes whose conversations run together, decode steps batched (default: 16)")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="run every conversation on its own through the engine's Conversation (slow; the reference "
+                        "the batched runner is tested against)")
     p.add_argument("--report-only", action="store_true",
                    help="write the report from what --out/results.jsonl holds (a partial run too), running nothing")
     p.add_argument("--out", default=None, help="default: benchmarks/quality/latest, or the preset's folder")
@@ -101,16 +112,27 @@ def cmd_speed(args) -> int:
     return 0
 
 
+def _labelled(item: str) -> tuple[str | None, str]:
+    """"LABEL: SPEC" -> (LABEL, SPEC); a plain spec -> (None, spec). Labels name settings of a recipe
+    that its string would name badly ("a-shape@256: prefill=a_shape(sink=64, local=192)")."""
+    label, sep, spec = item.partition(": ")
+    if sep and label and not any(c in label for c in " =()"):
+        return label.strip(), spec.strip()
+    return None, item
+
+
 def expand_recipes(args) -> dict[str, object]:
     from turnkv.methods.recipe import Recipe, preset
 
     out = {}
     amounts = [("budget", str(args.budget))] if args.budget is not None else []
     ratios = _split(args.keep_ratio) if args.keep_ratio else [None]
-    for spec in _split(args.recipes):
+    for item in _split(args.recipes):
+        label, spec = _labelled(item)
+        name = label or spec
         base = Recipe.parse(spec) if (" " in spec or "=" in spec) else preset(spec)
         if base.evict is None:
-            out[spec] = base
+            out[name] = base
             continue
         # A recipe that names its own turn policy (the flowkv presets, "... turns=flowkv") keeps it;
         # --policies crosses only the others, which would otherwise be silently overridden.
@@ -122,10 +144,25 @@ def expand_recipes(args) -> dict[str, object]:
                 # The policy is in the label unless it is the only one and the default: a run under
                 # flowkv alone must not resume from (or be mistaken for) a recompress run's records.
                 named = policy and (len(policies) > 1 or policy != Recipe().turns.name)
-                label = spec + (f"@{policy}" if named else "") + (f"@{ratio}" if ratio else "")
+                label = name + (f"@{policy}" if named else "") + (f"@{ratio}" if ratio else "")
                 out[label] = base.with_overrides(overrides)
     out.pop("full", None)
     return out
+
+
+def _machine(llm) -> str:
+    import os
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    where = torch.cuda.get_device_name(llm.device) if llm.device.type == "cuda" else f"{cpu}, {os.cpu_count()} cores"
+    return f"{where}; torch {torch.__version__}; {str(llm.dtype).removeprefix('torch.')}"
 
 
 def cmd_quality(args) -> int:
@@ -136,9 +173,14 @@ def cmd_quality(args) -> int:
     from turnkv.bench.quality_presets import apply
     from turnkv.bench.report import write_report
 
+    started = time.time()
     apply(args)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory,
-              kv_dtype=getattr(args, "kv_dtype", None))
+    if args.one_at_a_time and args.workers > 1:
+        raise SystemExit("--one-at-a-time runs in one process; leave --workers out")
+    engine = dict(model=args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory,
+                  kv_dtype=getattr(args, "kv_dtype", None))
+    # With workers, this process only builds the instances and the report: a small KV pool.
+    llm = LLM(**(engine | ({"kv_memory": "64MiB"} if args.workers > 1 and not args.report_only else {})))
     per_task = [generate(task, n=args.n, seed=args.seed, turns=args.turns, context_tokens=args.context_tokens,
                          difficulty=args.difficulty, tokenizer=llm.tokenizer) for task in _split(args.tasks)]
     # Instance i of every task before instance i+1 of any: a run stopped part-way covers every task.
@@ -147,15 +189,25 @@ def cmd_quality(args) -> int:
         fmt, _, path = item.partition(":")
         instances += load(fmt, path)
     config = QualityConfig(recipes=expand_recipes(args), positions=tuple(_split(args.positions)),
-                           max_new_tokens=args.max_new_tokens, fidelity=not args.no_fidelity)
+                           max_new_tokens=args.max_new_tokens, fidelity=not args.no_fidelity,
+                           lockstep=not args.one_at_a_time, batch=args.batch, workers=args.workers, engine=engine)
     out = Path(args.out)
+    runs_path = out / "runs.json"  # every invocation that ran something: its wall time and machine
+    runs = json.loads(runs_path.read_text()) if runs_path.exists() else []
     if args.report_only:
         records = [r for rs in load_results(out / "results.jsonl").values() for r in rs]
     else:
+        before = len(load_results(out / "results.jsonl"))
         records = run_quality(llm, instances, config, out / "results.jsonl")
+        ran = len({(r["instance"], r["recipe"]) for r in records}) - before
+        if ran:
+            runs.append({"started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+                         "wall_s": round(time.time() - started, 1), "conversations": ran, "workers": args.workers,
+                         "batch": args.batch, "lockstep": not args.one_at_a_time, "machine": _machine(llm)})
+            runs_path.write_text(json.dumps(runs, indent=1) + "\n")
     header = {"model": llm.name, "command": "turnkv bench quality " + " ".join(shlex.quote(a) for a in sys.argv[3:]),
               "settings": {k: v for k, v in vars(args).items() if k != "func"},
-              "recipes": {name: str(r) for name, r in config.recipes.items()}}
+              "recipes": {name: str(r) for name, r in config.recipes.items()}, "runs": runs}
     write_report(records, out, header)
     print((out / "report.md").read_text())
     return 0

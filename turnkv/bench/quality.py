@@ -2,23 +2,36 @@
 fidelity to the full-cache run of the same model.
 
 For each instance, question position and recipe, the turns are fed in order with the model's own
-answers in the history (a free run), and each reply is scored. With fidelity on, the recipe is run a
-second time with the full-cache run's answers teacher-forced, to measure how far its next-token
+answers in the history (a free run), and each reply is scored. With fidelity on, the recipe is also
+run with the full-cache run's answers teacher-forced, to measure how far its next-token
 distributions drift from the full cache's along the same answer.
 
+How it runs (turnkv/bench/lockstep.py): the full-cache references run first, then the recipes'
+conversations in chunks of `batch` recipes (ordered by the kind of their decode step), prompts
+prefilled one by one and decode steps batched; the teacher-forced run shares the free run's
+computation up to its first divergence from the reference, prefills forced answers as one chunk where
+the recipe does nothing per decode step, and the first prompt is prefilled once for every recipe with
+a dense prefill. `workers` > 1 cuts the (instance, recipe) jobs into that many consecutive parts of
+about equal cost, one process each (its own engine, torch threads = cores / workers).
+`lockstep=False` runs every conversation on its own through Conversation.send, the engine's path:
+the reference the lockstep results are tested against.
+
 Results go to a JSONL file, one line per turn; a rerun skips what that file already holds, so an
-interrupted run resumes. Everything is deterministic under greedy decoding and the task seed.
+interrupted run resumes. Everything is deterministic under greedy decoding and the task seed, for
+given recipes, workers and batch size (batching changes float rounding, not the computation).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tqdm import tqdm
 
 from turnkv.bench.datasets.schema import Instance
+from turnkv.bench.lockstep import PATTERN_FIGURES, SharedPrompt, Track, _pattern_figures, run_tracks
 from turnkv.bench.metrics import first_divergence, greedy_agreement, mean_kl
 from turnkv.bench.scoring import score_turn
 
@@ -31,6 +44,11 @@ class QualityConfig:
     positions: tuple[str, ...] = ("begin", "middle", "end")
     max_new_tokens: int = 48
     fidelity: bool = True
+    lockstep: bool = True  # batch the conversations of an instance (False: one at a time, the engine's path)
+    batch: int = 16  # lockstep: recipes run together (each a free and maybe a forced conversation)
+    max_batch: int = 32  # lockstep: rows of one decode forward
+    workers: int = 1  # processes (lockstep only); each builds its engine from `engine`
+    engine: dict | None = None  # LLM(**engine) in each worker
 
 
 def run_quality(llm, instances: list[Instance], config: QualityConfig, results_path: str | Path,
@@ -40,6 +58,231 @@ def run_quality(llm, instances: list[Instance], config: QualityConfig, results_p
     results_path.parent.mkdir(parents=True, exist_ok=True)
     done = load_results(results_path)
     recipes = {FULL: "full", **config.recipes}
+    if not config.lockstep:
+        _run_one_at_a_time(llm, instances, config, recipes, results_path, done, progress)
+    else:
+        placed = [inst.with_position(p) for inst in instances for p in config.positions]
+        jobs = [(inst, name) for inst in placed for name in recipes if (inst.id, name) not in done]
+        with results_path.open("a") as out, tqdm(total=len(jobs), desc="quality", unit="conv",
+                                                 disable=not progress) as bar:
+            def write(records):
+                for record in records:
+                    out.write(json.dumps(record) + "\n")
+                out.flush()
+                for record in records:
+                    done.setdefault((record["instance"], record["recipe"]), []).append(record)
+                bar.update(len({(r["instance"], r["recipe"]) for r in records}))
+
+            if config.workers > 1:
+                _run_workers(jobs, recipes, config, write)
+            else:
+                run_jobs(llm, jobs, recipes, config, write)
+    return [r for records in done.values() for r in records]
+
+
+# ---- lockstep -------------------------------------------------------------------------------------
+def run_jobs(llm, jobs: list[tuple[Instance, str]], recipes: dict, config: QualityConfig, write) -> None:
+    """Run (instance with its position, recipe name) jobs in lockstep; `write(records)` gets each
+    finished chunk's records. The full-cache references of every instance come first (together), then
+    the recipes in chunks of config.batch."""
+    if not jobs:
+        return
+    shared = SharedPrompt(llm)
+    instances = list({inst.id: inst for inst, _ in jobs}.values())
+    turns = {inst.id: [turn.message() for turn in inst.turns] for inst in instances}
+    wanted = {(inst.id, name) for inst, name in jobs}
+    # Chunks whose conversations fit the KV pool: each recipe holds a free and a forced conversation.
+    fits = _conversations_that_fit(llm, instances, config.max_new_tokens)
+    batch = max(1, min(config.batch, fits // 2))
+    # The references first, in chunks that hold about what a chunk of recipes holds.
+    reference: dict[str, list[dict]] = {}
+    for start in range(0, len(instances), 2 * batch):
+        part = instances[start : start + 2 * batch]
+        tracks = [Track(llm, inst.system, recipes[FULL], turns[inst.id], config.max_new_tokens, keep_logprobs=True,
+                        shared=shared) for inst in part]
+        _run(llm, tracks, part, config)
+        for inst, track in zip(part, tracks):
+            reference[inst.id] = track.outputs
+            track.close()
+        records = [r for inst in part if (inst.id, FULL) in wanted
+                   for r in _records(llm, inst, FULL, recipes[FULL], reference[inst.id], reference[inst.id])]
+        if records:
+            write(records)
+    # Recipes whose decode steps are of one kind together (plain, H2O's accumulation, decode selection):
+    # each kind is its own forward per step, and a forward reads every weight however few rows it has.
+    order = {inst.id: i for i, inst in enumerate(instances)}
+    work = sorted(((inst, name) for inst, name in jobs if name != FULL),
+                  key=lambda job: (_step_kind(recipes[job[1]]), order[job[0].id]))
+    for start in range(0, len(work), batch):
+        chunk = work[start : start + batch]
+        tracks = []
+        for inst, name in chunk:
+            ref = [t["tokens"] for t in reference[inst.id]] if config.fidelity else None
+            tracks.append(Track(llm, inst.system, recipes[name], turns[inst.id], config.max_new_tokens, reference=ref,
+                                shared=shared, measure=_fidelity(reference[inst.id])))
+        try:
+            _run(llm, tracks, [inst for inst, _ in chunk], config)
+            # The forced runs of recipes that diverged and cannot be forked, replayed together.
+            replays = [(track.replay(), inst) for track, (inst, _) in zip(tracks, chunk) if track.replay() is not None]
+            try:
+                _run(llm, [r for r, _ in replays], [inst for _, inst in replays], config)
+            finally:
+                for r, _ in replays:
+                    r.close()
+        finally:
+            for track in tracks:
+                track.close()
+        write([r for (inst, name), track in zip(chunk, tracks)
+               for r in _records(llm, inst, name, recipes[name], track.outputs, reference[inst.id])])
+
+
+def _step_kind(recipe) -> tuple[bool, bool]:
+    from turnkv.methods.recipe import Recipe
+
+    r = recipe if isinstance(recipe, Recipe) else Recipe.parse(str(recipe))
+    return r.accumulates_attention, r.selects_decode
+
+
+def _conversations_that_fit(llm, instances, max_new_tokens: int) -> int:
+    """How many conversations of the longest instance the KV pool holds with nothing evicted, with a
+    margin for page rounding and the shared first prompt."""
+    tokenizer = llm.tokenizer
+    longest = max(sum(len(tokenizer.encode(t.message())) + 16 + max_new_tokens for t in inst.turns)
+                  + len(tokenizer.encode(inst.system or "")) for inst in instances)
+    per_conversation = (longest + 2 * llm.pool.page_size) * llm.kv_bytes_per_token()
+    return max(1, int(0.85 * llm.pool.capacity_bytes() / per_conversation) - 1)
+
+
+def _run(llm, tracks, instances, config) -> None:
+    if not tracks:
+        return
+    turns = {len(inst.turns) for inst in instances}
+    if len(turns) != 1:  # lockstep moves turn by turn: instances of a chunk have as many turns
+        for track, inst in zip(tracks, instances):
+            run_tracks(llm, [track], len(inst.turns), config.max_batch)
+        return
+    run_tracks(llm, tracks, turns.pop(), config.max_batch)
+
+
+def _fidelity(full: list[dict]):
+    """measure(turn, forced log-probs) -> agreement and KL against the full run's turn."""
+    return lambda i, forced: {"agreement": greedy_agreement(forced, full[i]["tokens"]),
+                              "kl": mean_kl(full[i]["logprobs"], forced)}
+
+
+def _records(llm, inst: Instance, name: str, recipe, free: list[dict], full: list[dict]) -> list[dict]:
+    records = []
+    spec = str(llm.resolve_recipe(recipe))
+    for i, (turn, run) in enumerate(zip(inst.turns, free)):
+        record = {
+            "instance": inst.id, "task": inst.task, "position": turn.position, "recipe": name,
+            "recipe_spec": spec, "turn": i, "depends_on": turn.depends_on,
+            "response": run["text"], "tokens": run["tokens"],
+            "score": score_turn(turn, run["text"]) if turn.scored else None,
+            "kv_bytes": run["kv_bytes"], "full_kv_bytes": full[i]["kv_bytes"], "history_tokens": run["history_tokens"],
+            "first_divergence": first_divergence(run["tokens"], full[i]["tokens"]),
+            "ttft_s": run["ttft_s"], "prefilled_tokens": run["prefilled_tokens"],
+            **{k: run[k] for k in PATTERN_FIGURES if k in run},
+        }
+        if name == FULL:
+            record.update(agreement=1.0, kl=0.0)
+        elif run.get("forced") is not None:
+            record.update(_fidelity(full)(i, run["forced"]))
+        elif "agreement" in run:
+            record.update(agreement=run["agreement"], kl=run["kl"])
+        records.append(record)
+    return records
+
+
+# ---- workers --------------------------------------------------------------------------------------
+def _cost(recipe) -> float:
+    """Roughly what one recipe's conversation costs in lockstep, relative to an evicting recipe's (for
+    splitting work; measured on SmolLM2 on a CPU: selecting decode steps cost about twice a plain one,
+    and recipes that do not evict mostly reproduce the full cache's answers, so need no forced run)."""
+    from turnkv.methods.recipe import Recipe
+
+    r = recipe if isinstance(recipe, Recipe) else Recipe.parse(str(recipe))
+    if r.selects_decode:
+        return 1.8
+    if r.evict is None:
+        return 0.5 if r.prefill.name == "dense" else 0.8  # the full cache: the reference run
+    return 1.1 if r.accumulates_attention else 1.0
+
+
+def _split_jobs(jobs, recipes, workers: int) -> list[list]:
+    """`jobs` (instance-major) cut into `workers` consecutive parts of about equal cost: each worker
+    runs the references of its instances only, so only the instances on a cut run theirs twice."""
+    costs = [_cost(recipes[name]) for _, name in jobs]
+    total, parts, acc = sum(costs), [[] for _ in range(workers)], 0.0
+    for job, cost in zip(jobs, costs):
+        k = min(workers - 1, int(acc / total * workers)) if total else 0
+        parts[k].append(job)
+        acc += cost
+    return parts
+
+
+def _run_workers(jobs, recipes, config: QualityConfig, write) -> None:
+    import multiprocessing as mp
+    import queue as queue_module
+
+    shares = _split_jobs(jobs, recipes, config.workers)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    config = replace(config, recipes={})
+    threads = max(1, (os.cpu_count() or 1) // config.workers)
+    # Recipes travel as their strings (some hold per-conversation caches that do not pickle); a
+    # recipe's string parses back to an equal recipe.
+    specs = {name: str(r) if not isinstance(r, str) else r for name, r in recipes.items()}
+    procs = [ctx.Process(target=_worker, args=(k, share, specs, config, threads, queue), daemon=True)
+             for k, share in enumerate(shares) if share]
+    for p in procs:
+        p.start()
+    running, error = len(procs), None
+    try:
+        while running:
+            try:
+                kind, payload = queue.get(timeout=10)
+            except queue_module.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    error = f"worker process {dead[0].pid} died (exit code {dead[0].exitcode})"
+                    break
+                continue
+            if kind == "records":
+                write(payload)
+            elif kind == "done":
+                running -= 1
+            else:
+                error = payload
+                break
+    finally:
+        if error is not None:
+            for p in procs:
+                p.terminate()
+        for p in procs:
+            p.join()
+    if error is not None:
+        raise RuntimeError(f"a quality worker failed:\n{error}")
+
+
+def _worker(index: int, jobs, recipes, config: QualityConfig, threads: int, queue) -> None:
+    import traceback
+
+    import torch
+
+    try:
+        torch.set_num_threads(threads)
+        from turnkv import LLM
+
+        llm = LLM(**(config.engine or {}))
+        run_jobs(llm, jobs, recipes, config, lambda records: queue.put(("records", records)))
+        queue.put(("done", index))
+    except BaseException:
+        queue.put(("error", traceback.format_exc()))
+
+
+# ---- one conversation at a time (the engine's own path) -------------------------------------------
+def _run_one_at_a_time(llm, instances, config, recipes, results_path, done, progress) -> None:
     jobs = [(inst.with_position(p), p, name) for inst in instances for p in config.positions for name in recipes]
     reference: dict = {}  # the full-cache run of the current instance: its tokens and log-probs
     with results_path.open("a") as out:
@@ -50,37 +293,16 @@ def run_quality(llm, instances: list[Instance], config: QualityConfig, results_p
                 # Greedy log-probs of the full run along its own answers are exactly what teacher
                 # forcing the full cache on those answers gives: one run serves as the reference.
                 reference = {"id": inst.id, "turns": _free_run(llm, inst, recipes[FULL], config, keep_logprobs=True)}
-            records = _evaluate(llm, inst, position, name, recipes[name], reference["turns"], config)
+            full = reference["turns"]
+            free = full if name == FULL else _free_run(llm, inst, recipes[name], config)
+            if config.fidelity and name != FULL:
+                for run, forced in zip(free, _forced_run(llm, inst, recipes[name], [r["tokens"] for r in full])):
+                    run["forced"] = forced
+            records = _records(llm, inst, name, recipes[name], free, full)
             for record in records:
                 out.write(json.dumps(record) + "\n")
             out.flush()
             done[(inst.id, name)] = records
-    return [r for records in done.values() for r in records]
-
-
-def _evaluate(llm, inst: Instance, position: str, name: str, recipe, full: list[dict], config) -> list[dict]:
-    free = full if name == FULL else _free_run(llm, inst, recipe, config)
-    forced = None
-    if config.fidelity and name != FULL:
-        forced = _forced_run(llm, inst, recipe, [r["tokens"] for r in full])
-    records = []
-    for i, (turn, run) in enumerate(zip(inst.turns, free)):
-        record = {
-            "instance": inst.id, "task": inst.task, "position": position, "recipe": name,
-            "recipe_spec": str(llm.resolve_recipe(recipe)), "turn": i, "depends_on": turn.depends_on,
-            "response": run["text"], "tokens": run["tokens"], "score": score_turn(turn, run["text"]) if turn.scored else None,
-            "kv_bytes": run["kv_bytes"], "full_kv_bytes": full[i]["kv_bytes"], "history_tokens": run["history_tokens"],
-            "first_divergence": first_divergence(run["tokens"], full[i]["tokens"]),
-            "ttft_s": run["ttft_s"], "prefilled_tokens": run["prefilled_tokens"],
-            **{k: run[k] for k in PATTERN_FIGURES if k in run},
-        }
-        if forced is not None:
-            record["agreement"] = greedy_agreement(forced[i], full[i]["tokens"])
-            record["kl"] = mean_kl(full[i]["logprobs"], forced[i])
-        elif name == FULL:
-            record.update(agreement=1.0, kl=0.0)
-        records.append(record)
-    return records
 
 
 def _free_run(llm, inst: Instance, recipe, config, keep_logprobs: bool = False) -> list[dict]:
@@ -97,17 +319,6 @@ def _free_run(llm, inst: Instance, recipe, config, keep_logprobs: bool = False) 
         return out
     finally:
         conv.close()
-
-
-PATTERN_FIGURES = ("density", "recovered_mass")  # what a sparse prefill computed, when the recipe has one
-
-
-def _pattern_figures(stats: list[dict]) -> dict:
-    """The turn's prefill density (computed / causal cells) and LoopServe's recovered mass."""
-    prefill = [entry["prefill"] for entry in stats if "prefill" in entry]
-    if not prefill:
-        return {}
-    return {k: prefill[-1][k] for k in PATTERN_FIGURES if k in prefill[-1]}
 
 
 def _forced_run(llm, inst: Instance, recipe, answers: list[list[int]]) -> list:

@@ -35,6 +35,22 @@ def _fmt(x, digits=3):
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def _runs(runs: list[dict]) -> list[str]:
+    """What each invocation that ran conversations took (a resumed run has several)."""
+    if not runs:
+        return []
+    lines = ["Runs (wall time of each invocation that ran conversations):", ""]
+    for r in runs:
+        how = (f"{r.get('workers', 1)} worker(s), batches of {r.get('batch')} recipes" if r.get("lockstep", True)
+               else "one conversation at a time")
+        lines.append(f"- {r['started']}: {r['conversations']} conversations in {r['wall_s'] / 60:.1f} min "
+                     f"({how}; {r.get('machine', '')})")
+    total = sum(r["wall_s"] for r in runs)
+    conversations = sum(r["conversations"] for r in runs)
+    lines += ["", f"Total wall time: {total / 60:.1f} min for {conversations} conversations.", ""]
+    return lines
+
+
 def write_report(records: list[dict], out_dir: str | Path, header: dict) -> dict:
     """JSON summary, a Markdown report and PNG plots in out_dir; returns the summary."""
     out_dir = Path(out_dir)
@@ -50,6 +66,7 @@ def write_report(records: list[dict], out_dir: str | Path, header: dict) -> dict
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     lines = [f"# turnkv bench quality: {header.get('model', '')}", "",
              f"Command: `{header.get('command', '')}`", "", f"Settings: {json.dumps(header.get('settings', {}))}", "",
+             *_runs(header.get("runs") or []),
              "Score: the task metric per turn (mean). Agreement: teacher-forced top-1 agreement with the full-cache "
              "run's answer. KL: mean KL(full || recipe) along it. KV: bytes held after the turn against the full "
              "cache's. Density: the share of causal attention cells a sparse prefill computed. TTFT: seconds to "

@@ -1,0 +1,494 @@
+"""Conversations driven a turn at a time and several together, for the quality runner.
+
+On a CPU, decoding one conversation reads every weight of the model for one token (about 50 ms a
+token for SmolLM2-135M on one core, bound by memory bandwidth); a batch of 16 conversations reads them
+once for 16 tokens. The quality suite runs dozens of recipes over the same conversation, so it
+drives them together: each conversation prefills its own prompt (prefill is compute-bound, nothing
+to share), then every unfinished one decodes in lockstep, one batched step
+(`ModelRunner.decode(seqs, tokens, windows=..., selectors=...)`) per token for each kind of step
+(plain, H2O's attention accumulation, decode selection), with each conversation's recipe hooks
+called as the engine's decode loop calls them.
+
+Three exact shortcuts on top, each only where it cannot change what is computed:
+
+- Teacher forcing without decode hooks (`chunkable`): feeding a reference answer token by token and
+  prefilling it as one chunk with every position's logits are the same computation (dense causal
+  attention over the same keys, the same queries recorded in the observation window, the same
+  attention mass accumulated), so a forced turn of such a recipe is one forward, not 48. Recipes
+  whose decode differs from a dense prefill (decode selection, eviction on the decode schedule,
+  streaming heads trimmed every step) are forced step by step, in the batch.
+- Forking at the first divergence: a recipe's free run and its teacher-forced run are the same
+  computation until the free run's greedy token first differs from the reference answer. The free
+  run keeps its log-probs while they agree; at the first difference the conversation is cloned
+  (KV, observation window, attention mass, decode selection state, the recipe's bookkeeping) and the
+  clone continues on the reference answer. A recipe that reproduces the full cache's answers needs
+  no forced run at all. A recipe whose state cannot be cloned (LServe's page selection, reused across
+  steps by page id) replays its forced run from the first turn afterwards, only if it diverged.
+- A shared first prompt: the first turn's prompt (system prompt and first message) is the same for
+  every recipe with a dense prefill; it is prefilled once per accumulation mode and copied into each
+  conversation's KV with the queries its window would have recorded.
+
+What is not exact: a batched decode step multiplies a [B, hidden] activation where one conversation
+alone multiplies [1, hidden], so logits differ by float rounding (about 1e-6 relative), which can flip
+a greedy choice between two near-tied tokens. tests/bench/test_lockstep.py checks each path against
+the engine's own conversations.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import torch
+
+from turnkv.engine.conversation import Conversation, Turn
+from turnkv.engine.observe import QueryWindow
+from turnkv.kv.snapshot import export_kv, import_kv
+
+
+def chunkable(recipe) -> bool:
+    """Whether a forced answer may be prefilled as one chunk: the recipe does nothing per decode step
+    (no selection, no decode-schedule eviction, no streaming-head trim)."""
+    if recipe.selects_decode or recipe.static_sparsity is not None:
+        return False
+    return recipe.evict is None or recipe.evict.schedule != "decode"
+
+
+def _plain_window(window) -> bool:
+    return window is None or type(window) is QueryWindow
+
+
+def _decode_kind(state) -> str | None:
+    """How a decode-selection state can be carried into a copy of its conversation: "none" (no
+    selection), "copy" (LoopServe's progressive selection: queries and picks by entry index, which a
+    copied KV keeps), "fresh" (a page selection made afresh at every step, Quest's: only statistics
+    that a copy rebuilds from its own pages), or None (a selection reused across steps by page id:
+    LServe's, which a copy of the KV in other pages would not find)."""
+    from turnkv.methods.loopserve.decode import ProgressiveSelection
+    from turnkv.methods.lserve.decode import PagedSelection
+
+    if state is None:
+        return "none"
+    if type(state) is ProgressiveSelection and state.graph_record is None:
+        return "copy"
+    if type(state) is PagedSelection and state.static is None and state.selector.config.reuse_interval == 1:
+        return "fresh"
+    return None
+
+
+def forkable(conv: Conversation) -> bool:
+    """Whether a conversation can be cloned mid-turn and continued on a forced answer: its state is
+    the KV, a plain observation window, the recipe's bookkeeping and a decode selection state that a
+    copy can carry (_decode_kind). Streaming heads re-check a copied KV against the pool's positions
+    before they trim it (methods/lserve/streaming.py), as after a restore."""
+    st = conv.method_state
+    return _plain_window(st.window) and _decode_kind(st.decode) is not None
+
+
+def _shares_first_prompt(conv: Conversation) -> bool:
+    st = conv.method_state
+    return not conv.recipe.sparse_prefill and _plain_window(st.window) and _decode_kind(st.decode) is not None
+
+
+class SharedPrompt:
+    """The first turn's prompt prefilled once (per attention-accumulation mode) and copied into every
+    conversation with a dense prefill: KV rows, the queries an observation window keeps, the
+    attention mass H2O accumulates, and the last position's logits. Bit-identical to prefilling it in
+    each conversation: the same forward on the same tokens."""
+
+    def __init__(self, llm, keep: int = 4):
+        self.llm, self.keep = llm, keep
+        # (prompt, accumulate) -> (meta, tensors, queries, positions, logits, seconds), the newest last
+        self._done: dict[tuple, tuple] = {}
+
+    def get(self, prompt: list[int], accumulate: bool):
+        key = (tuple(prompt), accumulate)
+        entry = self._done.pop(key, None)
+        if entry is None:
+            from turnkv.kv.sequence import SequenceKV
+
+            seq = SequenceKV(self.llm.pool)
+            window = QueryWindow(self.llm.config.num_layers, len(prompt))  # every query: each copy takes its tail
+            try:
+                t0 = time.perf_counter()
+                logits = self.llm.runner.prefill(seq, prompt, window=window, accumulate=accumulate)
+                seconds = time.perf_counter() - t0
+                meta, tensors = export_kv(seq)
+            finally:
+                seq.free()
+            entry = (meta, tensors, window.queries, window.positions, logits, seconds)
+        self._done[key] = entry
+        while len(self._done) > self.keep:
+            self._done.pop(next(iter(self._done)))
+        return entry
+
+    def copy_into(self, conv: Conversation, prompt: list[int]):
+        """Fill an empty conversation's KV and window as prefilling `prompt` would; returns (logits,
+        seconds the shared prefill took)."""
+        meta, tensors, queries, positions, logits, seconds = self.get(prompt, conv.recipe.accumulates_attention)
+        import_kv(conv.kv, meta, tensors)
+        st = conv.method_state
+        if st.window is not None:
+            size = st.window.size
+            st.window.restore(([q[-size:].clone() for q in queries], [p[-size:].clone() for p in positions]))
+        if st.decode is not None:
+            # What the prefill's forward shows a decode selection: a prefill began (a new turn), then
+            # every layer's queries. Page statistics (Quest, LServe) are rebuilt from the copied pages
+            # at the first decode step, as after any prefill of a new sequence.
+            st.decode.begin(False)
+            for layer, (q, p) in enumerate(zip(queries, positions)):
+                st.decode.observe(layer, q, p)
+        return logits, seconds
+
+
+class PendingTurn:
+    """A turn whose prompt is prefilled and whose first token is taken; decode_together() finishes
+    its generation, finish() closes the turn as Conversation._run_turn does."""
+
+    def __init__(self, conv, gen, prompt, cached, keep, new_ids, messages, full_text, turn, system_end, window_before):
+        self.conv, self.gen, self.prompt = conv, gen, prompt
+        self.cached, self.keep, self.new_ids = cached, keep, new_ids
+        self.messages, self.full_text, self.turn, self.system_end = messages, full_text, turn, system_end
+        self.window_before = window_before
+        self.ttft_s: float | None = None
+        self.watch = None  # called as watch(pending, index, token, logits_row) before a token is accepted
+        self.finished = False
+
+    @property
+    def state(self):
+        return self.conv.method_state
+
+    def take(self, logits: torch.Tensor) -> None:
+        """Sample (or force) the next token from its logits and accept it."""
+        gen = self.gen
+        token = gen.sample(logits)
+        if self.watch is not None:
+            self.watch(self, len(gen.token_ids), token, logits)
+        gen.accept(token)
+
+    def force_rest_as_chunk(self) -> None:
+        """Teacher forcing of a chunkable recipe: the rest of the forced answer in one forward."""
+        gen, conv = self.gen, self.conv
+        rest = gen.forced[len(gen.token_ids):]
+        if gen.done or not rest:
+            return
+        # In the KV: the last accepted token, then every forced token but the last (whose logits
+        # nobody reads), exactly what the decode steps would have fed.
+        feed = gen.token_ids[-1:] + rest[:-1]
+        st = self.state
+        logits = conv.llm.runner.prefill(conv.kv, feed, all_logits=True, window=st.window,
+                                         accumulate=conv.recipe.accumulates_attention)
+        for i, row in enumerate(logits):
+            self.take(row)
+            if gen.done and i != len(feed) - 1:
+                raise RuntimeError("a forced answer stopped before its end (an EOS inside it?)")
+        if not gen.done:
+            raise RuntimeError("a forced answer did not end with its last token")
+
+    def finish(self) -> None:
+        """Close the turn: the recipe's turn-end hook, then the conversation's history, as the engine."""
+        conv, gen = self.conv, self.gen
+        conv.recipe.at_turn_end(conv.kv, conv.method_state, conv.llm.model.inv_freq, self.turn)
+        reply = gen.reply(prompt_tokens=len(self.prompt), cached_tokens=self.cached)
+        conv.tokens = conv.tokens[: self.keep] + self.new_ids + reply.token_ids
+        conv.text = self.full_text + conv.llm.tokenizer.decode(reply.token_ids, skip_special_tokens=False)
+        conv.messages = [*self.messages, {"role": "assistant", "content": reply.text}]
+        conv.turns.append(Turn(self.cached, self.keep + len(self.new_ids), len(conv.tokens), reply, self.system_end))
+        conv.last_reply = reply
+        conv.llm.state.after_turn(conv)
+        self.finished = True
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.conv._roll_back(self.cached, self.window_before)
+            self.conv.llm.state.abort_turn(self.conv)
+            self.finished = True
+
+
+class LockstepConversation(Conversation):
+    """A Conversation whose turns are opened with begin() and decoded by decode_together()."""
+
+    _begin: dict | None = None
+
+    def begin(self, message: str, max_new_tokens: int, force: list[int] | None = None, logprobs: bool = False,
+              shared: SharedPrompt | None = None, watch=None) -> PendingTurn:
+        """Render the turn, prefill its prompt (from `shared` on a first turn that may take it), run the
+        recipe's after-prompt hook and take the first token. A forced turn of a chunkable recipe is
+        complete on return. `watch` sees every token before it is accepted (see PendingTurn)."""
+        self._begin = {"shared": shared, "watch": watch}
+        try:
+            # Conversation.stream renders and checks the turn and hands over to _run_turn (below).
+            return self.stream(message, force=force, logprobs=logprobs, max_new_tokens=max_new_tokens)
+        finally:
+            self._begin = None
+
+    def _run_turn(self, messages, full_text, keep, new_ids, gen, boundaries, has_context) -> PendingTurn:
+        # Conversation._run_turn up to the first token, for a message without a separate context.
+        if has_context or self._begin is None:
+            raise NotImplementedError("lockstep turns are opened with begin(message)")
+        shared, watch = self._begin["shared"], self._begin["watch"]
+        self.llm.state.before_turn(self, len(new_ids) + gen.params.max_new_tokens)
+        self._roll_back_to_reusable(keep)
+        cached = self.kv.next_position
+        prompt = self.tokens[cached:keep] + new_ids
+        recipe, st, inv_freq = self.recipe, self.method_state, self.llm.model.inv_freq
+        turn = len(self.turns) + 1
+        system_end = boundaries[0] if (not self.turns and self.system and boundaries) else 0
+        segment_end = cached if self.turns else system_end
+        window_before = st.window.snapshot() if st.window is not None else None
+        pending = PendingTurn(self, gen, prompt, cached, keep, new_ids, messages, full_text, turn, system_end,
+                              window_before)
+        pending.watch = watch
+        try:
+            t0 = time.perf_counter()
+            before = 0.0
+            if shared is not None and cached == 0 and not self.turns and _shares_first_prompt(self):
+                logits, before = shared.copy_into(self, prompt)
+            else:
+                logits = self.llm.runner.prefill(self.kv, prompt, window=st.window,
+                                                 accumulate=recipe.accumulates_attention,
+                                                 pattern=recipe.pattern_hook(st), selector=st.decode)
+            recipe.after_prompt(self.kv, st, segment_end, inv_freq, turn)
+            pending.take(logits)
+            # A shared prompt's TTFT is what prefilling it took, plus this conversation's own work.
+            pending.ttft_s = time.perf_counter() - t0 + before
+            if gen.forced is not None and chunkable(recipe):
+                pending.force_rest_as_chunk()
+        except BaseException:
+            pending.abort()
+            raise
+        return pending
+
+    def fork(self, pending: PendingTurn, forced: list[int], logprobs: list[torch.Tensor]) -> PendingTurn:
+        """A clone of this conversation at the current point of `pending` (every token accepted so far
+        agreeing with `forced`), continued on `forced` as teacher forcing. `logprobs` are the kept
+        log-probs of the accepted tokens. Returns the clone's turn, not yet at its end."""
+        if not forkable(self):
+            raise ValueError(f"a conversation with recipe {self.recipe} cannot be forked")
+        twin = LockstepConversation(self.llm, self.system, self.recipe)
+        import_kv(twin.kv, *export_kv(self.kv))
+        st, tw = self.method_state, twin.method_state
+        if st.window is not None:
+            tw.window.restore(st.window.snapshot())
+        if _decode_kind(st.decode) == "copy":
+            tw.decode = copy.deepcopy(st.decode)
+        tw.frozen_upto, tw.since_compression = st.frozen_upto, st.since_compression
+        tw.log, tw.stats, tw.pattern_stats = list(st.log), list(st.stats), list(st.pattern_stats)
+        # The history as it was before this turn (a conversation updates it when the turn ends).
+        twin.messages, twin.tokens, twin.text = list(self.messages), list(self.tokens), self.text
+        twin.turns, twin.last_reply = list(self.turns), self.last_reply
+        twin.llm.state.before_turn(twin, 0)
+        gen = self.llm.new_generation(twin.kv, self.llm.sampling_params(max_new_tokens=len(forced)), forced=forced,
+                                      keep_logprobs=True)
+        done = len(pending.gen.token_ids)
+        for token in pending.gen.token_ids:
+            gen.accept(token)
+        gen.logprobs = list(logprobs[:done])
+        out = PendingTurn(twin, gen, pending.prompt, pending.cached, pending.keep, pending.new_ids, pending.messages,
+                          pending.full_text, pending.turn, pending.system_end, None)
+        out.ttft_s = pending.ttft_s
+        out.watch = None
+        return out
+
+
+def _kind(p: PendingTurn) -> tuple[bool, bool]:
+    return p.conv.recipe.accumulates_attention, p.state.decode is not None
+
+
+def decode_together(llm, pendings: list[PendingTurn], max_batch: int = 32) -> None:
+    """Decode every unfinished generation of `pendings` to its end, one batched forward per step for
+    each kind of step (plain; H2O's accumulation; decode selection) and at most max_batch rows each.
+    Per conversation, as the engine's one-at-a-time loop: the step, the recipe's after-decode hook,
+    then the token."""
+    inv_freq = llm.model.inv_freq
+    while True:
+        active = [p for p in pendings if not p.gen.done]
+        if not active:
+            return
+        kinds: dict[tuple, list[PendingTurn]] = {}
+        for p in active:
+            kinds.setdefault(_kind(p), []).append(p)
+        for (accumulate, _), group in kinds.items():
+            for start in range(0, len(group), max_batch):
+                batch = group[start : start + max_batch]
+                logits = llm.runner.decode([p.conv.kv for p in batch],
+                                           llm.token_tensor([p.gen.token_ids[-1] for p in batch]),
+                                           windows=[p.state.window for p in batch], accumulate=accumulate,
+                                           selectors=[p.state.decode for p in batch])
+                for row, p in zip(logits, batch):
+                    p.conv.recipe.after_decode_step(p.conv.kv, p.state, inv_freq, p.turn)
+                    p.take(row)
+
+
+class Track:
+    """One recipe through one instance's turns: its free run (greedy, its own answers in the history)
+    and, given the reference run's answers, its teacher-forced run along them.
+
+    While the free run has reproduced every reference token it is the forced run (its log-probs are
+    the forced ones). At the first difference a forkable free run is cloned and the clone goes on as
+    the forced run (its forced turns one chunk each where the recipe allows). A recipe that cannot be
+    forked marks the turn instead (`replay_from`): its forced run is made afterwards by replay(), a
+    forced conversation from the first turn, whose figures from that turn on replace the missing
+    ones. Most recipes that do not evict reproduce the reference, and then need no forced run at all.
+
+    outputs[t]: the free run's turn (reply text and tokens, KV bytes, history length, TTFT, prefilled
+    tokens, the prefill pattern's figures), its log-probs with keep_logprobs, and given a reference,
+    measure(t, the forced run's log-probs along it) merged in (or those log-probs as "forced")."""
+
+    def __init__(self, llm, system: str | None, recipe, messages: list[str], max_new_tokens: int,
+                 reference: list[list[int]] | None = None, keep_logprobs: bool = False,
+                 shared: SharedPrompt | None = None, measure=None):
+        self.llm, self.system, self.messages, self.max_new_tokens = llm, system, messages, max_new_tokens
+        self.measure = measure  # measure(turn, forced log-probs) -> figures kept instead of the log-probs
+        self.reference, self.keep_logprobs, self.shared = reference, keep_logprobs, shared
+        self.free = LockstepConversation(llm, system, recipe)
+        self.forced: LockstepConversation | None = None
+        self.merged = reference is not None
+        self.replay_from: int | None = None  # the turn a forced run must be replayed from
+        self.outputs: list[dict] = []
+        self._free_turn = self._forced_turn = None
+        self._seen = 0
+        self.sink: list | None = None  # the turns decoding now, which a fork joins (run_tracks sets it)
+
+    def begin(self, t: int) -> list[PendingTurn]:
+        """Open turn t; returns the turns that still decode."""
+        message = self.messages[t]
+        self._seen = len(self.free.method_stats)
+        self._forced_turn, self.sink = None, None
+        if self.merged:
+            self._ref = self.reference[t]
+            self._free_turn = self.free.begin(message, self.max_new_tokens, logprobs=True, shared=self.shared,
+                                              watch=self._watch)
+        else:
+            self._free_turn = self.free.begin(message, self.max_new_tokens, logprobs=self.keep_logprobs,
+                                              shared=self.shared)
+            if self.forced is not None:
+                ref = self.reference[t]
+                self._forced_turn = self.forced.begin(message, len(ref), force=ref, logprobs=True, shared=self.shared)
+        return [p for p in (self._free_turn, self._forced_turn) if p is not None and not p.gen.done]
+
+    def _watch(self, pending: PendingTurn, index: int, token: int, row) -> None:
+        if not self.merged or (index < len(self._ref) and token == self._ref[index]):
+            return
+        if index >= len(self._ref):  # cannot be: the reference stopped there (EOS or length), so did this run
+            raise RuntimeError("a free run went on past the end of the reference answer it reproduced")
+        # The first difference from the reference: the forced run goes on from here on its own.
+        self.merged = False
+        if not self.keep_logprobs:
+            logprobs, pending.gen.logprobs = pending.gen.logprobs, None  # the free run's are not needed any more
+        else:
+            logprobs = pending.gen.logprobs
+        if not forkable(self.free):
+            self.replay_from = pending.turn - 1
+            return
+        twin = self.free.fork(pending, self._ref, logprobs)
+        twin.take(row)
+        if chunkable(twin.conv.recipe):
+            twin.force_rest_as_chunk()
+        elif not twin.gen.done and self.sink is not None:
+            self.sink.append(twin)  # decodes step by step from the next step on, in the batch
+        self._forced_turn, self.forced = twin, twin.conv
+
+    def end(self, t: int) -> None:
+        """Close turn t (after decode_together) and record it."""
+        free = self._free_turn
+        free.finish()
+        reply, conv = free.conv.last_reply, self.free
+        out = {"text": reply.text, "tokens": reply.token_ids, "kv_bytes": conv.kv_bytes,
+               "history_tokens": len(conv.tokens), "ttft_s": free.ttft_s, "prefilled_tokens": reply.prompt_tokens,
+               **_pattern_figures(conv.method_stats[self._seen:])}
+        if self.keep_logprobs:
+            out["logprobs"] = reply.logprobs
+        if self.reference is not None and self.replay_from is None:
+            forced = reply  # merged through this turn: the free run was the forced run
+            if self._forced_turn is not None:
+                self._forced_turn.finish()
+                forced = self._forced_turn.conv.last_reply
+            self._record_forced(out, t, forced)
+        if not self.keep_logprobs:
+            reply.logprobs = None
+        self.outputs.append(out)
+        self._free_turn = self._forced_turn = None
+
+    def _record_forced(self, out: dict, t: int, reply) -> None:
+        if self.measure is not None:  # the figures only: [tokens, V] log-probs add up over a run
+            out.update(self.measure(t, reply.logprobs))
+        else:
+            out["forced"] = reply.logprobs
+        reply.logprobs = None
+
+    def replay(self) -> _Replay | None:
+        """The forced run this track still owes (see replay_from), to run with run_tracks; it fills
+        in this track's outputs from that turn on. None when none is owed."""
+        if self.replay_from is None:
+            return None
+        return _Replay(self)
+
+    def abort(self) -> None:
+        for p in (self._free_turn, self._forced_turn):
+            if p is not None:
+                p.abort()
+
+    def close(self) -> None:
+        for conv in (self.free, self.forced):
+            if conv is not None:
+                conv.close()
+
+
+class _Replay:
+    """A track's forced run from the first turn, step by step in the batch (run_tracks drives it)."""
+
+    def __init__(self, track: Track):
+        self.track = track
+        self.conv = LockstepConversation(track.llm, track.system, track.free.recipe)
+        self.sink = None
+        self._turn = None
+
+    def begin(self, t: int) -> list[PendingTurn]:
+        tr = self.track
+        ref = tr.reference[t]
+        self._turn = self.conv.begin(tr.messages[t], len(ref), force=ref, logprobs=t >= tr.replay_from,
+                                     shared=tr.shared)
+        return [] if self._turn.gen.done else [self._turn]
+
+    def end(self, t: int) -> None:
+        self._turn.finish()
+        if t >= self.track.replay_from:
+            self.track._record_forced(self.track.outputs[t], t, self.conv.last_reply)
+        self._turn = None
+
+    def abort(self) -> None:
+        if self._turn is not None:
+            self._turn.abort()
+
+    def close(self) -> None:
+        self.conv.close()
+
+
+PATTERN_FIGURES = ("density", "recovered_mass")  # what a sparse prefill computed, when the recipe has one
+
+
+def _pattern_figures(stats: list[dict]) -> dict:
+    """The turn's prefill density (computed / causal cells) and LoopServe's recovered mass."""
+    prefill = [entry["prefill"] for entry in stats if "prefill" in entry]
+    if not prefill:
+        return {}
+    return {k: prefill[-1][k] for k in PATTERN_FIGURES if k in prefill[-1]}
+
+
+def run_tracks(llm, tracks: list[Track], turns: int, max_batch: int = 32) -> None:
+    """Every track through `turns` turns together: each turn's prompts prefilled one by one, then every
+    generation decoded in lockstep (decode_together). The tracks' conversations stay open."""
+    for t in range(turns):
+        pendings = []
+        try:
+            for track in tracks:
+                pendings += track.begin(t)
+            for track in tracks:
+                track.sink = pendings
+            decode_together(llm, pendings, max_batch)
+            for track in tracks:
+                track.end(t)
+        except BaseException:
+            for track in tracks:
+                track.abort()
+            raise
