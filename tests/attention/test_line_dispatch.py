@@ -1,6 +1,6 @@
-"""Which path lines.line_attention takes on a GPU: the kernel for line sets with at most one run of
-consecutive slash offsets per unit, the reference path otherwise (the kernel miscounts scattered
-slashes when compiled for a GPU; see the comment in line_attention). Simulated on CPU by making
+"""Which path lines.line_attention takes on a GPU: the kernel for every line set in the kernel's layout,
+a local window of slashes and scattered slashes alike (scattered slashes once took the reference path,
+until the kernel's GPU defect with several slash segments was fixed). Simulated on CPU by making
 uses_kernel answer as it does on CUDA."""
 
 from __future__ import annotations
@@ -41,9 +41,18 @@ def test_a_window_of_slashes_takes_the_kernel(monkeypatch):
     assert _run(monkeypatch, keys, slash) == 1
 
 
-def test_scattered_slashes_take_the_reference_path(monkeypatch):
+def test_scattered_slashes_take_the_kernel(monkeypatch):
     keys = _keys()
     slash = torch.zeros(4, keys.end_position, dtype=torch.bool)
     slash[:, :8] = True
-    slash[:, 50] = True  # a second run: the GPU kernel is not trusted with it
+    slash[:, 50] = True  # a second run of offsets: a second segment for the kernel
+    assert _run(monkeypatch, keys, slash) == 1
+
+
+def test_an_evicted_layout_takes_the_reference_path(monkeypatch):
+    keys = _keys()
+    keys = lines.Keys(keys.q, keys.k, keys.v, keys.q_pos, keys.k_pos.flip(-1), None, keys.first_position,
+                      keys.end_position)  # entries no longer at their own positions
+    slash = torch.zeros(4, keys.end_position, dtype=torch.bool)
+    slash[:, :8] = True
     assert _run(monkeypatch, keys, slash) == 0

@@ -311,15 +311,8 @@ def line_attention(keys: Keys, vertical: torch.Tensor, slash: torch.Tensor, per_
             q_start, kv_len = layout
             plan = kernel.Plan(vertical, slash, q_start, kv_len, keys.q.shape[2], keys.group, per_query_head,
                                keys.window, kernel.block_m_for(keys.q.dtype, config))
-            # Known defect, open: compiled for a GPU, the kernel miscounts cells when a unit's slashes
-            # form more than one run of consecutive offsets (scattered slashes; measured on an H200,
-            # relative error 2-5e-2 in fp32 and bf16), while the interpreter gives the exact answer on
-            # the same plan. One run (a local window of slashes, A-shape, streaming heads) and any
-            # vertical lines are exact on the GPU. Until that is found, such line sets take the
-            # reference path there; force_triton still runs the kernel (tests, the benchmark).
-            if force_triton or plan.max_segs <= 1:
-                out = kernel.line_attention(keys.q, keys.k, keys.v, plan, scale, config=config)
-                return (out, *contiguous_counts(keys, vertical, slash, per_query_head, q_start, kv_len))
+            out = kernel.line_attention(keys.q, keys.k, keys.v, plan, scale, config=config)
+            return (out, *contiguous_counts(keys, vertical, slash, per_query_head, q_start, kv_len))
     if mask_fn is None:
         mask_fn = lambda r: line_mask(keys, vertical, slash, per_query_head, r)  # noqa: E731
     return blockwise_attention(keys, mask_fn, scale)

@@ -17,7 +17,7 @@ One program = one (query block of BLOCK_M rows, batch, query head). Two passes o
    sweep with no per-line overhead. (Merging loses nothing: two runs at most BLOCK_M apart touch
    overlapping key ranges for BLOCK_M rows anyway, and it saves a loop iteration per scattered slash.)
    Segments are walked from the largest offset down, i.e. key ranges in ascending order, starting at
-   the last one that reaches the block's rows, and a block already visited is skipped (`next_blk`), so
+   the last one that reaches the block's rows, and a block already visited is skipped, so
    every block is read once. Inside a block a cell counts when its own offset is selected: when every
    offset the block's causal cells can have is selected (a prefix count of the flags says so in two
    loads) the block is "full" and needs only the causal mask; otherwise each cell's offset is looked
@@ -105,14 +105,24 @@ def _line_attention(
 
     # ---- 1. slash segments as ranges of key blocks --------------------------------------------
     n_segs = tl.load(seg_limit_ptr + unit * num_blocks_m + pid_m)  # segments with d0 <= last_row
-    next_blk = 0
     for i in range(0, n_segs):
         seg = unit * max_segs + n_segs - 1 - i  # largest offsets first = smallest keys first
         d0 = tl.load(seg_lo_ptr + seg)
         d1 = tl.load(seg_hi_ptr + seg)
         lo = tl.maximum(first_row - d1, 0)
         hi = tl.minimum(last_row - d0, key_hi)
-        blk_lo = tl.maximum(lo // BLOCK_N, next_blk)
+        # Skip the blocks the previous segment (the next larger offsets) already swept. Its range
+        # is recomputed from its own bounds rather than carried in a loop variable: compiled for a
+        # GPU (Triton 3.6), a scalar carried across this loop and updated after the inner loop kept
+        # its initial value, so blocks were read twice (measured on an H100; the interpreter was exact).
+        # Ranges ascend with the visiting order, so the previous segment's is the furthest one yet.
+        has_prev = i > 0
+        p0 = tl.load(seg_lo_ptr + seg + 1, mask=has_prev, other=0)
+        p1 = tl.load(seg_hi_ptr + seg + 1, mask=has_prev, other=0)
+        p_lo = tl.maximum(first_row - p1, 0)
+        p_hi = tl.minimum(last_row - p0, key_hi)
+        prev_blk = tl.where(has_prev & (p_hi >= p_lo), p_hi // BLOCK_N, -1)
+        blk_lo = tl.maximum(lo // BLOCK_N, prev_blk + 1)
         blk_hi = tl.where(hi >= lo, hi // BLOCK_N, -1)
         for j in range(blk_lo, blk_hi + 1):
             c_lo = j * BLOCK_N
@@ -134,7 +144,6 @@ def _line_attention(
             k = tl.load(k_base + c[:, None] * stride_ks + d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
             v = tl.load(v_base + c[:, None] * stride_vs + d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
             m, l, acc = _accumulate(m, l, acc, q, k, v, keep, scale_log2, PRECISION)
-        next_blk = tl.maximum(next_blk, blk_hi + 1)
 
     # ---- 2. vertical columns, gathered, minus the cells already on a selected slash -----------
     n_vert = tl.load(vlimit_ptr + unit * num_blocks_m + pid_m)  # columns <= last_row
