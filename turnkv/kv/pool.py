@@ -130,6 +130,11 @@ class PagePool:
             self.k[layer].view(-1, D).index_copy_(0, slots, k.to(self.dtype))
             self.v[layer].view(-1, D).index_copy_(0, slots, v.to(self.dtype))
             return
+        if _fused_quantize(k) and k.stride(-1) == 1 and v.stride(-1) == 1:
+            from turnkv.kv.quant_write import quantize_write
+
+            quantize_write(k, v, slots, self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer])
+            return
         for store, scales, rows in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             codes, s = quant.quantize(rows, self.kv_dtype)
             quant.raw(store[layer]).view(-1, D).index_copy_(0, slots, quant.raw(codes))
@@ -201,3 +206,11 @@ class PagePool:
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] as this pool would give it back after a write (itself when not quantized)."""
         return quant.round_trip(x, self.kv_dtype) if self.quantized else x
+
+
+def _fused_quantize(rows: torch.Tensor) -> bool:
+    """Whether a quantized write takes the one-launch Triton kernel (turnkv/kv/quant_write.py): where
+    the decoder's fused ops run (CUDA, or forced for tests; see turnkv/model/ops.py)."""
+    from turnkv.model import ops
+
+    return ops.use_kernels(rows)

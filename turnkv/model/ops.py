@@ -38,7 +38,7 @@ def _kernels():
     return dict(gemv=gemv, norm=norm, rope=rope, activation=activation)
 
 
-def _use_kernels(t: torch.Tensor) -> bool:
+def use_kernels(t: torch.Tensor) -> bool:
     if not ENABLED or torch.is_grad_enabled():
         return False
     return (t.device.type == "cuda" or FORCE) and _kernels() is not None
@@ -48,7 +48,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear; over at most SKINNY_MAX_ROWS rows on CUDA, the skinny matmul."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
-    if 0 < rows <= SKINNY_MAX_ROWS and _use_kernels(x) and weight.is_contiguous() and x.dtype == weight.dtype:
+    if 0 < rows <= SKINNY_MAX_ROWS and use_kernels(x) and weight.is_contiguous() and x.dtype == weight.dtype:
         flat = x.reshape(rows, K)  # a view for the decoder's inputs, down_proj's strided gate half too
         if flat.stride(1) == 1:
             return _kernels()["gemv"].skinny_matmul(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
@@ -65,7 +65,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """residual += x (in place); returns rms_norm(residual) * weight."""
     H = x.shape[-1]
-    if _use_kernels(x) and x.shape == residual.shape and x.dtype == residual.dtype and x.is_contiguous() \
+    if use_kernels(x) and x.shape == residual.shape and x.dtype == residual.dtype and x.is_contiguous() \
             and residual.is_contiguous():
         out = _kernels()["norm"].add_rms_norm(x.view(-1, H), residual.view(-1, H), weight, eps)
         return out.view(x.shape)
@@ -82,7 +82,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def rotate_heads(qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on heads [0, num_heads) of qkv [B, T, H, D] -> [B, T, num_heads, D]: rotated in place by
     the kernel, or a rotated copy by the torch path (whose qkv is left as it was)."""
-    if _use_kernels(qkv) and qkv.stride(3) == 1 and cos.stride(3) == 1 and cos.stride() == sin.stride() \
+    if use_kernels(qkv) and qkv.stride(3) == 1 and cos.stride(3) == 1 and cos.stride() == sin.stride() \
             and cos.shape[0] in (1, qkv.shape[0]) and cos.shape[1] == qkv.shape[1] and cos.dtype == qkv.dtype:
         return _kernels()["rope"].rope_in_place(qkv, num_heads, cos, sin)
     return apply_rope(qkv[:, :, :num_heads], cos, sin)
@@ -90,7 +90,7 @@ def rotate_heads(qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torc
 
 def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
     """gate_up [..., 2 I] -> silu(gate) * up [..., I], written over the gate half (no new buffer)."""
-    if _use_kernels(gate_up) and gate_up.is_contiguous():
+    if use_kernels(gate_up) and gate_up.is_contiguous():
         flat = gate_up.view(-1, 2 * intermediate)
         out = _kernels()["activation"].silu_mul_in_place(flat, intermediate)
         return out.view(*gate_up.shape[:-1], intermediate)
