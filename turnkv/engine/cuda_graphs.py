@@ -280,5 +280,6 @@ class GraphedDecode:
         """Hand the step's queries to the observation windows of the conversations that keep one."""
         for b, (seq, window) in enumerate(zip(seqs, windows)):
             if window is not None:
-                position = torch.tensor([seq.next_position - 1], device=self.pool.device)
-                window.record_all(self.queries[:, b, None], position)
+                # The position stays on the host until the window files its pending steps: a
+                # pageable upload here would wait for the step in flight (decode runs one ahead).
+                window.record_all(self.queries[:, b, None], torch.tensor([seq.next_position - 1]))

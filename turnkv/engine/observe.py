@@ -37,7 +37,8 @@ class QueryWindow:
         self._file(layer, q, positions)
 
     def record_all(self, q: torch.Tensor, positions: torch.Tensor) -> None:
-        """Every layer's queries of one step: q [L, T, Hq, D], positions [T]."""
+        """Every layer's queries of one step: q [L, T, Hq, D], positions [T] (on q's device or on
+        the CPU: a decode step passes them from the host, which moves them at the next flush)."""
         self._pending.append((q.detach().clone(), positions.clone()))
         if len(self._pending) >= FLUSH_EVERY:
             self.flush()
@@ -47,7 +48,11 @@ class QueryWindow:
             return
         pending, self._pending = self._pending, []
         q = torch.cat([p[0] for p in pending], dim=1)
-        positions = torch.cat([p[1] for p in pending])
+        positions = torch.cat([p[1].cpu() if p[1].device != q.device else p[1] for p in pending])
+        if positions.device != q.device:
+            # From pinned memory, without waiting: a pageable copy would hold the host until the GPU
+            # finishes the step in flight, and decode runs a step ahead of the host (decode_loop.py).
+            positions = positions.pin_memory().to(q.device, non_blocking=True) if q.is_cuda else positions.to(q.device)
         for layer in range(q.shape[0]):
             self._file(layer, q[layer], positions)
 

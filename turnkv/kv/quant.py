@@ -61,7 +61,9 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     """Rows x [..., D] -> codes [..., D] in `dtype` (int8 or fp8 e4m3) and fp32 scales [...]."""
     q = QMAX[dtype]
     xf = x.float()
-    scale = xf.abs().amax(dim=-1) / q
+    # Times the reciprocal, as written: PyTorch's CUDA division by a scalar multiplies by the
+    # reciprocal anyway, so spelling it out gives CPU, CUDA and the fused write the same scales.
+    scale = xf.abs().amax(dim=-1) * (1.0 / q)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     y = (xf / safe[..., None]).clamp_(-q, q)
     codes = y.round_().to(torch.int8) if dtype == torch.int8 else y.to(dtype)

@@ -6,7 +6,7 @@ against ~12 ms for the whole step. Here one program per row computes the row's s
 stores both at the row's slot, for K and V together.
 
 The arithmetic is quant.quantize's, step for step, so both paths give the same codes and scales:
-IEEE divisions (div_rn), round-half-even for int8 by the 1.5 * 2**23 addition (exact for |y| < 2**22),
+the scale as max |x| times 1 / qmax, the codes by IEEE division (div_rn), round-half-even for int8 by the 1.5 * 2**23 addition (exact for |y| < 2**22),
 round-half-even onto e4m3's grid for fp8 (values already clamped to +-448), as torch's casts round.
 """
 
@@ -20,10 +20,10 @@ from turnkv.kv import quant
 
 
 @triton.jit
-def _quantize_row(x_ptr, dst_ptr, scale_ptr, slot, d, d_ok, QMAX: tl.constexpr, FP8: tl.constexpr,
-                  D: tl.constexpr):
+def _quantize_row(x_ptr, dst_ptr, scale_ptr, slot, d, d_ok, QMAX: tl.constexpr, QINV: tl.constexpr,
+                  FP8: tl.constexpr, D: tl.constexpr):
     x = tl.load(x_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
-    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=0), QMAX)
+    scale = tl.max(tl.abs(x), axis=0) * QINV
     safe = tl.where(scale > 0, scale, 1.0)
     y = tl.minimum(tl.maximum(tl.math.div_rn(x, safe), -QMAX), QMAX)
     if FP8:
@@ -48,13 +48,14 @@ def _quantize_row(x_ptr, dst_ptr, scale_ptr, slot, d, d_ok, QMAX: tl.constexpr, 
 
 @triton.jit
 def _quantize_write(k_ptr, v_ptr, slots_ptr, k_dst, v_dst, k_scale, v_scale, stride_k, stride_v,
-                    D: tl.constexpr, BLOCK_D: tl.constexpr, QMAX: tl.constexpr, FP8: tl.constexpr):
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, QMAX: tl.constexpr, QINV: tl.constexpr,
+                    FP8: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + row).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    _quantize_row(k_ptr + row * stride_k, k_dst, k_scale, slot, d, d_ok, QMAX, FP8, D)
-    _quantize_row(v_ptr + row * stride_v, v_dst, v_scale, slot, d, d_ok, QMAX, FP8, D)
+    _quantize_row(k_ptr + row * stride_k, k_dst, k_scale, slot, d, d_ok, QMAX, QINV, FP8, D)
+    _quantize_row(v_ptr + row * stride_v, v_dst, v_scale, slot, d, d_ok, QMAX, QINV, FP8, D)
 
 
 def quantize_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_store: torch.Tensor,
@@ -68,6 +69,7 @@ def quantize_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_stor
     dtype = k_store.dtype
     _quantize_write[(n,)](
         k, v, slots, quant.raw(k_store), quant.raw(v_store), k_scale, v_scale, k.stride(0), v.stride(0),
-        D=D, BLOCK_D=triton.next_power_of_2(D), QMAX=quant.QMAX[dtype], FP8=dtype == quant.FP8,
+        D=D, BLOCK_D=triton.next_power_of_2(D), QMAX=quant.QMAX[dtype], QINV=1.0 / quant.QMAX[dtype],
+        FP8=dtype == quant.FP8,
         num_warps=1 if D <= 128 else 2,
     )
