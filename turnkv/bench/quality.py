@@ -7,7 +7,7 @@ run with the full-cache run's answers teacher-forced, to measure how far its nex
 distributions drift from the full cache's along the same answer.
 
 How it runs (turnkv/bench/lockstep.py): the full-cache references run first, then the recipes'
-conversations in chunks of `batch` recipes (ordered by the kind of their decode step), prompts
+conversations in chunks of at most `batch` recipes with one kind of decode step, prompts
 prefilled one by one and decode steps batched; the teacher-forced run shares the free run's
 computation up to its first divergence from the reference, prefills forced answers as one chunk where
 the recipe does nothing per decode step, and the first prompt is prefilled once for every recipe with
@@ -108,13 +108,7 @@ def run_jobs(llm, jobs: list[tuple[Instance, str]], recipes: dict, config: Quali
                    for r in _records(llm, inst, FULL, recipes[FULL], reference[inst.id], reference[inst.id])]
         if records:
             write(records)
-    # Recipes whose decode steps are of one kind together (plain, H2O's accumulation, decode selection):
-    # each kind is its own forward per step, and a forward reads every weight however few rows it has.
-    order = {inst.id: i for i, inst in enumerate(instances)}
-    work = sorted(((inst, name) for inst, name in jobs if name != FULL),
-                  key=lambda job: (_step_kind(recipes[job[1]]), order[job[0].id]))
-    for start in range(0, len(work), batch):
-        chunk = work[start : start + batch]
+    for chunk in _chunks([job for job in jobs if job[1] != FULL], recipes, batch):
         tracks = []
         for inst, name in chunk:
             ref = [t["tokens"] for t in reference[inst.id]] if config.fidelity else None
@@ -123,7 +117,8 @@ def run_jobs(llm, jobs: list[tuple[Instance, str]], recipes: dict, config: Quali
         try:
             _run(llm, tracks, [inst for inst, _ in chunk], config)
             # The forced runs of recipes that diverged and cannot be forked, replayed together.
-            replays = [(track.replay(), inst) for track, (inst, _) in zip(tracks, chunk) if track.replay() is not None]
+            replays = [(replay, inst) for track, (inst, _) in zip(tracks, chunk)
+                       if (replay := track.replay()) is not None]
             try:
                 _run(llm, [r for r, _ in replays], [inst for _, inst in replays], config)
             finally:
@@ -134,6 +129,36 @@ def run_jobs(llm, jobs: list[tuple[Instance, str]], recipes: dict, config: Quali
                 track.close()
         write([r for (inst, name), track in zip(chunk, tracks)
                for r in _records(llm, inst, name, recipes[name], track.outputs, reference[inst.id])])
+
+
+def _chunks(work: list[tuple[Instance, str]], recipes: dict, batch: int) -> list[list[tuple[Instance, str]]]:
+    """The recipe jobs cut into chunks that run together: jobs whose decode steps are of one kind
+    (plain, H2O's accumulation, decode selection) together, since each kind is its own forward per
+    step and a forward costs about as much for 1 row as for 4 (on a CPU: 62 ms at 1 row, 230 ms at 16
+    for SmolLM2), and each kind's jobs cut into as few chunks of at most `batch` as possible, of
+    about equal sizes (a chunk of 2 rows after two of 16 would pay the small-batch price alone).
+    Within a kind, recipes that keep about as much KV go together: a batched decode step gathers
+    every row's keys padded to the longest row's."""
+    kinds: dict[tuple, list] = {}
+    for job in work:  # in the jobs' order (instance-major) within a kind
+        kinds.setdefault(_step_kind(recipes[job[1]]), []).append(job)
+    out = []
+    for kind in sorted(kinds):
+        jobs = sorted(kinds[kind], key=lambda job: _kv_share(recipes[job[1]]))  # stable: instance order kept
+        n = -(-len(jobs) // batch)
+        cuts = [round(i * len(jobs) / n) for i in range(n + 1)]
+        out += [jobs[a:b] for a, b in zip(cuts, cuts[1:])]
+    return out
+
+
+def _kv_share(recipe) -> float:
+    """About what share of the history the recipe keeps: its keep_ratio, 1 when it does not evict."""
+    from turnkv.methods.recipe import Recipe
+
+    r = recipe if isinstance(recipe, Recipe) else Recipe.parse(str(recipe))
+    if r.evict is None:
+        return 1.0
+    return r.evict.keep_ratio if r.evict.keep_ratio is not None else 0.0
 
 
 def _step_kind(recipe) -> tuple[bool, bool]:
