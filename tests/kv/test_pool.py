@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -86,9 +87,9 @@ def test_error_hierarchy():
 
 def test_allocate_hands_out_lowest_ids_first_per_layer():
     pool = make_pool(num_pages=6)
-    assert pool.allocate([2, 3]) == [[0, 1], [0, 1, 2]]
+    assert [p.tolist() for p in pool.allocate([2, 3])] == [[0, 1], [0, 1, 2]]
     assert free_counts(pool) == [4, 3]
-    assert pool.allocate([1, 0]) == [[2], []]
+    assert [p.tolist() for p in pool.allocate([1, 0])] == [[2], []]
     assert free_counts(pool) == [3, 3]
     assert pool.used_pages(0) == 3 and pool.used_pages(1) == 3
     assert pool.bytes_in_use() == 6 * pool.page_bytes
@@ -96,18 +97,18 @@ def test_allocate_hands_out_lowest_ids_first_per_layer():
 
 def test_allocate_zero_takes_nothing():
     pool = make_pool(num_pages=3)
-    assert pool.allocate([0, 0]) == [[], []]
+    assert [p.tolist() for p in pool.allocate([0, 0])] == [[], []]
     assert free_counts(pool) == [3, 3]
 
 
 def test_allocate_exact_capacity_then_full():
     pool = make_pool(num_pages=3)
-    assert pool.allocate([3, 3]) == [[0, 1, 2], [0, 1, 2]]
+    assert [p.tolist() for p in pool.allocate([3, 3])] == [[0, 1, 2], [0, 1, 2]]
     assert free_counts(pool) == [0, 0]
     assert pool.bytes_in_use() == pool.capacity_bytes()
     with pytest.raises(KVCacheFullError):
         pool.allocate([1, 0])
-    assert pool.allocate([0, 0]) == [[], []]
+    assert [p.tolist() for p in pool.allocate([0, 0])] == [[], []]
 
 
 def test_allocate_is_all_or_nothing_across_layers():
@@ -123,7 +124,7 @@ def test_allocate_is_all_or_nothing_across_layers():
     assert "layer 2 needs 3 pages and has 2 free" in message
     assert "5 pages of 4 tokens per layer" in message
     # nothing was taken: the next allocation continues with the same ids
-    assert pool.allocate([4, 4, 2]) == [[1, 2, 3, 4], [1, 2, 3, 4], [3, 4]]
+    assert [p.tolist() for p in pool.allocate([4, 4, 2])] == [[1, 2, 3, 4], [1, 2, 3, 4], [3, 4]]
     assert free_counts(pool) == [0, 0, 0]
 
 
@@ -137,22 +138,29 @@ def test_allocate_error_names_first_short_layer():
 def test_release_then_allocate_reuses_same_ids_in_same_order():
     pool = make_pool(num_pages=6)
     first = pool.allocate([4, 2])
-    assert first == [[0, 1, 2, 3], [0, 1]]
+    assert [p.tolist() for p in first] == [[0, 1, 2, 3], [0, 1]]
     pool.release(0, [1, 3])
     pool.release(1, torch.tensor([0, 1]))  # tensors are accepted too
     assert free_counts(pool) == [4, 6]
     assert pool.bytes_in_use() == 2 * pool.page_bytes
-    assert pool.allocate([2, 2]) == [[1, 3], [0, 1]]
-    assert pool.allocate([2, 0]) == [[4, 5], []]
+    assert [p.tolist() for p in pool.allocate([2, 2])] == [[1, 3], [0, 1]]
+    assert [p.tolist() for p in pool.allocate([2, 0])] == [[4, 5], []]
     assert free_counts(pool) == [0, 4]
 
 
-def test_release_stores_python_ints():
+def test_pages_are_int64_arrays_whatever_was_released():
     pool = make_pool(num_pages=4)
     pages = pool.allocate([2, 0])[0]
     pool.release(0, torch.tensor(pages))
     taken = pool.allocate([2, 0])[0]
-    assert taken == [0, 1] and all(type(p) is int for p in taken)
+    assert taken.dtype == np.int64 and taken.tolist() == [0, 1]
+
+
+def test_release_past_capacity_is_refused():
+    pool = make_pool(num_pages=2)
+    with pytest.raises(ValueError):
+        pool.release(0, [0])  # nothing was taken: a third free page cannot exist
+    assert free_counts(pool)[0] == 2
 
 
 # ---- write ------------------------------------------------------------------------------------

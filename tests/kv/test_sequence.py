@@ -132,7 +132,7 @@ def check_pool(pool: PagePool, seqs: list[SequenceKV]):
         # the free pages are exactly the ones nobody owns (allocate + release restores the stack)
         free = pool.allocate([pool.free_pages(l) if l == layer else 0 for l in range(pool.num_layers)])[layer]
         pool.release(layer, free)
-        assert sorted(free + owned) == list(range(pool.num_pages))
+        assert sorted(free.tolist() + owned) == list(range(pool.num_pages))
     assert pool.bytes_in_use() == sum(s.bytes() for s in seqs)
 
 

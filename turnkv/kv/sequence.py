@@ -145,7 +145,7 @@ class SequenceKV:
             self._table_device = None
         H = self.pool.num_kv_heads
         for layer, pages in enumerate(taken):
-            if not pages:
+            if len(pages) == 0:
                 continue
             heads = np.repeat(np.arange(H), needed[layer])
             first = np.repeat(self.num_pages[layer], needed[layer])
