@@ -76,7 +76,9 @@ def test_fused_write_equals_torch_path(kv, dtype, monkeypatch):
     assert not fused_pool.k_scale[1].view(-1).cpu()[~written].any()
     back = fused_pool.k[1].view(-1, D)[slots].float() * fused_pool.k_scale[1].view(-1)[slots][:, None]
     err = (back - k.float()).abs().amax(dim=1)
-    assert (err <= fused_pool.k_scale[1].view(-1)[slots] * (0.5 if kv == "int8" else 32)).all()
+    # Half a step for int8 (plus the float rounding of code * scale itself), 1/16 of 448 steps for e4m3.
+    bound = fused_pool.k_scale[1].view(-1)[slots] * (0.5 if kv == "int8" else 32) * (1 + 1e-5)
+    assert (err <= bound).all()
 
 
 def test_strided_rows(monkeypatch):
