@@ -322,15 +322,15 @@ class _PagedHandler(_Handler):
         lengths = g.lengths[layer, :batch]
         scores = graph_page_scores(q, self.summaries.kmax[layer], self.summaries.kmin[layer], g.tables[layer, :batch],
                                    lengths, self.num_phys, cfg, g.pool.page_size)  # [batch, R, num_phys]
-        top = scores.topk(min(self.K - 1, self.num_phys), dim=-1, sorted=False).indices.sort(dim=-1).values
-        if decode.uses_kernel(self.device):  # one kernel: commit the refreshed rows, expand every row
+        top = scores.topk(min(self.K - 1, self.num_phys), dim=-1, sorted=False).indices
+        if decode.uses_kernel(self.device):  # one kernel: sort and commit the refreshed rows, expand every row
             from turnkv.attention.triton import page_select
 
             table, read = page_select.expand_pages(self.chosen, self.whole, self.read, g.tables, g.lengths, layer, 1,
                                                    batch, kw, self.r, cfg.physical_page, top=top, refresh=self.refresh)
             return table[0], read[0]
         newest = (lengths.long() + cfg.physical_page - 1) // cfg.physical_page - 1
-        fresh = torch.cat([top, newest.index_select(1, self.head_of_row)[..., None]], dim=-1)
+        fresh = torch.cat([top.sort(dim=-1).values, newest.index_select(1, self.head_of_row)[..., None]], dim=-1)
         keep = self.refresh[layer, :batch, None, None] == 0
         self.chosen[layer, :batch].copy_(torch.where(keep, self.chosen[layer, :batch], fresh))
         return self.expand(layer, batch, kw)

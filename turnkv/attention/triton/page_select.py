@@ -80,7 +80,7 @@ def _page_scores(
 
 def page_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
                 num_phys: int, physical_page: int, logical_page: int, page_size: int, group: str = "query",
-                out: torch.Tensor | None = None, block_p: int = 32) -> torch.Tensor:
+                out: torch.Tensor | None = None, block_p: int = 16) -> torch.Tensor:
     """q [B, Hq, D]; kmax / kmin one layer's summaries [rows, D] (row = pool page * (page_size //
     logical_page) + sub-page); table [B, H, P] pool page ids (int32); lengths [B, H] (int32, the
     step's token included). -> fp32 scores [B, X, num_phys] (X = Hq for group "query", else H), -inf
@@ -140,7 +140,8 @@ def _expand_pages(chosen_ptr, top_ptr, refresh_ptr, whole_ptr, read_ptr, tables_
                   stride_ol, stride_ob, stride_or, stride_nl, stride_nb,
                   layer0, NB,
                   R: tl.constexpr, G: tl.constexpr, K: tl.constexpr, RPP: tl.constexpr, P: tl.constexpr,
-                  W: tl.constexpr, BLOCK_W: tl.constexpr, PHYS: tl.constexpr, SELECT: tl.constexpr):
+                  W: tl.constexpr, BLOCK_W: tl.constexpr, PHYS: tl.constexpr, SELECT: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     row = pid % R
     b = (pid // R) % NB
@@ -154,15 +155,20 @@ def _expand_pages(chosen_ptr, top_ptr, refresh_ptr, whole_ptr, read_ptr, tables_
     off = i % RPP
     jc = tl.minimum(j, K - 1)
     chosen = chosen_ptr + layer * stride_cl + b * stride_cb + row * stride_cr
-    cur = tl.load(chosen + jc)
     if SELECT:
+        # A refreshed row takes its top K - 1 pages (in topk's order) sorted here, ascending, and its
+        # newest page last: a separate sort launch cost 14 us per layer on an H100, more than this
+        # whole kernel. Padding sorts last (past every page id) and is replaced by the newest.
         refresh = tl.load(refresh_ptr + layer * stride_fl + b)
-        length = tl.load(lengths_ptr + layer * stride_ll + b * stride_lb + h).to(tl.int64)
-        newest = (length + PHYS - 1) // PHYS - 1
-        top = tl.load(top_ptr + b * stride_tb + row * stride_tr + jc, mask=jc < K - 1, other=0)
-        fresh = tl.where(jc == K - 1, newest, top)
-        cur = tl.where(refresh != 0, fresh, cur)
-        tl.store(chosen + jc, cur, mask=(off == 0) & (j < K))
+        if refresh != 0:
+            k = tl.arange(0, BLOCK_K)
+            top = tl.load(top_ptr + b * stride_tb + row * stride_tr + k, mask=k < K - 1, other=2**62)
+            top = tl.sort(top)
+            length = tl.load(lengths_ptr + layer * stride_ll + b * stride_lb + h).to(tl.int64)
+            newest = (length + PHYS - 1) // PHYS - 1
+            tl.store(chosen + k, tl.where(k == K - 1, newest, top), mask=k < K)
+        tl.debug_barrier()  # the row's threads read back what the others wrote
+    cur = tl.load(chosen + jc)
     phys = tl.where(whole != 0, j.to(tl.int64), cur)
     col = tl.minimum(phys * RPP + off, P - 1)
     page = tl.load(tables_ptr + layer * stride_gl + b * stride_gb + h * stride_gh + col, mask=i < W, other=0)
@@ -175,8 +181,8 @@ def expand_pages(chosen, whole, read, tables, lengths, layer0: int, num_layers: 
     """The rows' pool-page tables from the selections (engine/graph_selection.py _PagedHandler.expand
     and, with top / refresh, the end of .select): one program per (layer, sequence, row).
 
-    chosen [L, B, R, K] int64 physical pages (rows whose refresh flag is set take the sorted top
-    K - 1 of top [batch, R, K - 1] and their newest page, written back); whole / read [L, B, H] int64
+    chosen [L, B, R, K] int64 physical pages (rows whose refresh flag is set take the top K - 1 of
+    top [batch, R, K - 1], in any order, sorted, and their newest page, written back); whole / read [L, B, H] int64
     (1: the row reads its whole list; tokens each row reads); tables [L, B, H, P] int32, lengths
     [L, B, H] int32 (the graph's); refresh [L, B] int64. -> (tables [n, batch, R, kw * r] int32,
     lengths [n, batch, R] int32) for layers [layer0, layer0 + num_layers)."""
@@ -197,6 +203,6 @@ def expand_pages(chosen, whole, read, tables, lengths, layer0: int, num_layers: 
         out.stride(0), out.stride(1), out.stride(2), out_len.stride(0), out_len.stride(1),
         layer0, batch,
         R=R, G=R // H, K=K, RPP=pages_per_phys, P=P, W=W, BLOCK_W=triton.next_power_of_2(W), PHYS=physical_page,
-        SELECT=select, num_warps=4,
+        SELECT=select, BLOCK_K=triton.next_power_of_2(K), num_warps=4,
     )
     return out, out_len
