@@ -99,6 +99,47 @@ def test_disk_store_survives_reopening_and_detects_corruption(tmp_path):
     assert store.manifest("conv1")["tokens"] == [1, 2, 3]  # the history survives for a recompute
 
 
+def test_disk_checksums_per_chunk_catch_a_flip_in_any_chunk(tmp_path, monkeypatch):
+    from turnkv.kv import disk
+
+    monkeypatch.setattr(disk, "CHUNK", 1024)  # several chunks from a small entry
+    tensors = {"x": torch.arange(2000, dtype=torch.float32)}
+    store = DiskStore(tmp_path)
+    store.write("c", tensors, {})
+    meta = store.manifest("c")
+    assert meta["format"] == 2 and len(meta["sha256_chunks"]) == -(-meta["nbytes"] // 1024) > 4
+    path = tmp_path / meta["tensors_file"]
+    clean = path.read_bytes()
+    for offset in (100, 1024 * 3 + 7, len(clean) - 1):  # first, a middle and the last chunk
+        data = bytearray(clean)
+        data[offset] ^= 0x01
+        path.write_bytes(bytes(data))
+        with pytest.raises(CorruptStateError, match="corrupt"):
+            store.read("c")
+    path.write_bytes(clean)
+    assert torch.equal(store.read("c")[1]["x"], tensors["x"])
+
+
+def test_format_1_manifests_with_one_checksum_are_still_read(tmp_path):
+    import hashlib
+    import json
+
+    store = DiskStore(tmp_path)
+    store.write("old", {"x": torch.ones(3)}, {"tokens": [5]})
+    manifest = tmp_path / "old.json"
+    meta = json.loads(manifest.read_text())
+    data = (tmp_path / meta["tensors_file"]).read_bytes()
+    for key in ("chunk_bytes", "sha256_chunks"):
+        del meta[key]
+    meta.update(format=1, sha256=hashlib.sha256(data).hexdigest())
+    manifest.write_text(json.dumps(meta))
+    assert torch.equal(DiskStore(tmp_path).read("old")[1]["x"], torch.ones(3))
+    meta["sha256"] = "0" * 64
+    manifest.write_text(json.dumps(meta))
+    with pytest.raises(CorruptStateError):
+        DiskStore(tmp_path).read("old")
+
+
 WRITER = textwrap.dedent("""
     import sys, torch
     from turnkv.kv.disk import DiskStore
