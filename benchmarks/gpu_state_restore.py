@@ -231,13 +231,14 @@ for key in store.keys("disk"):
         torch.cuda.synchronize() if torch.cuda.is_available() else None
         t = time.perf_counter()
         _, meta, tensors = store.get(key)
+        read_s = time.perf_counter() - t  # the file read, its checksums and the deserialisation
         strategy = build("state", meta["strategy"], {})  # restore reads its plan from meta, not params
         stream = strategy.restore(llm.state.ctx, seq, ids, meta["state"], tensors)
         int(llm.runner.prefill(seq, prompt).argmax())
         if stream is not None:
             stream.synchronize()
         rows.append({"strategy": meta["strategy"], "attempt": attempt, "ttft_s": time.perf_counter() - t,
-                     "history": meta["state"]["next_position"], "startup_s": startup})
+                     "read_s": read_s, "history": meta["state"]["next_position"], "startup_s": startup})
         seq.free()
 print(json.dumps(rows))
 """
