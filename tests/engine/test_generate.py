@@ -23,8 +23,13 @@ def test_batched_decode_equals_each_prompt_alone(chat_llm):
 def test_token_id_prompts_and_errors(chat_llm):
     ids = chat_llm.encode("Hello there")
     assert chat_llm.generate(ids, max_new_tokens=4).token_ids == chat_llm.generate("Hello there", max_new_tokens=4).token_ids
+    V = chat_llm.config.vocab_size
+    for bad in ([10**9], [V], [-1], [1, 2**70], [3, 1.5], [4, "x"], [[1, 2], [3]]):
+        with pytest.raises(InvalidRequestError, match="list of ids"):
+            chat_llm.encode(bad)
     with pytest.raises(InvalidRequestError):
         chat_llm.generate([10**9])
+    assert chat_llm.encode([0, V - 1]) == [0, V - 1]
     with pytest.raises(InvalidRequestError):
         chat_llm.generate("")
     with pytest.raises(ContextLengthError):

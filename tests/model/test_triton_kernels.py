@@ -214,8 +214,12 @@ def test_decoder_with_kernels_forced_on_matches_the_torch_path(monkeypatch):
     monkeypatch.setattr(ops, "FORCE", True)
     calls = []
     monkeypatch.setattr(ops, "_kernels", _counting(ops._kernels(), calls))
+    from turnkv.kv import head_write
+
+    real_write = head_write.write_heads
+    monkeypatch.setattr(head_write, "write_heads", lambda *a: calls.append("write_heads") or real_write(*a))
     fused = every_path(model, ids)
-    assert {"skinny_matmul", "add_rms_norm", "rope_in_place", "silu_mul_in_place"} <= set(calls)
+    assert {"skinny_matmul", "add_rms_norm", "rope_in_place", "silu_mul_in_place", "write_heads"} <= set(calls)
     assert fused.shape == ref.shape == (19, TINY.vocab_size)
     assert rel_err(fused, ref) < 1e-5
 

@@ -69,7 +69,7 @@ class _GraphStep:
 
     def attention(self, layer, q, k, v):
         B, _, Hq, D = q.shape
-        self.pool.write(layer, self.slots[layer], k.transpose(1, 2).reshape(-1, D), v.transpose(1, 2).reshape(-1, D))
+        self.pool.write_heads(layer, self.slots[layer], k, v)
         self.queries[layer].copy_(q[:, 0])  # kept for the methods' observation windows
         out = decode.indexed_decode(q[:, 0], self.pool.k[layer], self.pool.v[layer], self.tables[layer],
                                     self.lengths[layer], self.splits, window=self.window,

@@ -73,9 +73,9 @@ class Step:
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B, T, Hq, D = q.shape
-        flat_k = k.transpose(1, 2).reshape(-1, D)
-        self.pool.write(layer, self.slots[layer], flat_k, v.transpose(1, 2).reshape(-1, D))
+        self.pool.write_heads(layer, self.slots[layer], k, v)
         if self.writers:
+            flat_k = k.transpose(1, 2).reshape(-1, D)
             n = flat_k.shape[0] // B  # the slots are in (sequence, head, token) order
             for b, sel in self.writers:
                 sel.written(layer, self.seqs[b], self.slots[layer][b * n : (b + 1) * n], flat_k[b * n : (b + 1) * n])

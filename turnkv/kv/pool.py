@@ -150,6 +150,18 @@ class PagePool:
             quant.raw(store[layer]).view(-1, D).index_copy_(0, slots, quant.raw(codes))
             scales[layer].view(-1).index_copy_(0, slots, s)
 
+    def write_heads(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """write() for K/V as a decoder step makes them, [B, T, H, D], at slots [B * H * T] in
+        (sequence, head, token) order. An unquantized pool on the kernels' device takes them in one
+        launch without reordering them first (turnkv/kv/head_write.py); the rest goes through write()."""
+        if not self.quantized and _fused_quantize(k) and k.stride(-1) == 1 and v.stride(-1) == 1:
+            from turnkv.kv.head_write import write_heads
+
+            write_heads(k, v, slots, self.k[layer], self.v[layer])
+            return
+        D = self.head_dim
+        self.write(layer, slots, k.transpose(1, 2).reshape(-1, D), v.transpose(1, 2).reshape(-1, D))
+
     def _store(self, kind: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         if kind == "k":
             return self.k, self.k_scale
@@ -219,7 +231,7 @@ class PagePool:
 
 
 def _fused_quantize(rows: torch.Tensor) -> bool:
-    """Whether a quantized write takes the one-launch Triton kernel (turnkv/kv/quant_write.py): where
+    """Whether a write takes a one-launch Triton kernel (turnkv/kv/quant_write.py, head_write.py): where
     the decoder's fused ops run (CUDA, or forced for tests; see turnkv/model/ops.py)."""
     from turnkv.model import ops
 
