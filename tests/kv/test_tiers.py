@@ -140,6 +140,52 @@ def test_format_1_manifests_with_one_checksum_are_still_read(tmp_path):
         DiskStore(tmp_path).read("old")
 
 
+def test_read_gives_views_of_one_buffer_that_outlive_the_store(tmp_path, monkeypatch):
+    import gc
+
+    from turnkv.kv import disk
+
+    monkeypatch.setattr(disk, "CHUNK", 4096)  # read and hashed in many chunks, in parallel
+    tensors = {"k": torch.randn(300, 16).to(torch.bfloat16), "scale": torch.rand(300), "codes": torch.randint(-128, 127, (301,), dtype=torch.int8),
+               "pos": torch.arange(300), "flag": torch.tensor([True, False]), "empty": torch.zeros(0, 4), "one": torch.tensor(2.5)}
+    DiskStore(tmp_path).write("c", tensors, {})
+    _, back = DiskStore(tmp_path).read("c")
+    gc.collect()
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+    # Views: no tensor owns a copy (the pool's restore copies them to the device once).
+    bases = {back[n].untyped_storage().data_ptr() for n in ("k", "scale", "pos")}
+    assert len(bases) == 1
+
+
+def test_misaligned_tensors_in_a_foreign_file_are_copied_to_alignment():
+    import json
+    import struct
+
+    from turnkv.kv import disk
+
+    x = torch.arange(3, dtype=torch.float32)
+    header = json.dumps({"b": {"dtype": "I8", "shape": [3], "data_offsets": [0, 3]},
+                         "x": {"dtype": "F32", "shape": [3], "data_offsets": [3, 15]}}).encode()
+    header += b" " * (-len(header) % 8)
+    data = bytearray(struct.pack("<Q", len(header)) + header + bytes([1, 2, 3]) + x.numpy().tobytes())
+    out = disk._tensors_in(data)
+    assert torch.equal(out["b"], torch.tensor([1, 2, 3], dtype=torch.int8)) and torch.equal(out["x"], x)
+
+
+def test_the_read_rate_is_measured_and_kept_for_the_next_process(tmp_path):
+    store = DiskStore(tmp_path)
+    assert store.read_rate is None
+    store.write("small", {"x": torch.ones(10)}, {})
+    store.read("small")
+    assert store.read_rate is None  # under 1 MiB: overheads, not the disk
+    store.write("big", {"x": torch.ones(1 << 19)}, {})  # 2 MiB
+    store.read("big")
+    assert store.read_rate is not None and store.read_rate > 1e6
+    again = DiskStore(tmp_path)
+    assert again.read_rate == store.read_rate and again.ids() == ["big", "small"]
+
+
 WRITER = textwrap.dedent("""
     import sys, torch
     from turnkv.kv.disk import DiskStore

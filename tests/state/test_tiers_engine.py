@@ -4,6 +4,7 @@ full; and the pieces under Krul checked against brute force (estimator, pyramid 
 
 from __future__ import annotations
 
+import shutil
 import time
 
 import pytest
@@ -109,6 +110,39 @@ def test_disk_state_survives_a_restart(model_dir, reference, tmp_path, state):
     assert [*first, third.token_ids] == reference["A"]
     assert third.cached_tokens == conv.turns[-1].start  # the history came from the disk, not a re-prefill
     assert not [e for e in restarted.state.events if e["event"] == "corrupt_state_recomputed"]
+
+
+@pytest.mark.parametrize("recipe,rate,recomputed", [
+    ("state=load", 1.0, True),  # a disk of 1 byte/s: the read would take longer than the recompute
+    ("state=load", 1e18, False),  # a fast disk: read what was stored
+    ("state=krul(ir_threshold=0)", 1.0, True),
+    ("snapkv keep_ratio=0.5,state=load", 1.0, False),  # evicted: a prefill would not rebuild it
+])
+def test_a_slow_disk_is_recomputed_instead_of_read(model_dir, reference, tmp_path, recipe, rate, recomputed):
+    store, lost_store = tmp_path / "store", tmp_path / "lost"
+    llm = turnkv.LLM(str(model_dir), device="cpu", kv_memory="64MiB", state_disk_dir=store)
+    conv = llm.conversation(system="A", recipe=recipe)
+    first = [conv.send(m, max_new_tokens=10).token_ids for m in MESSAGES[:2]]
+    assert conv.offload("disk") == "disk"
+    # A copy of the store whose tensors file is gone: restored by the recompute of the history.
+    shutil.copytree(store, lost_store)
+    for f in lost_store.glob("*.safetensors"):
+        f.unlink()
+    lost = turnkv.LLM(str(model_dir), device="cpu", kv_memory="64MiB", state_disk_dir=lost_store)
+    recomputed_reply = lost.resume(conv.id).send(MESSAGES[2], max_new_tokens=10).token_ids
+    restarted = turnkv.LLM(str(model_dir), device="cpu", kv_memory="64MiB", state_disk_dir=store)
+    restarted.state.tiers.disk.read_rate = rate
+    conv = restarted.resume(conv.id)
+    third = conv.send(MESSAGES[2], max_new_tokens=10)
+    events = [e for e in restarted.state.events if e["event"] == "disk_state_recomputed"]
+    assert len(events) == int(recomputed)
+    if recomputed:
+        assert events[0]["read_s"] > events[0]["recompute_s"] > 0
+        assert third.token_ids == recomputed_reply
+        if recipe == "state=load":  # exact all along: the resident run's tokens
+            assert [*first, third.token_ids] == reference["A"]
+    # The disk copy is gone once the turn is done (these strategies store the new state on the CPU).
+    assert conv.location == "cpu" and not restarted.state.tiers.keys("disk")
 
 
 def test_a_corrupt_file_falls_back_to_recompute(model_dir, reference, tmp_path):

@@ -34,7 +34,10 @@ class Layout:
         return torch.cat([torch.arange(int(n), device=device) for n in self.lengths[layer]])
 
     def meta(self) -> dict:
-        return {"lengths": self.lengths.tolist(), "next_position": self.next_position}
+        # recomputable: a prefill of the token history rebuilds exactly this layout (nothing evicted,
+        # no H2O masses to keep), so a restore may recompute it instead of reading what was stored.
+        recomputable = self.is_contiguous() and all(m is None for m in self.masses)
+        return {"lengths": self.lengths.tolist(), "next_position": self.next_position, "recomputable": recomputable}
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {}

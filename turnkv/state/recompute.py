@@ -44,5 +44,6 @@ class Recompute(StateStrategy):
 
 def full_layout_meta(num_layers: int, num_kv_heads: int, next_position: int) -> dict:
     """The layout of an uncompressed history: what a corrupt state falls back to recomputing."""
-    return {"lengths": [[next_position] * num_kv_heads for _ in range(num_layers)], "next_position": next_position}
+    return {"lengths": [[next_position] * num_kv_heads for _ in range(num_layers)], "next_position": next_position,
+            "recomputable": True}
 

@@ -86,4 +86,7 @@ class StateTierHook:
             if e["event"] == "corrupt_state_recomputed":
                 log.warning("conversation %s: stored state unreadable, its history is recomputed: %s",
                             e["conversation"], e["error"])
+            elif e["event"] == "disk_state_recomputed":
+                log.info("conversation %s: recomputed (%.2f s estimated) instead of read from disk (%.2f s)",
+                         e["conversation"], e["recompute_s"], e["read_s"])
         return ["offloaded" for e in events if e["event"] == "demoted"]
