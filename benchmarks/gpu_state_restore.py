@@ -238,8 +238,20 @@ for key in store.keys("disk"):
         if stream is not None:
             stream.synchronize()
         rows.append({"strategy": meta["strategy"], "attempt": attempt, "ttft_s": time.perf_counter() - t,
-                     "read_s": read_s, "history": meta["state"]["next_position"], "startup_s": startup})
+                     "read_s": read_s, "history": meta["state"]["next_position"], "startup_s": startup,
+                     "stored_bytes": int(store.meta(key)["nbytes"]), "disk_read_rate": store.disk.read_rate})
         seq.free()
+# What the state manager weighs a disk read against: recomputing the history in this process.
+n = rows[0]["history"] if rows else len(ids) - 128
+for attempt in range(2):
+    seq = SequenceKV(llm.pool)
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    t = time.perf_counter()
+    llm.runner.prefill(seq, ids[:n])
+    int(llm.runner.prefill(seq, prompt).argmax())
+    rows.append({"strategy": "recompute", "attempt": attempt, "ttft_s": time.perf_counter() - t, "history": n,
+                 "startup_s": startup})
+    seq.free()
 print(json.dumps(rows))
 """
 
