@@ -15,4 +15,4 @@ RECIPES+=",prefill=a_shape(sink=128, local=1024),prefill=tri_shape(sink=128, loc
 RECIPES+=",prefill=minference(vertical=256, slash=1024)"
 "$TK" bench quality --tasks needle_qa,preferences --positions begin,middle,end --turns 3 --n 1 \
     --context-tokens 1300 --max-new-tokens 32 --seed 0 --budget 1024 --policies recompress \
-    --recipes "$RECIPES" --out "$OUT"
+    --recipes "$RECIPES" --out "$OUT" "$@"

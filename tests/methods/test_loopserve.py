@@ -414,3 +414,16 @@ def test_observation_window_longer_than_the_steps_takes_the_prompt_tail(chat_llm
             assert sel.positions[layer].tolist() == list(range(end - 6, end))  # 4 prompt + 2 decode queries
     finally:
         conv.close()
+
+
+def test_sampled_rows_are_distinct_sorted_seeded_and_differ_by_layer_and_chunk():
+    method = LoopServePrefill(samples=48, seed=3)
+    rows = method.sample_rows(131072, layer=2, first_position=0, device="cpu")
+    assert rows.shape == (48,) and rows.dtype == torch.int64
+    assert len(set(rows.tolist())) == 48 and torch.equal(rows, rows.sort().values)
+    assert 0 <= int(rows.min()) and int(rows.max()) < 131072
+    assert torch.equal(rows, LoopServePrefill(samples=48, seed=3).sample_rows(131072, 2, 0, "cpu"))
+    others = [method.sample_rows(131072, 3, 0, "cpu"), method.sample_rows(131072, 2, 4096, "cpu"),
+              LoopServePrefill(samples=48, seed=4).sample_rows(131072, 2, 0, "cpu")]
+    assert all(not torch.equal(rows, o) for o in others)
+    assert torch.equal(method.sample_rows(40, 0, 0, "cpu"), torch.arange(40))  # fewer rows than samples: all

@@ -80,8 +80,9 @@ def sample_weights(keys: Keys, rows: torch.Tensor, scale: float | None = None,
     are then a slice of the row, filled in place, instead of the mask of every cell."""
     B, Hq, _, D = keys.q.shape
     H, G = keys.k.shape[1], keys.group
-    q = keys.q[:, :, rows].float().view(B, H, G, len(rows), D)
-    scores = torch.einsum("bhgrd,bhsd->bhgrs", q, keys.k.float()).mul_(scale if scale is not None else D**-0.5)
+    # The scale on the few sampled queries, not on the [.., R, S] scores (a pass over 0.8 GB at 128K).
+    q = keys.q[:, :, rows].float().mul_(scale if scale is not None else D**-0.5).view(B, H, G, len(rows), D)
+    scores = torch.einsum("bhgrd,bhsd->bhgrs", q, keys.k.float())
     if row_positions is not None and keys.valid is None and keys.window is None:
         for b, positions in enumerate(row_positions):
             for r, p in enumerate(positions):
