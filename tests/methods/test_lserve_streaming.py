@@ -71,10 +71,12 @@ def test_split_prefill_dense_heads_by_sdpa_equals_brute_force(pattern_file, S, T
     """Where the line kernel runs (CUDA; forced here, Triton's interpreter on CPU) and every head holds
     the same keys, dense heads go through SDPA and streaming heads through the kernel: same output
     as brute force, same cell counts as the mask path, for q laid out as the decoder makes it."""
+    import dataclasses
     import os
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel's device (CPU: the interpreter)
     torch.manual_seed(1)
     Hq, H, D, sink, local = 4, 2, 16, 3, 9
     method = StreamingHeads(pattern=pattern_file, sink=sink, local=local, prefill_local=local)
@@ -83,7 +85,9 @@ def test_split_prefill_dense_heads_by_sdpa_equals_brute_force(pattern_file, S, T
     q_pos = k_pos[-T:]
     q = torch.randn(1, T, Hq, D).transpose(1, 2)  # strided, as Step hands it over
     k, v = torch.randn(1, H, S, D), torch.randn(1, H, S, D)
-    keys = Keys(q, k, v, q_pos[None], k_pos[None, None].expand(1, H, S), None, int(q_pos[0]), int(q_pos[-1]) + 1)
+    cpu_keys = Keys(q, k, v, q_pos[None], k_pos[None, None].expand(1, H, S), None, int(q_pos[0]), int(q_pos[-1]) + 1)
+    keys = dataclasses.replace(cpu_keys, **{f.name: getattr(cpu_keys, f.name).to(device) for f in dataclasses.fields(Keys)
+                                           if isinstance(getattr(cpu_keys, f.name), torch.Tensor)})
     from turnkv.attention import lines
 
     kernel_calls = []
@@ -93,8 +97,8 @@ def test_split_prefill_dense_heads_by_sdpa_equals_brute_force(pattern_file, S, T
         out, stats = method.attend(layer, keys, force_triton=True)
         assert kernel_calls.pop() == (1, Hq // H, T, D)  # the kernel saw the streaming head's queries only
         ref = brute_force(q[0], k[0], v[0], q_pos, k_pos[None].expand(H, S), STREAMING[layer], sink, local)
-        torch.testing.assert_close(out[0], ref, rtol=1e-4, atol=1e-4)
-        _, mask_stats = method.attend(layer, keys)  # the mask path on CPU
+        torch.testing.assert_close(out[0].cpu(), ref, rtol=1e-4, atol=1e-4)
+        _, mask_stats = method.attend(layer, cpu_keys)  # the mask path on CPU
         assert int(stats["computed"].sum()) == int(mask_stats["computed"].sum())
         assert int(stats["causal"].sum()) == int(mask_stats["causal"].sum())
 
