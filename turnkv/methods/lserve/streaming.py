@@ -149,12 +149,17 @@ class StreamingHeads:
             stream, vertical, slash, False, force_triton=force_triton,
             mask_fn=lambda rows: a_shape_mask(stream, rows, self.sink, self.prefill_local))
         grouped[:, idx] = out_s.view(B, len(idx), G, T, D)
-        # Dense heads compute every causal cell: T rows ending at the last of S keys, per KV head.
+        # Counts per (sequence, KV head) in the layout the one-pass paths give; dense heads compute
+        # every causal cell: T rows ending at the last of S keys.
         S = keys.k.shape[2]
-        dense_cells = torch.full((B * (H - len(idx)),), T * (S - T) + T * (T + 1) // 2, device=causal.device)
-        computed = torch.cat([computed.reshape(-1), dense_cells.to(computed.dtype)])
-        causal = torch.cat([causal.reshape(-1), dense_cells.to(causal.dtype)])
-        return out, dict(layer=layer, computed=computed, causal=causal, time_sparse_attention=clock(keys.q.device) - t0)
+        dense_cells = T * (S - T) + T * (T + 1) // 2
+        counts = []
+        for part in (computed, causal):
+            full = torch.full((B, H), dense_cells, dtype=part.dtype, device=part.device)
+            full[:, idx] = part.reshape(B, len(idx))
+            counts.append(full.reshape(part.shape[:-1] + (H,)) if part.dim() > 1 else full.reshape(-1))
+        return out, dict(layer=layer, computed=counts[0], causal=counts[1],
+                         time_sparse_attention=clock(keys.q.device) - t0)
 
     def bind(self, num_layers: int) -> None:
         """The model's layer count (Recipe.new_state): a prefill chunk sees only its KV heads."""
