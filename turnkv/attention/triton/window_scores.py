@@ -154,12 +154,14 @@ def _window_weights(q_ptr, qpos_ptr, k_ptr, ks_ptr, kpos_ptr, table_ptr, lengths
 
 def window_scores(q: torch.Tensor, qpos: torch.Tensor, k_pool: torch.Tensor, kpos_pool: torch.Tensor,
                   table: torch.Tensor, lengths: torch.Tensor, capacity: int, per_kv: bool = False, sinks: int = 0,
-                  num_splits: int | None = None, block_n: int = 64, k_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  num_splits: int | None = None, block_n: int = 128, k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, W, Hq, D] window queries (post-RoPE), qpos [B, W] int64 (< 0: empty slot); k_pool one
     layer's keys [pages, page_size, D], kpos_pool its positions [pages, page_size]; table [B, H, P]
     int32 page ids, lengths [B, H] int32 (the current token included). -> fp32 [B, X, capacity]
     (X = H with per_kv, else Hq): summed window weights of the history keys, -inf elsewhere.
-    k_scale: for int8 / fp8 key codes, the fp32 scale of each slot [pages, page_size]."""
+    k_scale: for int8 / fp8 key codes, the fp32 scale of each slot [pages, page_size].
+    block_n: keys per tile. 128 against 64: 309 against 380 us per call at 128K (H100, 16 window rows
+    x 32 query heads; 2 x 90 us to read the keys twice), fewer programs merging the same partials."""
     B, W, Hq, D = q.shape
     H = table.shape[1]
     G = Hq // H
