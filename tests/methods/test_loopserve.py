@@ -143,7 +143,11 @@ def test_selection_paths_give_the_same_lines(monkeypatch, options):
 
     def assert_same(got, ref):
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])  # vertical, slash
-        assert torch.equal(got[2], ref[2]) and torch.equal(got[4], ref[4])  # weights, estimate
+        assert torch.equal(got[2], ref[2])  # weights
+        if got[4].is_cuda:  # the greedy's running sums in the GPU's reduction order (H100: up to 3e-6 relative)
+            torch.testing.assert_close(got[4], ref[4], rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(got[4], ref[4])  # estimate
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels' device (CPU: the interpreter)
     for keys in keys_list:
