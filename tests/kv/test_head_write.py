@@ -5,17 +5,14 @@ same slots and nowhere else. On CPU the kernel runs in Triton's interpreter (ops
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from turnkv.kv.pool import PagePool  # noqa: E402
+from turnkv.kv.pool import PagePool  # noqa: E402  (tests/conftest.py sets TRITON_INTERPRET without CUDA)
 from turnkv.model import ops  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

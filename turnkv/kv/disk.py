@@ -123,7 +123,10 @@ class DiskStore:
             if ok:
                 data = bytearray(size)
                 chunk = int(meta.get("chunk_bytes", size or 1))
-                digests = _read_chunks(fd, memoryview(data), chunk)
+                try:
+                    digests = _read_chunks(fd, memoryview(data), chunk)
+                except CorruptStateError as e:  # shrank while being read
+                    raise CorruptStateError(f"stored state {key}: {path.name}: {e}") from None
                 # Format 1 has no chunk_bytes: one chunk, the whole-file digest.
                 ok = digests == meta.get("sha256_chunks", [meta.get("sha256")])
         finally:
