@@ -99,6 +99,7 @@ def test_more_splits_than_blocks_leave_empty_chunks_harmless():
 
 def test_choose_splits_fills_the_machine_without_tiny_chunks():
     assert choose_splits(8, 131072, 132) == 66  # batch 1 x 8 KV heads: ~4 programs per SM
-    assert choose_splits(8, 300, 132) == 2  # short lists are not cut below 256 keys
+    assert choose_splits(8, 300, 132) == 5  # short lists are not cut below 64 keys
+    assert choose_splits(32, 1040, 132) == 17  # LoopServe's selection, per query head
     assert choose_splits(16 * 8, 4096, 132) == 5
     assert choose_splits(1024, 4096, 132) == 1

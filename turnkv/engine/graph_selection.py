@@ -378,11 +378,10 @@ class _PagedStep(_GraphStep):
 
     def attention(self, layer, q, k, v):
         B, _, Hq, D = q.shape
-        flat_k = k.transpose(1, 2).reshape(-1, D)
-        self.pool.write(layer, self.slots[layer], flat_k, v.transpose(1, 2).reshape(-1, D))
+        self.pool.write_heads(layer, self.slots[layer], k, v)
         self.queries[layer].copy_(q[:, 0])
         if self.pool.quantized:  # the statistics stay those of the compute-dtype keys, not of the codes
-            self.handler.summaries.update(layer, self.slots[layer], flat_k)
+            self.handler.summaries.update(layer, self.slots[layer], k.transpose(1, 2).reshape(-1, D))
         elif layer == self.pool.num_layers - 1:  # every layer's key is in the pool now
             self.handler.summaries.fold(self.slots)
         common = dict(window=self.window, key_positions=self.pool.positions[layer], query_positions=self.positions)
@@ -605,7 +604,7 @@ class _ProgressiveStep(_GraphStep):
 
     def attention(self, layer, q, k, v):
         B, _, Hq, D = q.shape
-        self.pool.write(layer, self.slots[layer], k.transpose(1, 2).reshape(-1, D), v.transpose(1, 2).reshape(-1, D))
+        self.pool.write_heads(layer, self.slots[layer], k, v)
         self.queries[layer].copy_(q[:, 0])
         if self.variant == "rescore":
             self.handler.rescore(layer, q[:, 0], self.batch)

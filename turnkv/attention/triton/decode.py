@@ -166,8 +166,10 @@ def _merge_chunks(part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, Hq: tl.const
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-def choose_splits(batch_kv_heads: int, max_length: int, num_sms: int, min_chunk: int = 256) -> int:
-    """Enough chunks to give every SM a few programs, but none shorter than `min_chunk` keys."""
+def choose_splits(batch_kv_heads: int, max_length: int, num_sms: int, min_chunk: int = 64) -> int:
+    """Enough chunks to give every SM a few programs, but none shorter than `min_chunk` keys. Short
+    lists (token selection) are latency-bound: on an H100, 1040 selected keys per head for 8 KV heads
+    took 14.0 us in 5 chunks of 256 and 8.5 us in 17 of 64 (cold pages, 2026-11-25)."""
     want = math.ceil(4 * num_sms / max(batch_kv_heads, 1))
     return max(1, min(want, math.ceil(max_length / min_chunk), 128))
 
