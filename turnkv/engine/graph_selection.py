@@ -549,18 +549,16 @@ class _ProgressiveHandler(_Handler):
         args = (self.window[layer, :batch], self.window_pos[:batch], pool.k[layer], pool.positions[layer],
                 g.tables[layer, :batch], lengths, self.capacity)
         k_scale = pool.k_scale[layer] if pool.quantized else None
-        history = (lengths - 1).index_select(1, self.head_of_row)  # [batch, R]
         if decode.uses_kernel(self.device):
             from turnkv.attention.triton import window_scores as kernel
-            from turnkv.attention.triton.top_k import top_k_ascending
 
             scores = kernel.window_scores(*args, per_kv=cfg.granularity == "kv", sinks=cfg.sinks, k_scale=k_scale)
-            top = top_k_ascending(scores, self.budget, history, self.capacity)  # ties: the lowest indices
         else:
             scores = window_scores(*args, per_kv=cfg.granularity == "kv", sinks=cfg.sinks,
                                    k_scale=k_scale)  # [batch, R, capacity]
-            top = scores.topk(self.budget, dim=-1, sorted=False).indices
-            top = torch.where(top < history[..., None], top, self.capacity).sort(dim=-1).values  # padding last
+        top = scores.topk(self.budget, dim=-1, sorted=False).indices
+        history = (lengths.long() - 1).index_select(1, self.head_of_row)[..., None]
+        top = torch.where(top < history, top, self.capacity).sort(dim=-1).values  # padding past the valid ones
         pages = g.tables_flat[self.page_base[layer, :batch, :, None] + (top // ps).clamp_(max=self.P - 1)]
         slots = (pages * ps + (top % ps).to(torch.int32))
         old = self.table[layer, :batch, :, : self.budget]

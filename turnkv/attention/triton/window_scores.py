@@ -6,7 +6,7 @@ over every key the head holds, read through its page table (no gathered copy), i
 1. `_window_lse`: per (sequence, KV head) and chunk of keys, the running max and sum of exp for each
    of the G * W query rows of the group (flash-decoding style partials);
 2. `_merge_partials` merges them into each row's log-sum-exp, once per (sequence, KV head);
-3. `_window_weights`: per (sequence, KV head) and run of key blocks, exp(s - lse) summed over the
+3. `_window_weights`: per (sequence, KV head) and block of keys, exp(s - lse) summed over the
    window (and over the group for per-KV-head rows). Blocks past the head's history only write -inf:
    the grid covers the graph's capacity, the work follows the live length.
 
@@ -122,59 +122,55 @@ def _window_weights(q_ptr, qpos_ptr, k_ptr, ks_ptr, kpos_ptr, table_ptr, lengths
                     stride_ob, stride_or, scale_log2, capacity, sinks,
                     H: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BLOCK_G: tl.constexpr,
                     BLOCK_W: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, PER_KV: tl.constexpr,
-                    PRECISION: tl.constexpr, QUANT: tl.constexpr):
-    """BLOCKS consecutive blocks of BLOCK_N keys per program: the window's queries are loaded once for
-    all of them."""
+                    BLOCK_N: tl.constexpr, PER_KV: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
     bh = tl.program_id(0)
+    blk = tl.program_id(1)
     b = bh // H
     h = bh % H
     length = tl.load(lengths_ptr + b * stride_lb + h)
     history = length - 1  # the current token is read as a recent one, not chosen
+    t = blk * BLOCK_N + tl.arange(0, BLOCK_N)
     M: tl.constexpr = BLOCK_G * BLOCK_W
     gs = tl.arange(0, BLOCK_G)
-    first = tl.program_id(1) * BLOCKS * BLOCK_N
-    q, qpos, row_ok = _load_window(q_ptr, qpos_ptr, b, h, stride_qb, stride_qw, stride_qh, stride_pb,
-                                   G, W, BLOCK_G, BLOCK_W, D, BLOCK_D)
-    lse = tl.load(lse_ptr + bh * M + tl.arange(0, M))
-    row_ok = row_ok & (lse > float("-inf"))
-    d = tl.arange(0, BLOCK_D)
-    for i in range(BLOCKS):
-        t = first + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        scores = tl.full([BLOCK_G, BLOCK_N], float("-inf"), tl.float32)
-        if first + i * BLOCK_N < history:
-            valid = t < history
-            page = tl.load(table_ptr + b * stride_tb + h * stride_th + t // PAGE, mask=valid, other=0)
-            slot = page.to(tl.int64) * PAGE + t % PAGE
-            s = _scores(q, k_ptr, ks_ptr, slot, valid, d, scale_log2, D, PRECISION, QUANT)
-            kpos = tl.load(kpos_ptr + slot, mask=valid, other=0)
-            keep = valid[None, :] & row_ok[:, None] & (kpos[None, :] <= qpos[:, None])
-            p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)
-            summed = tl.sum(tl.reshape(p, (BLOCK_G, BLOCK_W, BLOCK_N)), 1)  # over the window: [BLOCK_G, BLOCK_N]
-            summed = tl.where((kpos < sinks)[None, :], float("inf"), summed)
-            scores = tl.where(valid[None, :], summed, float("-inf"))
-        in_range = t < capacity
-        if PER_KV:
-            row = tl.sum(tl.where((gs < G)[:, None], scores, 0.0), 0)
-            row = tl.where(t < history, row, float("-inf"))
-            tl.store(out_ptr + b * stride_ob + h * stride_or + t, row, mask=in_range)
-        else:
-            tl.store(out_ptr + b * stride_ob + (h * G + gs)[:, None] * stride_or + t[None, :], scores,
-                     mask=(gs < G)[:, None] & in_range[None, :])
+    scores = tl.full([BLOCK_G, BLOCK_N], float("-inf"), tl.float32)
+    if blk * BLOCK_N < history:
+        q, qpos, row_ok = _load_window(q_ptr, qpos_ptr, b, h, stride_qb, stride_qw, stride_qh, stride_pb,
+                                       G, W, BLOCK_G, BLOCK_W, D, BLOCK_D)
+        lse = tl.load(lse_ptr + bh * M + tl.arange(0, M))
+        row_ok = row_ok & (lse > float("-inf"))
+        valid = t < history
+        d = tl.arange(0, BLOCK_D)
+        page = tl.load(table_ptr + b * stride_tb + h * stride_th + t // PAGE, mask=valid, other=0)
+        slot = page.to(tl.int64) * PAGE + t % PAGE
+        s = _scores(q, k_ptr, ks_ptr, slot, valid, d, scale_log2, D, PRECISION, QUANT)
+        kpos = tl.load(kpos_ptr + slot, mask=valid, other=0)
+        keep = valid[None, :] & row_ok[:, None] & (kpos[None, :] <= qpos[:, None])
+        p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)
+        summed = tl.sum(tl.reshape(p, (BLOCK_G, BLOCK_W, BLOCK_N)), 1)  # over the window: [BLOCK_G, BLOCK_N]
+        summed = tl.where((kpos < sinks)[None, :], float("inf"), summed)
+        scores = tl.where(valid[None, :], summed, float("-inf"))
+    in_range = t < capacity
+    if PER_KV:
+        row = tl.sum(tl.where((gs < G)[:, None], scores, 0.0), 0)
+        row = tl.where(t < history, row, float("-inf"))
+        tl.store(out_ptr + b * stride_ob + h * stride_or + t, row, mask=in_range)
+    else:
+        tl.store(out_ptr + b * stride_ob + (h * G + gs)[:, None] * stride_or + t[None, :], scores,
+                 mask=(gs < G)[:, None] & in_range[None, :])
 
 
 def window_scores(q: torch.Tensor, qpos: torch.Tensor, k_pool: torch.Tensor, kpos_pool: torch.Tensor,
                   table: torch.Tensor, lengths: torch.Tensor, capacity: int, per_kv: bool = False, sinks: int = 0,
-                  num_splits: int | None = None, block_n: int = 128, k_scale: torch.Tensor | None = None,
-                  blocks: int | None = None) -> torch.Tensor:
+                  num_splits: int | None = None, block_n: int = 128, k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, W, Hq, D] window queries (post-RoPE), qpos [B, W] int64 (< 0: empty slot); k_pool one
     layer's keys [pages, page_size, D], kpos_pool its positions [pages, page_size]; table [B, H, P]
     int32 page ids, lengths [B, H] int32 (the current token included). -> fp32 [B, X, capacity]
     (X = H with per_kv, else Hq): summed window weights of the history keys, -inf elsewhere.
     k_scale: for int8 / fp8 key codes, the fp32 scale of each slot [pages, page_size].
     block_n: keys per tile. 128 against 64: 309 against 380 us per call at 128K (H100, 16 window rows
-    x 32 query heads; 2 x 90 us to read the keys twice), fewer programs merging the same partials.
-    blocks: key blocks per pass-2 program (None: enough to leave about 4 programs per SM)."""
+    x 32 query heads; 2 x 90 us to read the keys twice). Pass 2 reads each row's merged log-sum-exp
+    instead of merging pass 1's partials in every program: 270 against 311 us per call (H100, 2026-11-25;
+    running several key blocks per program to load the window once was slower, 274-297 us)."""
     B, W, Hq, D = q.shape
     H = table.shape[1]
     G = Hq // H
@@ -187,9 +183,6 @@ def window_scores(q: torch.Tensor, qpos: torch.Tensor, k_pool: torch.Tensor, kpo
     part_m = torch.empty(B * H * num_splits * M, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     lse = torch.empty(B * H * M, dtype=torch.float32, device=q.device)
-    if blocks is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
-        blocks = max(1, min(16, triton.cdiv(B * H * triton.cdiv(capacity, block_n), 4 * sms)))
     out = torch.empty(B, H if per_kv else Hq, capacity, dtype=torch.float32, device=q.device)
     scale_log2 = D**-0.5 * LOG2E
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -204,7 +197,7 @@ def window_scores(q: torch.Tensor, qpos: torch.Tensor, k_pool: torch.Tensor, kpo
     _window_lse[(B * H, num_splits)](q, qpos, k_pool, k_scale, kpos_pool, table, lengths, part_m, part_l, *strides, scale_log2,
                                      NUM_SPLITS=num_splits, num_warps=4, **common)
     _merge_partials[(B * H,)](part_m, part_l, lse, M=M, NUM_SPLITS=num_splits, num_warps=1)
-    _window_weights[(B * H, triton.cdiv(capacity, block_n * blocks))](
+    _window_weights[(B * H, triton.cdiv(capacity, block_n))](
         q, qpos, k_pool, k_scale, kpos_pool, table, lengths, lse, out, *strides, out.stride(0), out.stride(1),
-        scale_log2, capacity, sinks, BLOCKS=blocks, PER_KV=per_kv, num_warps=4, **common)
+        scale_log2, capacity, sinks, PER_KV=per_kv, num_warps=4, **common)
     return out
