@@ -392,3 +392,76 @@ def test_pattern_sources_and_errors(tmp_path, pattern_file):
     for bad in ("prefill=streaming_heads(local=0)", "prefill=streaming_heads(ratio=2)"):
         with pytest.raises(InvalidRequestError):
             Recipe.parse(bad)
+
+
+def composed_brute_force(q, k, v, q_pos, k_pos, streaming, sink, local, dense_sink, dense_local):
+    """Streaming KV heads: sink + local; dense KV heads: A-shape with their own sink and local."""
+    Hq, T, D = q.shape
+    H = k.shape[0]
+    out = torch.empty_like(q)
+    for hq in range(Hq):
+        h = hq // (Hq // H)
+        delta = q_pos[:, None] - k_pos[h][None, :]
+        s, w = (sink, local) if streaming[h] else (dense_sink, dense_local)
+        mask = (delta >= 0) & ((k_pos[h][None, :] < s) | (delta < w))
+        scores = (q[hq] @ k[h].T) * D**-0.5
+        out[hq] = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v[h]
+    return out
+
+
+@pytest.mark.parametrize("S,T", [(40, 40), (64, 24)])
+def test_dense_heads_through_another_pattern(pattern_file, S, T):
+    """streaming_heads(dense=a_shape(...)): the dense heads attend through A-shape's lines, the
+    streaming heads through their window; output and cell counts equal brute force."""
+    torch.manual_seed(2)
+    Hq, H, D, sink, local = 4, 2, 8, 3, 9
+    method = Recipe.parse(f"prefill=streaming_heads(pattern={pattern_file},sink={sink},local={local},"
+                          f"prefill_local={local},dense=a_shape(sink=2,local=5))").prefill
+    method.bind(2)
+    k_pos = torch.arange(S)
+    q_pos = k_pos[-T:]
+    q, k, v = torch.randn(1, Hq, T, D), torch.randn(1, H, S, D), torch.randn(1, H, S, D)
+    keys = Keys(q, k, v, q_pos[None], k_pos[None, None].expand(1, H, S), None, int(q_pos[0]), int(q_pos[-1]) + 1)
+    for layer in range(2):
+        out, stats = method.attend(layer, keys)
+        ref = composed_brute_force(q[0], k[0], v[0], q_pos, k_pos[None].expand(H, S), STREAMING[layer],
+                                   sink, local, 2, 5)
+        torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
+        delta = q_pos[:, None] - k_pos[None, :]
+        cells = {w: int(((delta >= 0) & ((k_pos[None, :] < s) | (delta < w))).sum()) for s, w in ((sink, local), (2, 5))}
+        assert int(stats["computed"].sum()) == cells[local] + cells[5]  # one streaming, one dense KV head
+        assert int(stats["causal"].sum()) == 2 * int((delta >= 0).sum())
+
+
+def test_dense_heads_pattern_errors():
+    with pytest.raises(InvalidRequestError, match="unknown prefill"):
+        Recipe.parse("prefill=streaming_heads(pattern=random,dense=nonesuch)")
+    with pytest.raises(InvalidRequestError, match="cannot nest"):
+        Recipe.parse("prefill=streaming_heads(pattern=random,dense=streaming_heads)")
+    with pytest.raises(InvalidRequestError, match="a_shape"):
+        Recipe.parse("prefill=streaming_heads(pattern=random,dense=a_shape(local=0))")
+
+
+def test_dense_heads_through_loopserve_over_turns(chat_llm, pattern_file):
+    """streaming_heads(dense=loopserve) in a conversation: each turn's prefill selects LoopServe lines on
+    the dense heads only (their recovered mass reaches alpha on the sample), the streaming heads keep
+    their ring, and later turns run over the trimmed ring (keys with holes, a `valid` mask)."""
+    sink, local = 4, 8
+    recipe = (f"prefill=streaming_heads(pattern={pattern_file},sink={sink},local={local},prefill_local=40,"
+              f"dense=loopserve(alpha=0.9))")
+    conv = chat_llm.conversation(system="Answer briefly.", recipe=recipe)
+    try:
+        for message in LONG_TURNS:
+            conv.send(message, max_new_tokens=6, ignore_eos=True)
+            assert_trimmed(conv.kv, STREAMING, sink, local)
+        stats = conv.method_stats
+        assert len(stats) == len(LONG_TURNS)
+        G = chat_llm.config.num_heads // chat_llm.config.num_kv_heads
+        for entry in stats:
+            prefill = entry["prefill"]
+            assert 0 < prefill["density"] < 1
+            # lines are reported for the dense heads alone: one KV head per layer, its query heads
+            assert all(len(per_layer) == G for per_layer in prefill["lines_per_head"])
+            assert prefill["recovered_mass_min"] >= 0.9 - 1e-4
+    finally:
+        conv.close()

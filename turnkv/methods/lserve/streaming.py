@@ -56,14 +56,19 @@ class StreamingHeads:
     pattern: a pattern file, "random", or None (calibrated SmolLM2 gates). ratio: streaming fraction
     for gates (None: the file's flags, 0.5 otherwise). sink / local: what streaming heads keep and
     decode reads (128 / 256; the ring holds local .. local + page_size - 1 recent tokens).
-    prefill_local: their window in prefill (8192)."""
+    prefill_local: their window in prefill (8192). dense: a prefill pattern for the dense heads, as
+    a recipe term (loopserve, minference(vertical=500), a_shape(local=2048), ...), composed with the streaming
+    heads as LServe does past 128K: the dense heads' queries and keys go to that method alone, which
+    selects and attends over them (its lines on the line kernel); None: full attention."""
 
     pattern: str | None = None
     ratio: float | None = None
     sink: int = 128
     local: int = 256
     prefill_local: int = 8192
+    dense: str | None = None
     _flags: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _dense_method: object = field(default=None, init=False, repr=False, compare=False)
     # Per SequenceKV: its `moves` when its streaming heads were last known to be sink + ring (-1: a
     # head that is not). A SequenceKV not in it has only been appended to where its moves are 0.
     _rings: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, init=False,
@@ -74,6 +79,14 @@ class StreamingHeads:
             raise ValueError("need sink >= 0, local >= 1 and prefill_local >= local")
         if self.ratio is not None and not 0 <= self.ratio <= 1:
             raise ValueError(f"ratio is the streaming fraction in [0, 1], got {self.ratio}")
+        if self.dense is not None:
+            from turnkv.methods.recipe import _parse_term
+            from turnkv.methods.registry import build
+
+            name, params = _parse_term(self.dense)
+            if name == "streaming_heads":
+                raise ValueError("dense names the dense heads' pattern; streaming_heads cannot nest")
+            self._dense_method = build("prefill", name, params)
 
     # ---- the pattern ----------------------------------------------------------------------------
     def flags(self, num_layers: int, num_kv_heads: int) -> np.ndarray:
@@ -107,6 +120,12 @@ class StreamingHeads:
     # ---- prefill ----------------------------------------------------------------------------------
     def attend(self, layer: int, keys: Keys, force_triton: bool = False):
         flags = self._layer_flags(layer, keys.k.shape[1])
+        if self._dense_method is not None and not flags.all():
+            if keys.window is not None:
+                raise InvalidRequestError("streaming_heads(dense=...) does not support sliding-window models")
+            if not flags.any():
+                return self._dense_method.attend(layer, keys)
+            return self._attend_split(layer, keys, flags, force_triton)
         if (lines.uses_kernel(keys.q.device, force_triton) and flags.any() and not flags.all()
                 and keys.valid is None and keys.window is None):
             return self._attend_split(layer, keys, flags, force_triton)
@@ -130,7 +149,8 @@ class StreamingHeads:
         """Dense heads through SDPA (flash attention), streaming heads through the line kernel, where
         every head holds the same keys (a first turn's chunks, before the ring is trimmed). One kernel
         over all heads would compute the dense heads' cells with every offset selected, 1.2-2x slower
-        per cell than flash attention: streaming heads then made a 32K prefill slower than dense."""
+        per cell than flash attention: streaming heads then made a 32K prefill slower than dense.
+        With `dense`, that method attends the dense heads instead (any keys: it reads their `valid`)."""
         B, Hq, T, D = keys.q.shape
         H, G = keys.k.shape[1], keys.group
         t0 = clock(keys.q.device)
@@ -140,15 +160,26 @@ class StreamingHeads:
         for name, heads in (("dense", np.flatnonzero(~flags)), ("streaming", np.flatnonzero(flags))):
             idx = torch.from_numpy(heads).to(keys.q.device)
             parts[name] = (idx, replace(keys, q=keys.q.view(B, H, G, T, D)[:, idx].reshape(B, len(heads) * G, T, D),
-                                        k=keys.k[:, idx], v=keys.v[:, idx], k_pos=keys.k_pos[:, idx]))
+                                        k=keys.k[:, idx], v=keys.v[:, idx], k_pos=keys.k_pos[:, idx],
+                                        valid=None if keys.valid is None else keys.valid[:, idx]))
         idx, dense = parts["dense"]
-        grouped[:, idx] = reference.causal_suffix(dense.q, dense.k, dense.v).view(B, len(idx), G, T, D)
+        dense_stats = {}
+        if self._dense_method is None:
+            grouped[:, idx] = reference.causal_suffix(dense.q, dense.k, dense.v).view(B, len(idx), G, T, D)
+        else:
+            out_d, dense_stats = self._dense_method.attend(layer, dense)
+            grouped[:, idx] = out_d.view(B, len(idx), G, T, D)
         idx, stream = parts["streaming"]
         vertical, slash, _ = a_shape_lines(stream, self.sink, self.prefill_local)
         out_s, computed, causal = lines.line_attention(
             stream, vertical, slash, False, force_triton=force_triton,
             mask_fn=lambda rows: a_shape_mask(stream, rows, self.sink, self.prefill_local))
         grouped[:, idx] = out_s.view(B, len(idx), G, T, D)
+        if dense_stats:  # the dense method's own counts (its layout) beside the streaming heads'
+            stats = {**dense_stats, "layer": layer, "time_sparse_attention": clock(keys.q.device) - t0}
+            for name, part in (("computed", computed), ("causal", causal)):
+                stats[name] = torch.cat([dense_stats[name].reshape(-1).to(part.device), part.reshape(-1)])
+            return out, stats
         # Counts per (sequence, KV head) in the layout the one-pass paths give; dense heads compute
         # every causal cell: T rows ending at the last of S keys.
         S = keys.k.shape[2]
