@@ -314,7 +314,7 @@ def test_describe_lists_every_component_with_its_defaults():
                                                "granularity": "query", "sinks": 0}
     assert params[("prefill", "a_shape")] == {"sink": 128, "local": 4096}
     assert params[("prefill", "streaming_heads")] == {"pattern": None, "ratio": None, "sink": 128, "local": 256,
-                                                      "prefill_local": 8192}
+                                                      "prefill_local": 8192, "dense": None}
     assert params[("decode", "lserve")] == {"budget": 4096, "physical_page": 64, "logical_page": 16, "reuse": 4,
                                             "group": "query"}
     assert params[("prefill", "loopserve")]["alpha"] == 0.955 and params[("prefill", "loopserve")]["samples"] == 48
