@@ -176,7 +176,8 @@ class StreamingHeads:
             mask_fn=lambda rows: a_shape_mask(stream, rows, self.sink, self.prefill_local))
         grouped[:, idx] = out_s.view(B, len(idx), G, T, D)
         if dense_stats:  # the dense method's own counts (its layout) beside the streaming heads'
-            stats = {**dense_stats, "layer": layer, "time_sparse_attention": clock(keys.q.device) - t0}
+            selecting = dense_stats.get("time_random_select", 0.0) + dense_stats.get("time_search", 0.0)
+            stats = {**dense_stats, "layer": layer, "time_sparse_attention": clock(keys.q.device) - t0 - selecting}
             for name, part in (("computed", computed), ("causal", causal)):
                 stats[name] = torch.cat([dense_stats[name].reshape(-1).to(part.device), part.reshape(-1)])
             return out, stats
