@@ -29,9 +29,10 @@ def pattern_file(tmp_path):
     return str(path)
 
 
-def brute_force(q, k, v, q_pos, k_pos, streaming, sink, local):
+def brute_force(q, k, v, q_pos, k_pos, streaming, sink, local, dense_window=None):
     """Per query head, softmax over keys with k_pos <= q_pos, and for streaming KV heads
-    (k_pos < sink or q_pos - k_pos < local)."""
+    (k_pos < sink or q_pos - k_pos < local); dense KV heads likewise with dense_window = (sink, local)
+    when given (an A-shape on the dense heads), else every causal key."""
     Hq, T, D = q.shape
     H = k.shape[0]
     out = torch.empty_like(q)
@@ -39,8 +40,9 @@ def brute_force(q, k, v, q_pos, k_pos, streaming, sink, local):
         h = hq // (Hq // H)
         delta = q_pos[:, None] - k_pos[h][None, :]
         mask = delta >= 0
-        if streaming[h]:
-            mask &= (k_pos[h][None, :] < sink) | (delta < local)
+        window = (sink, local) if streaming[h] else dense_window
+        if window is not None:
+            mask &= (k_pos[h][None, :] < window[0]) | (delta < window[1])
         scores = (q[hq] @ k[h].T) * D**-0.5
         out[hq] = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v[h]
     return out
@@ -394,21 +396,6 @@ def test_pattern_sources_and_errors(tmp_path, pattern_file):
             Recipe.parse(bad)
 
 
-def composed_brute_force(q, k, v, q_pos, k_pos, streaming, sink, local, dense_sink, dense_local):
-    """Streaming KV heads: sink + local; dense KV heads: A-shape with their own sink and local."""
-    Hq, T, D = q.shape
-    H = k.shape[0]
-    out = torch.empty_like(q)
-    for hq in range(Hq):
-        h = hq // (Hq // H)
-        delta = q_pos[:, None] - k_pos[h][None, :]
-        s, w = (sink, local) if streaming[h] else (dense_sink, dense_local)
-        mask = (delta >= 0) & ((k_pos[h][None, :] < s) | (delta < w))
-        scores = (q[hq] @ k[h].T) * D**-0.5
-        out[hq] = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v[h]
-    return out
-
-
 @pytest.mark.parametrize("S,T", [(40, 40), (64, 24)])
 def test_dense_heads_through_another_pattern(pattern_file, S, T):
     """streaming_heads(dense=a_shape(...)): the dense heads attend through A-shape's lines, the
@@ -424,8 +411,8 @@ def test_dense_heads_through_another_pattern(pattern_file, S, T):
     keys = Keys(q, k, v, q_pos[None], k_pos[None, None].expand(1, H, S), None, int(q_pos[0]), int(q_pos[-1]) + 1)
     for layer in range(2):
         out, stats = method.attend(layer, keys)
-        ref = composed_brute_force(q[0], k[0], v[0], q_pos, k_pos[None].expand(H, S), STREAMING[layer],
-                                   sink, local, 2, 5)
+        ref = brute_force(q[0], k[0], v[0], q_pos, k_pos[None].expand(H, S), STREAMING[layer], sink, local,
+                          dense_window=(2, 5))
         torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
         delta = q_pos[:, None] - k_pos[None, :]
         cells = {w: int(((delta >= 0) & ((k_pos[None, :] < s) | (delta < w))).sum()) for s, w in ((sink, local), (2, 5))}
