@@ -1,7 +1,7 @@
 """Quantized KV on the GPU (issue #7): int8 / fp8 (e4m3) K/V with per-token, per-head fp32 scales.
 
-1. Correctness first: the indexed decode kernel over int8 / fp8 pages (both in-register dequantizations,
-   "cast" and "fp32") against the reference path (gather the codes, dequantize, attend in fp32), bf16
+1. Correctness first: the indexed decode kernel over int8 / fp8 pages (each in-register dequantization:
+   "cast", "fp32", and for int8 "f16asm") against the reference path (gather the codes, dequantize, attend in fp32), bf16
    queries, Llama-3.1-8B's attention shape, uneven lengths, split-K; every output element written.
 2. The kernel alone (one layer, timed in CUDA graphs) at batch 1 x 129,536 and batch 8 x 32,768 keys:
    bf16 pages against int8 and fp8 pages, each dequantization and a few launch settings; the fastest
@@ -42,10 +42,11 @@ from turnkv.kv.snapshot import slots_of
 
 KV_DTYPES = [None, "int8", "fp8"]
 STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+DEQUANTS = {"int8": ("cast", "fp32", "f16asm"), "fp8": ("cast", "fp32")}  # turnkv/attention/triton/decode.py
 H, G, D, PS = 8, 4, 128, 16  # Llama-3.1-8B attention: 8 KV heads, 32 query heads, head dim 128
 CONFIGS = [dict(block_n=32, num_warps=2, num_stages=3), dict(block_n=64, num_warps=2, num_stages=3),
            dict(block_n=64, num_warps=4, num_stages=3), dict(block_n=64, num_warps=4, num_stages=4),
-           dict(block_n=128, num_warps=4, num_stages=3)]
+           dict(block_n=128, num_warps=4, num_stages=3), dict(block_n=128, num_warps=4, num_stages=2)]
 
 
 MODEL_DTYPE = "bf16"  # how rows of unquantized KV are labelled (the model dtype)
@@ -91,8 +92,8 @@ def correctness(device) -> list[dict]:
     for kv in STORAGE:
         f = forms[kv]
         ref = reference.indexed_decode(q.float(), f["k"], f["v"], table, lens, k_scale=f["k_scale"], v_scale=f["v_scale"])
-        for dequant in ("cast", "fp32"):
-            for splits in (1, choose_splits(2 * H, max(lengths), sms)):
+        for dequant in DEQUANTS[kv]:
+            for splits in (1, choose_splits(2 * H, max(lengths), sms, programs_per_sm=8)):
                 out = torch.full_like(q, float("nan"))
                 indexed_decode(q, f["k"], f["v"], table, lens, splits, out=out, k_scale=f["k_scale"],
                                v_scale=f["v_scale"], dequant=dequant)
@@ -135,12 +136,13 @@ def kernel_timings(device, bw, sweep: bool) -> tuple[list[dict], dict]:
     rows, score = [], {}
     for B, S in shapes:
         q, forms, table, lens = make_pages(B, [S] * H, device)
-        splits = kernel.choose_splits(B * H, S, sms)
         base = None
         for kv in KV_DTYPES:
             f = forms[kv]
+            splits = kernel.choose_splits(B * H, S, sms, programs_per_sm=4 if kv is None else
+                                          kernel.PROGRAMS_PER_SM[STORAGE[kv]])
             floor = kv_bytes(f, [S] * H, B) / bw
-            variants = [(None, None)] if kv is None else [(d, c) for d in ("cast", "fp32")
+            variants = [(None, None)] if kv is None else [(d, c) for d in DEQUANTS[kv]
                                                           for c in (CONFIGS if sweep else [None])]
             for dequant, cfg in variants:
                 kw = {} if kv is None else dict(k_scale=f["k_scale"], v_scale=f["v_scale"], dequant=dequant)

@@ -21,12 +21,19 @@ from turnkv.attention import reference  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from turnkv.attention.triton.decode import codes_to_f32, indexed_decode  # noqa: E402
+from turnkv.attention.triton.decode import codes_to_f32, indexed_decode, int8_to_f16  # noqa: E402
 from turnkv.kv import quant  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [(torch.float32, 1e-4), (torch.float16, 2e-3)] + ([(torch.bfloat16, 1e-2)] if DEVICE == "cuda" else [])
 KV = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+# "f16asm" is inline PTX: a GPU only (elsewhere indexed_decode runs "cast" in its place).
+DEQUANTS = ["cast", "fp32"] + (["f16asm"] if DEVICE == "cuda" else [])
+
+
+def _skip_unsupported(kv, dequant):
+    if dequant == "f16asm" and kv != "int8":
+        pytest.skip("f16asm dequantizes int8 codes only")
 
 
 def _case(B, H, G, D, page_size, num_pages, lengths, kv, dtype, seed=0):
@@ -51,11 +58,12 @@ def _relative_error(out, ref):
 
 
 @pytest.mark.parametrize("kv", list(KV))
-@pytest.mark.parametrize("dequant", ["cast", "fp32"])
+@pytest.mark.parametrize("dequant", DEQUANTS)
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 @pytest.mark.parametrize("G,D", [(1, 32), (3, 64), (4, 64)])
 @pytest.mark.parametrize("splits", [1, 3, 8])
 def test_quantized_pages_with_uneven_lengths(kv, dequant, dtype, tol, G, D, splits):
+    _skip_unsupported(kv, dequant)
     B, H, ps = 2, 2, 4
     q, p, table, lengths = _case(B, H, G, D, ps, 64, [1, 37, 64, 13], kv, dtype)
     ref = reference.indexed_decode(q.float(), p["k"], p["v"], table, lengths, k_scale=p["k_scale"],
@@ -80,10 +88,11 @@ def test_reference_dequantizes_after_the_gather(kv):
 
 
 @pytest.mark.parametrize("kv", list(KV))
-@pytest.mark.parametrize("dequant", ["cast", "fp32"])
+@pytest.mark.parametrize("dequant", DEQUANTS)
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 def test_quantized_slot_lists(kv, dequant, dtype, tol):
     """Token selection: a table of single slots (page_size 1 views of the codes and of the scales)."""
+    _skip_unsupported(kv, dequant)
     B, H, G, D, ps = 2, 2, 4, 64, 8
     q, p, _, _ = _case(B, H, G, D, ps, 32, [1, 1, 1, 1], kv, dtype)
     gen = torch.Generator().manual_seed(3)
@@ -135,6 +144,22 @@ def test_codes_to_fp32_by_bit_arithmetic_is_exact_for_every_code():
         want = codes.float().to(DEVICE)
         finite = ~want.isnan()  # (e4m3's two NaN codes are never stored: codes are clamped to 448)
         assert torch.equal(out[finite], want[finite]), kv
+
+
+@triton.jit
+def _convert_f16(x_ptr, o_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(o_ptr + i, int8_to_f16(tl.load(x_ptr + i)))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="inline PTX: needs CUDA")
+def test_int8_to_fp16_by_byte_permutes_is_exact_for_every_code_in_order():
+    # Every code at every position of a 4-code register, so a swapped byte order would show.
+    codes = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).repeat(4)
+    codes = torch.cat([codes, codes.roll(1), codes.roll(2), codes.roll(3)]).to(DEVICE)
+    out = torch.empty(codes.numel(), dtype=torch.float16, device=DEVICE)
+    _convert_f16[(1,)](codes, out, N=codes.numel())
+    assert torch.equal(out, codes.half())
 
 
 def test_dispatcher_passes_the_scales_to_the_reference_off_cuda():

@@ -62,7 +62,7 @@ class _GraphStep:
         self.tables, self.lengths = r.tables[:, :batch], r.lengths[:, :batch]
         self.positions = r.positions[:batch]
         self.queries = r.queries[:, :batch]
-        self.splits = decode.num_splits(r.pool.device, batch * H, r.capacity)
+        self.splits = decode.num_splits(r.pool.device, batch * H, r.capacity, r.pool.kv_dtype)
         Hq, D = r.queries.shape[2], r.queries.shape[3]
         self.workspace = (torch.empty(batch * Hq * self.splits * D, device=r.pool.device),
                           torch.empty(batch * Hq * self.splits, device=r.pool.device))

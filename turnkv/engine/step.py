@@ -60,7 +60,8 @@ class Step:
         if self.indexed:
             self.tables = self.tables.to(torch.int32)
             self.lengths = self.lengths.to(torch.int32)
-            self.splits = decode.num_splits(pool.device, len(seqs) * pool.num_kv_heads, max(self.max_len))
+            self.splits = decode.num_splits(pool.device, len(seqs) * pool.num_kv_heads, max(self.max_len),
+                                           pool.kv_dtype)
         if self.pattern is not None:
             before = [s.next_position - num_new for s in seqs]
             self.span = (min(before), max(before) + num_new)  # host ints: no device read per layer

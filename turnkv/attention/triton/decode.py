@@ -15,6 +15,10 @@ are the narrow ones) with one fp32 scale per key, and dequantized in registers w
 copy: the key scales multiply the scores (q . (c s) = (q . c) s) and the value scales the
 probabilities (sum_j p_j s_j c_j), so the codes enter the dots as they are, converted exactly:
   "cast" (QUANT=1): codes cast to q's dtype (|code| <= 448 is exact in bf16/fp16), dots as unquantized;
+  "f16asm" (QUANT=3, int8 only): four codes at a time turned into fp16 by byte permutes and one
+    packed fp16 subtraction (inline PTX: int8_to_f16); q and the scaled probabilities enter the dots
+    in fp16. For half-precision queries on a GPU; otherwise "cast" runs instead (Triton's interpreter
+    runs no inline PTX, and an fp32 query would lose bits).
   "fp32" (QUANT=2): codes turned into fp32 by bit arithmetic (int8: 1.5 * 2**23 + c in an integer add
     and a float subtract; e4m3: its bits moved into an fp32's, times 2**120), dots on fp32 tiles in
     TF32 (exact for q and the codes; p rounded to 10 bits). Integer-to-float conversion instructions
@@ -26,6 +30,7 @@ probabilities (sum_j p_j s_j c_j), so the codes enter the dots as they are, conv
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -36,15 +41,21 @@ LOG2E = 1.4426950408889634
 # batch 1 x 32K to batch 32 x 16K keys, the most even of 36 settings.
 DEFAULT_CONFIG = dict(block_n=32, num_warps=2, num_stages=3)
 # Per storage dtype of quantized KV (benchmarks/gpu_kv_quant.py times the choices): the launch
-# settings (one-byte codes: twice the keys per tile keeps the bytes in flight per stage of the
-# setting above), and how the codes are dequantized in registers ("cast" or "fp32", module docstring).
-# Measured on an H100 (benchmarks/results/h100_kv_quant.json): "cast" beats "fp32" for both dtypes
-# (int8 at 1 x 128K keys 116 vs 134 us per layer, at 8 x 32K 252 vs 335), and 128-key tiles over 4
-# warps are the best or within 1% of it at both shapes (64 keys over 2 warps: 322 us at 8 x 32K).
+# settings (one-byte codes: 128-key tiles over 4 warps keep as many bytes in flight per stage as the
+# setting above), how the codes are dequantized in registers (module docstring), and how many
+# programs per SM choose_splits aims at (4 otherwise). On an H100 (2026-11-25,
+# benchmarks/results/h100_kv_quant_splits.json), 8 programs per SM instead of 4 took 8 x 32K int8 keys
+# from 257 to 212 us per layer (0.90 of the copy bandwidth); "f16asm" and "cast" were within 1-2%.
 QUANT_CONFIG = {torch.int8: dict(block_n=128, num_warps=4, num_stages=3),
-                torch.float8_e4m3fn: dict(block_n=128, num_warps=4, num_stages=3)}
-DEQUANT = {torch.int8: "cast", torch.float8_e4m3fn: "cast"}
-_QUANT_MODE = {"cast": 1, "fp32": 2}
+                torch.float8_e4m3fn: dict(block_n=128, num_warps=4, num_stages=2)}
+DEQUANT = {torch.int8: "f16asm", torch.float8_e4m3fn: "cast"}
+PROGRAMS_PER_SM = {torch.int8: 8, torch.float8_e4m3fn: 8}
+# Selected-token and selected-page lists (a few thousand keys per row, one row per query head for
+# LServe and LoopServe) are latency-bound: more, shorter chunks keep more loads in flight. An H100
+# probe (2026-11-25) of LServe's rows (4096 dense / 384 streaming tokens, 32 rows) took 17.0 us per
+# layer in 17 chunks and 11.6 in 64.
+SELECTION_PROGRAMS_PER_SM = 16
+_QUANT_MODE = {"cast": 1, "fp32": 2, "f16asm": 3}
 
 
 @triton.jit
@@ -62,6 +73,24 @@ def codes_to_f32(c, FP8: tl.constexpr):
     else:
         x = (c.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
     return x
+
+
+@triton.jit
+def int8_to_f16(c):
+    """int8 codes -> the same values in fp16, four codes per 32-bit register in five instructions:
+    flip the sign bit (c + 128, unsigned), put each byte under the exponent byte 0x64 (fp16 1024 + byte,
+    exact: fp16's ulp at 1024 is 1) and subtract 1152 from both halves at once."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, m;
+        xor.b32 t, $2, 0x80808080;
+        mov.b32 m, 0x64806480;
+        prmt.b32 $0, t, 0x64646464, 0x5150;
+        prmt.b32 $1, t, 0x64646464, 0x5352;
+        sub.f16x2 $0, $0, m;
+        sub.f16x2 $1, $1, m;
+        }""",
+        constraints="=r,=r,r", args=[c], dtype=tl.float16, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -93,6 +122,8 @@ def _decode_chunk(
         lowest = tl.load(query_pos_ptr + b) - window  # keys at or below this position are outside
     if QUANT == 2:
         q32 = q.to(tl.float32)
+    if QUANT == 3:
+        q16 = q.to(tl.float16)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
@@ -109,6 +140,10 @@ def _decode_chunk(
         if QUANT == 2:
             k_scale = tl.load(ks_ptr + slot, mask=valid, other=0.0)
             s = tl.dot(q32, tl.trans(codes_to_f32(k, FP8)), input_precision=PRECISION32)
+            s = s * (k_scale * scale_log2)[None, :]
+        elif QUANT == 3:
+            k_scale = tl.load(ks_ptr + slot, mask=valid, other=0.0)
+            s = tl.dot(q16, tl.trans(int8_to_f16(k))).to(tl.float32)
             s = s * (k_scale * scale_log2)[None, :]
         elif QUANT == 1:
             k_scale = tl.load(ks_ptr + slot, mask=valid, other=0.0)
@@ -127,6 +162,9 @@ def _decode_chunk(
         if QUANT == 2:
             v_scale = tl.load(vs_ptr + slot, mask=valid, other=0.0)
             pv = tl.dot(p * v_scale[None, :], codes_to_f32(v, FP8), input_precision=PRECISION32)
+        elif QUANT == 3:
+            v_scale = tl.load(vs_ptr + slot, mask=valid, other=0.0)
+            pv = tl.dot((p * v_scale[None, :]).to(tl.float16), int8_to_f16(v))
         elif QUANT == 1:
             v_scale = tl.load(vs_ptr + slot, mask=valid, other=0.0)
             pv = tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
@@ -166,11 +204,13 @@ def _merge_chunks(part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, Hq: tl.const
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-def choose_splits(batch_kv_heads: int, max_length: int, num_sms: int, min_chunk: int = 64) -> int:
-    """Enough chunks to give every SM a few programs, but none shorter than `min_chunk` keys. Short
-    lists (token selection) are latency-bound: on an H100, 1040 selected keys per head for 8 KV heads
-    took 14.0 us in 5 chunks of 256 and 8.5 us in 17 of 64 (cold pages, 2026-11-25)."""
-    want = math.ceil(4 * num_sms / max(batch_kv_heads, 1))
+def choose_splits(batch_kv_heads: int, max_length: int, num_sms: int, min_chunk: int = 64,
+                  programs_per_sm: int = 4) -> int:
+    """Enough chunks to give every SM `programs_per_sm` programs, but none shorter than `min_chunk`
+    keys. Short lists (token selection) are latency-bound: on an H100, 1040 selected keys per head
+    for 8 KV heads took 14.0 us in 5 chunks of 256 and 8.5 us in 17 of 64 (cold pages, 2026-11-25).
+    One-byte codes want more programs (PROGRAMS_PER_SM)."""
+    want = math.ceil(programs_per_sm * num_sms / max(batch_kv_heads, 1))
     return max(1, min(want, math.ceil(max_length / min_chunk), 128))
 
 
@@ -201,7 +241,11 @@ def indexed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if quantized:
         assert k_scale.is_contiguous() and v_scale.is_contiguous() and k_scale.dtype == v_scale.dtype == torch.float32
         assert k_cache.dtype in DEQUANT, f"no dequantization for {k_cache.dtype} codes"
-        mode = _QUANT_MODE[dequant or DEQUANT[k_cache.dtype]]
+        dequant = dequant or DEQUANT[k_cache.dtype]
+        if dequant == "f16asm" and (os.environ.get("TRITON_INTERPRET") == "1" or q.dtype == torch.float32):
+            dequant = "cast"  # the interpreter runs no inline PTX; an fp32 query would lose bits in fp16
+        assert dequant != "f16asm" or k_cache.dtype == torch.int8, "f16asm dequantizes int8 codes only"
+        mode = _QUANT_MODE[dequant]
     else:
         k_scale = v_scale = lengths  # unused
         mode = 0
