@@ -50,6 +50,10 @@ RECIPES = {
     "lserve-dynamic": "lserve-dynamic",
     "loopserve-d": "loopserve-d",
     "loopserve-d-eager": "loopserve-d",  # its re-selections run as eager steps (the fallback)
+    # The per-KV-head options (spec ambiguities: one selection serves the query group, a quarter of
+    # the reads for Llama-3.1-8B's groups of 4); not the papers' defaults.
+    "loopserve-d-kv": "loopserve-d decode=loopserve(granularity=kv)",
+    "lserve-kv": "lserve prefill=streaming_heads(pattern=random) decode=lserve(group=max)",
 }
 # --smoke: budgets scaled to contexts of a few hundred tokens, so that every recipe selects.
 SMOKE_RECIPES = {
@@ -59,8 +63,11 @@ SMOKE_RECIPES = {
     "lserve-dynamic": "decode=lserve(budget=128)",
     "loopserve-d": "loopserve-d decode=loopserve(budget=64,warmup=4,interval=4)",
     "loopserve-d-eager": "loopserve-d decode=loopserve(budget=64,warmup=4,interval=4)",
+    "loopserve-d-kv": "loopserve-d decode=loopserve(budget=64,warmup=4,interval=4,granularity=kv)",
+    "lserve-kv": "lserve prefill=streaming_heads(pattern=random,sink=16,local=32) decode=lserve(budget=128,group=max)",
 }
-ORDER = ["dense", "quest", "lserve-dynamic", "loopserve-d", "loopserve-d-eager", "lserve"]  # lserve trims its copies: last
+# lserve and lserve-kv trim their copies' streaming heads (the same seeded pattern): last.
+ORDER = ["dense", "quest", "lserve-dynamic", "loopserve-d", "loopserve-d-eager", "loopserve-d-kv", "lserve-kv", "lserve"]
 
 
 def sync(device):
