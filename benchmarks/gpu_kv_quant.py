@@ -82,7 +82,7 @@ def kv_bytes(forms_kv, lengths, B) -> int:
 
 
 def correctness(device) -> list[dict]:
-    from turnkv.attention.triton.decode import choose_splits, indexed_decode
+    from turnkv.attention.triton.decode import PROGRAMS_PER_SM, choose_splits, indexed_decode
 
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows = []
@@ -93,7 +93,7 @@ def correctness(device) -> list[dict]:
         f = forms[kv]
         ref = reference.indexed_decode(q.float(), f["k"], f["v"], table, lens, k_scale=f["k_scale"], v_scale=f["v_scale"])
         for dequant in DEQUANTS[kv]:
-            for splits in (1, choose_splits(2 * H, max(lengths), sms, programs_per_sm=8)):
+            for splits in (1, choose_splits(2 * H, max(lengths), sms, programs_per_sm=PROGRAMS_PER_SM[STORAGE[kv]])):
                 out = torch.full_like(q, float("nan"))
                 indexed_decode(q, f["k"], f["v"], table, lens, splits, out=out, k_scale=f["k_scale"],
                                v_scale=f["v_scale"], dequant=dequant)

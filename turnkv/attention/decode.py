@@ -30,17 +30,13 @@ def uses_kernel(device: torch.device) -> bool:
     return device.type == "cuda" and _kernel() is not None
 
 
-def num_splits(device: torch.device, batch_kv_heads: int, max_length: int, kv_dtype: torch.dtype | None = None,
-               selection: bool = False) -> int:
-    """How many chunks the kernel cuts each key list into (1 off CUDA); kv_dtype: the store's;
-    selection: the lists are a decode selection's (short, one per row), which want more chunks."""
+def num_splits(device: torch.device, batch_kv_heads: int, max_length: int, kv_dtype: torch.dtype | None = None) -> int:
+    """How many chunks the kernel cuts each key list into (1 off CUDA); kv_dtype: the store's."""
     if not uses_kernel(device):
         return 1
     kernel = _kernel()
-    per_sm = kernel.PROGRAMS_PER_SM.get(kv_dtype, 4)
-    if selection:
-        per_sm = max(per_sm, kernel.SELECTION_PROGRAMS_PER_SM)
-    return kernel.choose_splits(batch_kv_heads, max_length, _num_sms(device.index or 0), programs_per_sm=per_sm)
+    return kernel.choose_splits(batch_kv_heads, max_length, _num_sms(device.index or 0),
+                                programs_per_sm=kernel.PROGRAMS_PER_SM.get(kv_dtype, 4))
 
 
 def indexed_decode(q, k_cache, v_cache, table, lengths, splits: int = 1, scale=None, window=None,

@@ -45,17 +45,13 @@ DEFAULT_CONFIG = dict(block_n=32, num_warps=2, num_stages=3)
 # setting above), how the codes are dequantized in registers (module docstring), and how many
 # programs per SM choose_splits aims at (4 otherwise). On an H100 (2026-11-25,
 # benchmarks/results/h100_kv_quant_splits.json), 8 programs per SM instead of 4 took 8 x 32K int8 keys
-# from 257 to 212 us per layer (0.90 of the copy bandwidth); "f16asm" and "cast" were within 1-2%.
+# from 255 to 210 us per layer (0.74 to 0.90 of the copy bandwidth); "cast" at its best launch 213.
 QUANT_CONFIG = {torch.int8: dict(block_n=128, num_warps=4, num_stages=3),
                 torch.float8_e4m3fn: dict(block_n=128, num_warps=4, num_stages=2)}
 DEQUANT = {torch.int8: "f16asm", torch.float8_e4m3fn: "cast"}
 PROGRAMS_PER_SM = {torch.int8: 8, torch.float8_e4m3fn: 8}
-# Selected-token and selected-page lists (a few thousand keys per row, one row per query head for
-# LServe and LoopServe) are latency-bound: more, shorter chunks keep more loads in flight. An H100
-# probe (2026-11-25) of LServe's rows (4096 dense / 384 streaming tokens, 32 rows) took 17.0 us per
-# layer in 17 chunks and 11.6 in 64.
-SELECTION_PROGRAMS_PER_SM = 16
 _QUANT_MODE = {"cast": 1, "fp32": 2, "f16asm": 3}
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter: no inline PTX
 
 
 @triton.jit
@@ -242,8 +238,8 @@ def indexed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         assert k_scale.is_contiguous() and v_scale.is_contiguous() and k_scale.dtype == v_scale.dtype == torch.float32
         assert k_cache.dtype in DEQUANT, f"no dequantization for {k_cache.dtype} codes"
         dequant = dequant or DEQUANT[k_cache.dtype]
-        if dequant == "f16asm" and (os.environ.get("TRITON_INTERPRET") == "1" or q.dtype == torch.float32):
-            dequant = "cast"  # the interpreter runs no inline PTX; an fp32 query would lose bits in fp16
+        if dequant == "f16asm" and (_INTERPRETED or q.dtype == torch.float32):
+            dequant = "cast"  # an fp32 query would lose bits in fp16
         assert dequant != "f16asm" or k_cache.dtype == torch.int8, "f16asm dequantizes int8 codes only"
         mode = _QUANT_MODE[dequant]
     else:
