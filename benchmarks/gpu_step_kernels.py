@@ -364,7 +364,7 @@ def candidate_configs(M: int) -> list[dict]:
         for warps in ((4,) if block_n < 64 else (4, 8)):
             configs.append(dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, split_k=1, dot=True))
     if M <= 2:
-        for block_n, block_k, warps in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)):
+        for block_n, block_k, warps in itertools.product((2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 8)):
             if block_n * block_k * M > 16384:  # the accumulator would spill
                 continue
             configs.append(dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=1, split_k=1, dot=False))

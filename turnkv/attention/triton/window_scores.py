@@ -28,6 +28,10 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+# Launch settings of the two passes (warps and software-pipeline depth of each).
+# Pass 1 runs max_splits chunks of at least keys_per_split keys per (sequence, KV head); block_n (the
+# function's argument) keys a tile in both passes unless lse_block_n / weights_block_n say otherwise.
+LAUNCH = dict(lse_warps=4, lse_stages=3, weights_warps=4, weights_stages=3, max_splits=64, keys_per_split=4096)
 
 
 @triton.jit
@@ -161,7 +165,8 @@ def _window_weights(q_ptr, qpos_ptr, k_ptr, ks_ptr, kpos_ptr, table_ptr, lengths
 
 def window_scores(q: torch.Tensor, qpos: torch.Tensor, k_pool: torch.Tensor, kpos_pool: torch.Tensor,
                   table: torch.Tensor, lengths: torch.Tensor, capacity: int, per_kv: bool = False, sinks: int = 0,
-                  num_splits: int | None = None, block_n: int = 128, k_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  num_splits: int | None = None, block_n: int = 128, k_scale: torch.Tensor | None = None,
+                  config: dict | None = None) -> torch.Tensor:
     """q [B, W, Hq, D] window queries (post-RoPE), qpos [B, W] int64 (< 0: empty slot); k_pool one
     layer's keys [pages, page_size, D], kpos_pool its positions [pages, page_size]; table [B, H, P]
     int32 page ids, lengths [B, H] int32 (the current token included). -> fp32 [B, X, capacity]
@@ -170,14 +175,16 @@ def window_scores(q: torch.Tensor, qpos: torch.Tensor, k_pool: torch.Tensor, kpo
     block_n: keys per tile. 128 against 64: 309 against 380 us per call at 128K (H100, 16 window rows
     x 32 query heads; 2 x 90 us to read the keys twice). Pass 2 reads each row's merged log-sum-exp
     instead of merging pass 1's partials in every program: 270 against 311 us per call (H100, 2026-11-25;
-    running several key blocks per program to load the window once was slower, 274-297 us)."""
+    running several key blocks per program to load the window once was slower, 274-297 us).
+    config overrides the launch settings (LAUNCH's keys), for tuning."""
+    launch = {**LAUNCH, **(config or {})}
     B, W, Hq, D = q.shape
     H = table.shape[1]
     G = Hq // H
     PAGE = k_pool.shape[1]
     assert q.stride(-1) == 1 and k_pool.is_contiguous() and kpos_pool.is_contiguous() and table.stride(-1) == 1
     if num_splits is None:
-        num_splits = max(1, min(64, math.ceil(capacity / 4096)))
+        num_splits = max(1, min(launch["max_splits"], math.ceil(capacity / launch["keys_per_split"])))
     BLOCK_G, BLOCK_W = triton.next_power_of_2(G), max(16, triton.next_power_of_2(W))
     M = BLOCK_G * BLOCK_W
     part_m = torch.empty(B * H * num_splits * M, dtype=torch.float32, device=q.device)
@@ -187,7 +194,8 @@ def window_scores(q: torch.Tensor, qpos: torch.Tensor, k_pool: torch.Tensor, kpo
     scale_log2 = D**-0.5 * LOG2E
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     common = dict(H=H, G=G, W=W, BLOCK_G=BLOCK_G, BLOCK_W=BLOCK_W, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
-                  PAGE=PAGE, BLOCK_N=block_n, PRECISION=precision, QUANT=k_scale is not None)
+                  PAGE=PAGE, PRECISION=precision, QUANT=k_scale is not None)
+    lse_block_n, weights_block_n = launch.get("lse_block_n", block_n), launch.get("weights_block_n", block_n)
     if k_scale is None:
         k_scale = lengths  # unused
     else:
@@ -195,9 +203,11 @@ def window_scores(q: torch.Tensor, qpos: torch.Tensor, k_pool: torch.Tensor, kpo
     strides = (q.stride(0), q.stride(1), q.stride(2), qpos.stride(0), table.stride(0), table.stride(1),
                lengths.stride(0))
     _window_lse[(B * H, num_splits)](q, qpos, k_pool, k_scale, kpos_pool, table, lengths, part_m, part_l, *strides, scale_log2,
-                                     NUM_SPLITS=num_splits, num_warps=4, **common)
+                                     NUM_SPLITS=num_splits, BLOCK_N=lse_block_n, num_warps=launch["lse_warps"],
+                                     num_stages=launch["lse_stages"], **common)
     _merge_partials[(B * H,)](part_m, part_l, lse, M=M, NUM_SPLITS=num_splits, num_warps=1)
-    _window_weights[(B * H, triton.cdiv(capacity, block_n))](
+    _window_weights[(B * H, triton.cdiv(capacity, weights_block_n))](
         q, qpos, k_pool, k_scale, kpos_pool, table, lengths, lse, out, *strides, out.stride(0), out.stride(1),
-        scale_log2, capacity, sinks, PER_KV=per_kv, num_warps=4, **common)
+        scale_log2, capacity, sinks, PER_KV=per_kv, BLOCK_N=weights_block_n, num_warps=launch["weights_warps"],
+        num_stages=launch["weights_stages"], **common)
     return out
