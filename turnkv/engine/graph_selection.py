@@ -56,7 +56,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from turnkv.attention import decode
+from turnkv.attention import decode, top_k
 from turnkv.engine.cuda_graphs import GraphedDecode, _GraphStep
 
 MAX_WHOLE_PAGES = 1 << 14  # physical pages a whole-list row may need before the step goes eager
@@ -322,7 +322,7 @@ class _PagedHandler(_Handler):
         lengths = g.lengths[layer, :batch]
         scores = graph_page_scores(q, self.summaries.kmax[layer], self.summaries.kmin[layer], g.tables[layer, :batch],
                                    lengths, self.num_phys, cfg, g.pool.page_size)  # [batch, R, num_phys]
-        top = scores.topk(min(self.K - 1, self.num_phys), dim=-1, sorted=False).indices
+        top = top_k.top_k_ascending(scores, min(self.K - 1, self.num_phys))
         if decode.uses_kernel(self.device):  # one kernel: sort and commit the refreshed rows, expand every row
             from turnkv.attention.triton import page_select
 
@@ -330,7 +330,7 @@ class _PagedHandler(_Handler):
                                                    batch, kw, self.r, cfg.physical_page, top=top, refresh=self.refresh)
             return table[0], read[0]
         newest = (lengths.long() + cfg.physical_page - 1) // cfg.physical_page - 1
-        fresh = torch.cat([top.sort(dim=-1).values, newest.index_select(1, self.head_of_row)[..., None]], dim=-1)
+        fresh = torch.cat([top, newest.index_select(1, self.head_of_row)[..., None]], dim=-1)
         keep = self.refresh[layer, :batch, None, None] == 0
         self.chosen[layer, :batch].copy_(torch.where(keep, self.chosen[layer, :batch], fresh))
         return self.expand(layer, batch, kw)
@@ -556,9 +556,9 @@ class _ProgressiveHandler(_Handler):
         else:
             scores = window_scores(*args, per_kv=cfg.granularity == "kv", sinks=cfg.sinks,
                                    k_scale=k_scale)  # [batch, R, capacity]
-        top = scores.topk(self.budget, dim=-1, sorted=False).indices
+        top = top_k.top_k_ascending(scores, self.budget)
         history = (lengths.long() - 1).index_select(1, self.head_of_row)[..., None]
-        top = torch.where(top < history, top, self.capacity).sort(dim=-1).values  # padding past the valid ones
+        top = torch.where(top < history, top, self.capacity)  # padding (picked last, ascending) past the valid ones
         pages = g.tables_flat[self.page_base[layer, :batch, :, None] + (top // ps).clamp_(max=self.P - 1)]
         slots = (pages * ps + (top % ps).to(torch.int32))
         old = self.table[layer, :batch, :, : self.budget]

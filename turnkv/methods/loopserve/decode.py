@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from turnkv.attention import reference
+from turnkv.attention import reference, top_k
 from turnkv.kv.quant import dequantize
 from turnkv.methods.registry import register
 
@@ -200,10 +200,10 @@ class ProgressiveSelection:
         # History = everything before the current token, which is read as a recent token.
         recent_from = np.repeat(lengths - 1, group)
         kept = min(cfg.budget, int(recent_from.max()))
-        top = scores.topk(kept, dim=1).indices
+        top = top_k.top_k_ascending(scores, kept)
         counts = np.minimum(recent_from, cfg.budget)
         # Rows with fewer history tokens than `kept` picked padding last; push it past the valid ones.
-        top = torch.where(top < torch.from_numpy(recent_from).to(device)[:, None], top, S).sort(dim=1).values
+        top = torch.where(top < torch.from_numpy(recent_from).to(device)[:, None], top, S)  # still ascending
         return _Picked(top, counts, recent_from, self.steps)
 
 

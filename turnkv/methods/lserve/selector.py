@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from turnkv.attention import top_k
+
 GROUPS = ("query", "max", "sum")
 
 
@@ -144,7 +146,7 @@ def choose_pages(scores: torch.Tensor, num_pages: torch.Tensor, config: Selector
         return everything
     col = torch.arange(n_phys, device=scores.device)
     candidates = scores.masked_fill(col >= (num_pages[..., None] - 1), float("-inf"))  # not the newest
-    top = candidates.topk(K - 1, dim=-1).indices.sort(dim=-1).values
+    top = top_k.top_k_ascending(candidates, K - 1)
     chosen = torch.cat([top, (num_pages - 1)[..., None]], dim=-1)
     return torch.where(over[..., None], chosen, everything)
 

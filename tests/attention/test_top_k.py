@@ -1,0 +1,88 @@
+"""Exact top-k (turnkv/attention/triton/top_k.py, turnkv/attention/top_k.py) against a stable sort:
+the k largest of each row, ascending, the lowest indices winning ties at the threshold. On CPU the
+kernel runs in Triton's interpreter."""
+
+import pytest
+import torch
+
+from turnkv.attention import top_k as dispatch
+
+triton_top_k = pytest.importorskip("turnkv.attention.triton.top_k")
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def stable_reference(scores, k):
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k].sort(dim=-1).values
+
+
+def awkward_scores(rows, n, seed):
+    """Random scores with -inf (never chosen while enough others exist), +inf, both zeros and ties."""
+    gen = torch.Generator().manual_seed(seed)
+    s = torch.randn(rows, n, generator=gen)
+    s[:, ::7] = float("-inf")
+    s[0, 5] = float("inf")
+    s[-1, 10:40] = 0.5  # a tie run
+    s[:, 50:60] = -0.0
+    s[:, 60:70] = 0.0
+    return s
+
+
+@pytest.mark.parametrize("rows,n,k", [
+    (3, 300, 20),     # k not a power of two, n not either
+    (2, 2048, 63),    # LServe's rows at 128K (2048 physical pages, K - 1 = 63)
+    (1, 500, 1),      # k = 1
+    (2, 400, 400),    # k = n: every index
+])
+def test_matches_a_stable_sort(rows, n, k):
+    scores = awkward_scores(rows, n, seed=n + k).to(DEVICE)
+    got = triton_top_k.top_k_ascending(scores, k)
+    assert got.dtype == torch.int64 and got.shape == (rows, k)
+    assert torch.equal(got.cpu(), stable_reference(scores.cpu(), k))
+
+
+def test_ties_at_the_threshold_take_the_lowest_indices():
+    scores = torch.zeros(2, 1500)
+    scores[:, 100:110] = 1.0  # 10 sure winners, then 40 of the 1490 zeros: the first ones
+    scores[1, 0] = -1.0
+    got = triton_top_k.top_k_ascending(scores.to(DEVICE), 50).cpu()
+    assert torch.equal(got, stable_reference(scores, 50))
+    assert got[0].tolist() == list(range(40)) + list(range(100, 110))
+    assert got[1].tolist() == list(range(1, 41)) + list(range(100, 110))
+
+
+def test_too_few_finite_scores_fill_with_the_first_minus_inf():
+    # Pages past a head's history score -inf; callers only read the winners they asked to be valid.
+    scores = torch.full((1, 1500), float("-inf"))
+    scores[0, 1400:1410] = 2.0
+    got = triton_top_k.top_k_ascending(scores.to(DEVICE), 64).cpu()
+    assert got[0].tolist() == list(range(54)) + list(range(1400, 1410))
+
+
+def test_rows_longer_than_one_program_are_refused():
+    with pytest.raises(AssertionError):
+        triton_top_k.top_k_ascending(torch.zeros(1, triton_top_k.MAX_ROW + 1, device=DEVICE), 4)
+
+
+def test_batch_dimensions_are_kept():
+    scores = awkward_scores(6, 200, seed=1).view(2, 3, 200).to(DEVICE)
+    got = triton_top_k.top_k_ascending(scores, 17)
+    assert got.shape == (2, 3, 17)
+    assert torch.equal(got.cpu(), stable_reference(scores.cpu(), 17))
+
+
+def test_dispatch_off_cuda_is_torch_topk_sorted():
+    scores = torch.randn(4, 300)  # distinct values: every exact top-k agrees
+    got = dispatch.top_k_ascending(scores, 33)
+    assert torch.equal(got, scores.topk(33, dim=-1).indices.sort(dim=-1).values)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("rows,n,k", [(32, 2048, 63), (64, 4096, 255), (8, 131072 + 77, 1024)])
+def test_decode_selection_shapes_on_the_gpu(rows, n, k):
+    """Page rows through the kernel; token rows (LoopServe's 128K) through torch, then sorted."""
+    scores = torch.rand(rows, n, device="cuda").pow(8)  # many near-ties in the low exponents
+    scores[:, n - 100:] = float("-inf")
+    scores[:, :4] = float("inf")
+    got = dispatch.top_k_ascending(scores, k)
+    assert torch.equal(got, stable_reference(scores, k))

@@ -1,0 +1,21 @@
+"""The k largest scores of each row, as indices in ascending order, on any device: for rows of at
+most MAX_ROW scores on CUDA the Triton kernel of turnkv/attention/triton/top_k.py (ties at the
+threshold: the lowest indices), otherwise torch.topk and a sort (ties: torch's choice). The decode
+selections call this in their eager and graphed steps alike, so the two pick the same tokens and
+pages on either device."""
+
+from __future__ import annotations
+
+import torch
+
+from turnkv.attention import decode
+
+
+def top_k_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [..., n] (no NaN), 1 <= k <= n -> int64 indices [..., k], ascending."""
+    if decode.uses_kernel(scores.device):
+        from turnkv.attention.triton import top_k
+
+        if scores.shape[-1] <= top_k.MAX_ROW:
+            return top_k.top_k_ascending(scores.float(), k)
+    return scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
