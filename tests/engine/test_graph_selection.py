@@ -368,10 +368,9 @@ def test_expand_kernel_matches_torch(pair, select):
                                            h.r, cfg.physical_page)
         else:
             top = torch.randint(0, P // 2, (batch, h.R, h.K - 1), generator=gen).sort(-1).values
-            shuffled = top[..., torch.randperm(h.K - 1, generator=gen)]  # topk's order: the kernel sorts
             chosen = h.chosen.clone()
             got = page_select.expand_pages(h.chosen, h.whole, h.read, graphs.tables, graphs.lengths, 1, 1, batch, kw,
-                                           h.r, cfg.physical_page, top=shuffled, refresh=h.refresh)
+                                           h.r, cfg.physical_page, top=top, refresh=h.refresh)
             got_chosen, h.chosen = h.chosen, chosen
             newest = (graphs.lengths[1, :batch].long() + 31) // 32 - 1
             fresh = torch.cat([top, newest.index_select(1, h.head_of_row)[..., None]], -1)

@@ -156,14 +156,12 @@ def _expand_pages(chosen_ptr, top_ptr, refresh_ptr, whole_ptr, read_ptr, tables_
     jc = tl.minimum(j, K - 1)
     chosen = chosen_ptr + layer * stride_cl + b * stride_cb + row * stride_cr
     if SELECT:
-        # A refreshed row takes its top K - 1 pages (in topk's order) sorted here, ascending, and its
-        # newest page last: a separate sort launch cost 14 us per layer on an H100, more than this
-        # whole kernel. Padding sorts last (past every page id) and is replaced by the newest.
+        # A refreshed row takes its top K - 1 pages (ascending, as top_k_ascending returns them)
+        # and its newest page last.
         refresh = tl.load(refresh_ptr + layer * stride_fl + b)
         if refresh != 0:
             k = tl.arange(0, BLOCK_K)
-            top = tl.load(top_ptr + b * stride_tb + row * stride_tr + k, mask=k < K - 1, other=2**62)
-            top = tl.sort(top)
+            top = tl.load(top_ptr + b * stride_tb + row * stride_tr + k, mask=k < K - 1, other=0)
             length = tl.load(lengths_ptr + layer * stride_ll + b * stride_lb + h).to(tl.int64)
             newest = (length + PHYS - 1) // PHYS - 1
             tl.store(chosen + k, tl.where(k == K - 1, newest, top), mask=k < K)
@@ -182,7 +180,7 @@ def expand_pages(chosen, whole, read, tables, lengths, layer0: int, num_layers: 
     and, with top / refresh, the end of .select): one program per (layer, sequence, row).
 
     chosen [L, B, R, K] int64 physical pages (rows whose refresh flag is set take the top K - 1 of
-    top [batch, R, K - 1], in any order, sorted, and their newest page, written back); whole / read [L, B, H] int64
+    top [batch, R, K - 1], ascending, and their newest page, written back); whole / read [L, B, H] int64
     (1: the row reads its whole list; tokens each row reads); tables [L, B, H, P] int32, lengths
     [L, B, H] int32 (the graph's); refresh [L, B] int64. -> (tables [n, batch, R, kw * r] int32,
     lengths [n, batch, R] int32) for layers [layer0, layer0 + num_layers)."""
