@@ -1,6 +1,6 @@
-"""Exact top-k (turnkv/attention/triton/top_k.py, turnkv/attention/top_k.py) against a stable sort:
-the k largest of each row, ascending, the lowest indices winning ties at the threshold. On CPU the
-kernel runs in Triton's interpreter."""
+"""Exact top-k (turnkv/attention/top_k.py; the Triton kernels: turnkv/attention/triton/top_k.py for
+short rows, radix_top_k.py for long ones) against a stable sort: the k largest of each row, ascending,
+the lowest indices winning ties at the threshold. On CPU the kernels run in Triton's interpreter."""
 
 import pytest
 import torch
@@ -8,6 +8,7 @@ import torch
 from turnkv.attention import top_k as dispatch
 
 triton_top_k = pytest.importorskip("turnkv.attention.triton.top_k")
+radix = pytest.importorskip("turnkv.attention.triton.radix_top_k")
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 
@@ -77,10 +78,44 @@ def test_dispatch_off_cuda_is_torch_topk_sorted():
     assert torch.equal(got, scores.topk(33, dim=-1).indices.sort(dim=-1).values)
 
 
+@pytest.mark.parametrize("rows,n,k,chunk", [
+    (3, 5000, 700, 1024),  # several chunks, the last one partial
+    (2, 3000, 3000, 512),  # k = n
+    (1, 2100, 1, 256),     # k = 1 over nine chunks
+    (2, 9000, 1024, 4096),  # LoopServe's k in the default chunk
+])
+def test_radix_select_matches_a_stable_sort(rows, n, k, chunk):
+    scores = awkward_scores(rows, n, seed=n + k)
+    scores[-1, 10:400] = 0.5  # a tie run across chunk borders
+    got = radix.top_k_ascending(scores.to(DEVICE), k, chunk=chunk)
+    assert got.dtype == torch.int64 and got.shape == (rows, k)
+    assert torch.equal(got.cpu(), stable_reference(scores, k))
+
+
+def test_radix_select_ties_and_minus_inf_rows():
+    scores = torch.zeros(3, 3000)
+    scores[:, 100:110] = 1.0  # 10 sure winners, then the first 40 zeros
+    scores[1, 0] = -1.0
+    scores[2] = float("-inf")  # nothing finite: the first indices
+    scores[2, 2990:] = -5.0
+    got = radix.top_k_ascending(scores.to(DEVICE), 50, chunk=512).cpu()
+    assert got[0].tolist() == list(range(40)) + list(range(100, 110))
+    assert got[1].tolist() == list(range(1, 41)) + list(range(100, 110))
+    assert got[2].tolist() == list(range(40)) + list(range(2990, 3000))
+    assert torch.equal(got, stable_reference(scores, 50))
+
+
+def test_radix_select_keeps_batch_dimensions():
+    scores = awkward_scores(6, 1500, seed=2).view(2, 3, 1500)
+    got = radix.top_k_ascending(scores.to(DEVICE), 100, chunk=512)
+    assert got.shape == (2, 3, 100)
+    assert torch.equal(got.cpu(), stable_reference(scores, 100))
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 @pytest.mark.parametrize("rows,n,k", [(32, 2048, 63), (64, 4096, 255), (8, 131072 + 77, 1024)])
 def test_decode_selection_shapes_on_the_gpu(rows, n, k):
-    """Page rows through the kernel; token rows (LoopServe's 128K) through torch, then sorted."""
+    """Page rows through the one-program kernel; token rows (LoopServe's 128K) through the radix select."""
     scores = torch.rand(rows, n, device="cuda").pow(8)  # many near-ties in the low exponents
     scores[:, n - 100:] = float("-inf")
     scores[:, :4] = float("inf")

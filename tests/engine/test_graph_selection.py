@@ -17,6 +17,14 @@ from turnkv.attention import decode as decode_module
 from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.recipe import Recipe
 
+# The kernel tests run on the GPU when there is one (Triton compiles for CUDA tensors only), else in
+# Triton's interpreter on CPU.
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def on_kernel_device(*tensors):
+    return [t.to(KERNEL_DEVICE) for t in tensors]
+
 
 @pytest.fixture(scope="module")
 def pair(chat_model_dir):
@@ -277,7 +285,8 @@ def test_page_score_kernel_matches_reference(physical, logical, pool_page, group
     lengths = torch.tensor([[P * pool_page - 3, 17], [0, 2 * physical + 1]], dtype=torch.int32)
     q = torch.randn(B, H * G, D, generator=gen)
     num_phys = -(-P * pool_page // physical)
-    got = page_select.page_scores(q, kmax, kmin, table, lengths, num_phys, physical, logical, pool_page, group)
+    got = page_select.page_scores(*on_kernel_device(q, kmax, kmin, table, lengths), num_phys, physical, logical,
+                                  pool_page, group).cpu()
     want = graph_page_scores_reference(q, kmax, kmin, table, lengths, num_phys, cfg, pool_page)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -292,18 +301,18 @@ def test_fold_kernel_matches_reference():
     from turnkv.methods.lserve.summaries import PageSummaries
 
     gen = torch.Generator().manual_seed(1)
-    pool = PagePool(2, 2, 16, num_pages=16, page_size=32)
+    pool = PagePool(2, 2, 16, num_pages=16, page_size=32, device=KERNEL_DEVICE)
     pool.k.copy_(torch.randn(pool.k.shape, generator=gen))
     ref, got = PageSummaries(pool, 16), PageSummaries(pool, 16)
     for s in (ref, got):
         s.kmax.copy_(torch.randn(s.kmax.shape, generator=gen.manual_seed(2)))
         s.kmin.copy_(s.kmax - 1)
-    slots = torch.tensor([[0, 33, 47, 80], [16, 100, 5, 200]])  # page starts (reset) and middles
+    slots = torch.tensor([[0, 33, 47, 80], [16, 100, 5, 200]], device=KERNEL_DEVICE)  # page starts (reset), middles
     ref.fold_reference(slots)
     page_select.fold_keys(pool.k, slots, got.kmax, got.kmin, 16)
     # (the reference also resets its scratch row, the last: no page's)
     assert torch.equal(ref.kmax[:, :-1], got.kmax[:, :-1]) and torch.equal(ref.kmin[:, :-1], got.kmin[:, :-1])
-    assert not torch.equal(ref.kmax[:, :-1], torch.randn(ref.kmax.shape, generator=gen.manual_seed(2))[:, :-1])
+    assert not torch.equal(ref.kmax[:, :-1].cpu(), torch.randn(ref.kmax.shape, generator=gen.manual_seed(2))[:, :-1])
 
 
 @pytest.mark.parametrize("per_kv, sinks, window", [(False, 0, 16), (True, 0, 16), (False, 5, 6)])
@@ -330,8 +339,8 @@ def test_window_score_kernel_matches_reference(per_kv, sinks, window):
     qpos[1, :3] = -1  # empty window slots
     q = torch.randn(B, window, H * G, D, generator=gen)
     cap = P * ps
-    got = kernel.window_scores(q, qpos, k_pool, kpos_pool, table, lengths, cap, per_kv=per_kv, sinks=sinks,
-                               num_splits=3, block_n=16)
+    got = kernel.window_scores(*on_kernel_device(q, qpos, k_pool, kpos_pool, table, lengths), cap, per_kv=per_kv,
+                               sinks=sinks, num_splits=3, block_n=16).cpu()
     want = window_scores(q, qpos, k_pool, kpos_pool, table, lengths, cap, per_kv=per_kv, sinks=sinks)
     assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got > 0, want > 0)
     finite = torch.isfinite(want)
@@ -383,3 +392,31 @@ def test_expand_kernel_matches_torch(pair, select):
     finally:
         graphs.tables.copy_(saved[0])
         graphs.lengths.copy_(saved[1])
+
+
+def test_commit_slots_kernel_matches_reference():
+    """LoopServe's re-selection commit (attention/triton/token_slots.py) against the torch path: the
+    refreshed rows' tokens as pool slots through their head's table, indices past the history kept
+    last, the other rows untouched."""
+    pytest.importorskip("triton")
+    from turnkv.attention.triton import token_slots
+    from turnkv.engine.graph_selection import commit_slots_reference
+
+    gen = torch.Generator().manual_seed(5)
+    B, H, G, P, ps, K, W = 3, 2, 2, 10, 16, 24, 40
+    capacity = P * ps
+    lengths = torch.tensor([[P * ps, 30], [1, 90], [50, 60]], dtype=torch.int32)
+    tables = torch.randint(0, 1000, (B, H, P), generator=gen, dtype=torch.int32)
+    top = torch.stack([torch.randperm(capacity, generator=gen)[:K].sort().values for _ in range(B * H * G)]).view(B, H * G, K)
+    refresh = torch.tensor([1, 1, 0])
+    out = torch.randint(0, 1 << 20, (B, H * G, W), generator=gen, dtype=torch.int32)
+    want = out.clone()
+    commit_slots_reference(top, lengths, tables, refresh, want, capacity, ps)
+    got_dev, = on_kernel_device(out)
+    token_slots.commit_slots(*on_kernel_device(top, lengths, tables, refresh), got_dev, capacity, ps)
+    assert torch.equal(got_dev.cpu(), want)
+    assert torch.equal(want[2], out[2]) and torch.equal(want[:, :, K:], out[:, :, K:])  # rows not refreshed, columns past K
+    tokens = top[0, 2]  # sequence 0, head 1 (rows 2-3): a history of 29 tokens
+    valid = tokens < 29
+    assert valid.any() and not valid.all()
+    assert torch.equal(want[0, 2, :K][valid], tables[0, 1, tokens[valid] // ps] * ps + (tokens[valid] % ps).int())

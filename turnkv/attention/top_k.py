@@ -1,8 +1,9 @@
-"""The k largest scores of each row, as indices in ascending order, on any device: for rows of at
-most MAX_ROW scores on CUDA the Triton kernel of turnkv/attention/triton/top_k.py (ties at the
-threshold: the lowest indices), otherwise torch.topk and a sort (ties: torch's choice). The decode
-selections call this in their eager and graphed steps alike, so the two pick the same tokens and
-pages on either device."""
+"""The k largest scores of each row, as indices in ascending order, on any device. On CUDA, Triton
+kernels: rows of at most MAX_ROW scores are sorted by one program each (turnkv/attention/triton/
+top_k.py), longer rows go through a radix select (radix_top_k.py); both give ties at the threshold
+to the lowest indices. Elsewhere torch.topk and a sort (ties: torch's choice). The decode selections
+call this in their eager and graphed steps alike, so the two pick the same tokens and pages on
+either device."""
 
 from __future__ import annotations
 
@@ -18,4 +19,7 @@ def top_k_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:
 
         if scores.shape[-1] <= top_k.MAX_ROW:
             return top_k.top_k_ascending(scores.float(), k)
+        from turnkv.attention.triton import radix_top_k
+
+        return radix_top_k.top_k_ascending(scores.float(), k)
     return scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values

@@ -34,7 +34,8 @@ before the first) and reads the rows; "rescore", on a re-selection step (n_o = w
 n_d), makes the refreshed rows' selection again at each layer inside the graph before reading:
 the window's summed softmax weights over every key (the two-pass Triton kernel of
 attention/triton/window_scores.py reads the keys through the page table and skips blocks past the
-live length), the top `budget` of a capacity-padded row, as slots. The window is the conversation's
+live length), the top `budget` of a capacity-padded row (attention/top_k.py: a radix select on
+CUDA), committed as slots into the refreshed rows by one kernel (attention/triton/token_slots.py). The window is the conversation's
 last n - 1 queries (copied into a static buffer before the replay) and the step's own (written by the
 graph). Per-row flags again: rows that do not re-select keep theirs. Warm-up steps read everything:
 the plain graph. The graphed steps hand their queries to the conversation's observation window
@@ -428,7 +429,6 @@ class _ProgressiveHandler(_Handler):
         layer = torch.arange(L, device=dev)[:, None, None]
         batch = torch.arange(B_max, device=dev)[None, :, None]
         self.row_base = ((layer * B_max + batch) * self.R + torch.arange(self.R, device=dev)) * self.W  # [L, B, R]
-        self.page_base = ((layer * B_max + batch) * H + self.head_of_row) * self.P  # [L, B, R]: graph table rows
         # The observation window of a re-selection: the conversation's last n - 1 queries (copied in
         # before the step) and the step's own (written by the graph at each layer) in the last slot.
         self.Wn = config.observation
@@ -557,12 +557,14 @@ class _ProgressiveHandler(_Handler):
             scores = window_scores(*args, per_kv=cfg.granularity == "kv", sinks=cfg.sinks,
                                    k_scale=k_scale)  # [batch, R, capacity]
         top = top_k.top_k_ascending(scores, self.budget)
-        history = (lengths.long() - 1).index_select(1, self.head_of_row)[..., None]
-        top = torch.where(top < history, top, self.capacity)  # padding (picked last, ascending) past the valid ones
-        pages = g.tables_flat[self.page_base[layer, :batch, :, None] + (top // ps).clamp_(max=self.P - 1)]
-        slots = (pages * ps + (top % ps).to(torch.int32))
-        old = self.table[layer, :batch, :, : self.budget]
-        old.copy_(torch.where(self.refresh[layer, :batch, None, None] != 0, slots, old))
+        args = (top, lengths, g.tables[layer, :batch], self.refresh[layer, :batch], self.table[layer, :batch],
+                self.capacity, ps)
+        if decode.uses_kernel(self.device):
+            from turnkv.attention.triton import token_slots
+
+            token_slots.commit_slots(*args)
+        else:
+            commit_slots_reference(*args)
 
     def append(self, layers, batch: int, slots: torch.Tensor) -> torch.Tensor:
         """Put each row's new token (slots [n, batch, H], n layers) after what the row reads; -> the
@@ -571,6 +573,20 @@ class _ProgressiveHandler(_Handler):
         cells = torch.where(read > 0, self.row_base[layers, :batch] + read - 1, self.table_flat.numel() - 1)
         self.table_flat.index_copy_(0, cells.reshape(-1), slots.index_select(-1, self.head_of_row).reshape(-1).to(torch.int32))
         return read.to(torch.int32)
+
+
+def commit_slots_reference(top, lengths, tables, refresh, out, capacity: int, page_size: int) -> None:
+    """The refreshed rows' chosen tokens as pool slots (attention/triton/token_slots.py in torch): top
+    [B, R, K] ascending indices, lengths [B, H], tables [B, H, P], refresh [B], out [B, R, >= K]."""
+    B, R, K = top.shape
+    H, P = tables.shape[1], tables.shape[2]
+    head = torch.arange(R, device=top.device) // (R // H)
+    history = (lengths.long() - 1).index_select(1, head)[..., None]
+    top = torch.where(top < history, top, capacity)  # padding (picked last, ascending) past the valid ones
+    pages = tables.long().index_select(1, head).gather(2, (top // page_size).clamp(max=P - 1))
+    slots = (pages * page_size + top % page_size).to(torch.int32)
+    old = out[:, :, :K]
+    old.copy_(torch.where(refresh[:, None, None] != 0, slots, old))
 
 
 def _picked(entries, counts, recent_from, step):

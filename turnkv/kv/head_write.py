@@ -15,12 +15,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from turnkv.model.triton import pdl
 
 
 @triton.jit
 def _write_heads(k_ptr, v_ptr, slots_ptr, k_dst, v_dst, T, H,
                  sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
+                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, GDC: tl.constexpr):
+    if GDC:  # PDL: the previous kernel's writes first (model/triton/pdl.py)
+        gdc_wait()
     bh = tl.program_id(0).to(tl.int64)  # sequence * H + head: the slots' row order
     b, h = bh // H, bh % H
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -49,4 +54,5 @@ def write_heads(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_store: 
         k, v, slots, k_store, v_store, T, H,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_T=block_t, num_warps=4 if block_t >= 32 else 1,
+        **pdl.launch_options(k.device),
     )

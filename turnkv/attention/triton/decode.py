@@ -35,6 +35,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from turnkv.model.triton import pdl
 
 LOG2E = 1.4426950408889634
 # Chosen on an H100 (benchmarks/gpu_decode_kernel.py --sweep): 0.85-1.0 of the copy bandwidth from
@@ -97,8 +100,10 @@ def _decode_chunk(
     scale_log2, window,
     H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr, PRECISION32: tl.constexpr,
+    PRECISION: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr, PRECISION32: tl.constexpr, GDC: tl.constexpr,
 ):
+    if GDC:  # PDL: the previous kernel's writes first (model/triton/pdl.py)
+        gdc_wait()
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // H
@@ -184,7 +189,10 @@ def _decode_chunk(
 
 @triton.jit
 def _merge_chunks(part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, Hq: tl.constexpr,
-                  D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                  GDC: tl.constexpr):
+    if GDC:  # PDL: the previous kernel's writes first (model/triton/pdl.py)
+        gdc_wait()
     row = tl.program_id(0)  # b * Hq + query head
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -272,9 +280,10 @@ def indexed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # fp32 tiles of a half-precision model's query and codes: TF32 holds them exactly.
         PRECISION32="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+        num_warps=launch["num_warps"], num_stages=launch["num_stages"], **pdl.launch_options(q.device),
     )
     if num_splits > 1:
         _merge_chunks[(B * Hq,)](part, lse, out, out.stride(0), out.stride(1), Hq=Hq, D=D, BLOCK_D=BLOCK_D,
-                                 NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4)
+                                 NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+                                 **pdl.launch_options(q.device))
     return out

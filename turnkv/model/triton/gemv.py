@@ -24,6 +24,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from turnkv.model.triton import pdl
 
 # Arrival counters for split-K: one per output tile, zero between launches (the last program of a
 # tile resets its own). Launches on one stream run one after the other, so one set per device serves
@@ -36,8 +39,10 @@ def _skinny_matmul(
     x_ptr, w_ptr, bias_ptr, y_ptr, partial_ptr, arrivals_ptr,
     M, N, K, stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    DOT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    DOT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, GDC: tl.constexpr,
 ):
+    if GDC:  # PDL: the previous kernel's writes first (model/triton/pdl.py)
+        gdc_wait()
     tile = tl.program_id(0)
     split = tl.program_id(1)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -176,6 +181,6 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         HAS_BIAS=bias is not None, EVEN_K=K % block_k == 0,
         # fp32 stays fp32: tensor cores would round it to TF32.
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+        num_warps=launch["num_warps"], num_stages=launch["num_stages"], **pdl.launch_options(x.device),
     )
     return out

@@ -12,6 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from turnkv.model.triton import pdl
 
 # Rows up to this width sit in registers in one tile (Llama-70B's 8192 included); wider rows loop.
 MAX_TILE = 8192
@@ -20,8 +23,10 @@ MAX_TILE = 8192
 @triton.jit
 def _add_rms_norm(
     x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, H, eps,
-    BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
+    BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, GDC: tl.constexpr,
 ):
+    if GDC:  # PDL: the previous kernel's writes first (model/triton/pdl.py)
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     r_row = res_ptr + row * stride_r
@@ -67,5 +72,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     # Enough threads that each holds 8-16 elements of the row; more warps only add reduction steps.
     num_warps = num_warps or max(1, min(16, block // 512))
     _add_rms_norm[(R,)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), H, eps,
-                        BLOCK=block, ONE_TILE=block >= H, num_warps=num_warps)
+                        BLOCK=block, ONE_TILE=block >= H, num_warps=num_warps,
+                        **pdl.launch_options(x.device))
     return out
