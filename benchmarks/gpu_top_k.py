@@ -1,11 +1,14 @@
-"""Radix select (turnkv/attention/triton/radix_top_k.py) against torch.topk + sort, and the one-program
-kernel for short rows, timed as CUDA-graph replays; each checked against a stable sort.
+"""Exact top-k kernels against torch.topk + sort, timed as CUDA-graph replays, each checked against a
+stable sort: the radix select of long rows (turnkv/attention/triton/radix_top_k.py; digit counts by
+tl.histogram or by 16 masked sums, chunks of 4096 to 16384) and the short-row kernel (top_k.py; one
+program per row, or split over parts and merged). Prints a table; JSON to $OUT/top_k.json.
 
     python benchmarks/gpu_top_k.py     # H100: ~1 min
 """
-import sys, torch
+import json, os, sys, torch
 sys.path.insert(0, ".")
 from turnkv.attention.triton import radix_top_k as R, top_k as S
+
 
 def graphed(fn, reps=50):
     fn(); torch.cuda.synchronize()
@@ -24,19 +27,28 @@ def graphed(fn, reps=50):
     b.record(); torch.cuda.synchronize()
     return a.elapsed_time(b) / reps * 1e3
 
+
 def ref(s, k):
     return torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :k].sort(dim=-1).values
 
+
 torch.manual_seed(0)
-for rows, n, k in ((32, 131072, 1024), (8, 131072, 1024), (32, 32768, 1024), (32, 2048, 63)):
+rows_out = []
+for rows, n, k in ((32, 131072, 1024), (8, 131072, 1024), (32, 32768, 1024), (32, 2048, 63), (16, 2048, 63)):
     x = torch.rand(rows, n, device="cuda").pow(6)
     x[:, -100:] = float("-inf"); x[:, :4] = float("inf")
-    ok = torch.equal(R.top_k_ascending(x, k), ref(x, k))
-    t_r = graphed(lambda: R.top_k_ascending(x, k))
-    t_t = graphed(lambda: x.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values)
-    extra = ""
-    if n <= S.MAX_ROW:
-        extra = f"  one-program {graphed(lambda: S.top_k_ascending(x, k)):6.1f} us"
-    for chunk in (2048, 4096):
-        extra += f"  radix chunk {chunk} {graphed(lambda: R.top_k_ascending(x, k, chunk=chunk)):6.1f} us"
-    print(f"[{rows}, {n}] k={k}: exact {ok}  radix {t_r:6.1f} us  torch topk+sort {t_t:6.1f} us{extra}")
+    want = ref(x, k)
+    variants = {"torch topk+sort": lambda: x.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values}
+    if n > S.MAX_ROW:
+        for chunk, masked in ((4096, False), (8192, False), (16384, False), (8192, True)):
+            variants[f"radix {chunk} {'masked' if masked else 'hist'}"] = \
+                (lambda c=chunk, m=masked: R.top_k_ascending(x, k, chunk=c, masked_sums=m))
+    else:
+        variants["one program"] = lambda: S.top_k_ascending(x, k, split=False)
+        variants["split"] = lambda: S.top_k_ascending(x, k, split=True)
+    for name, fn in variants.items():
+        exact = torch.equal(fn(), want) if name != "torch topk+sort" else None
+        us = graphed(fn)
+        rows_out.append(dict(rows=rows, n=n, k=k, variant=name, us=us, exact=exact))
+        print(f"[{rows:2d}, {n:6d}] k={k:4d}  {name:22s} {us:7.1f} us  exact={exact}")
+json.dump(rows_out, open(os.path.join(os.environ.get("OUT", "."), "top_k.json"), "w"), indent=1)

@@ -34,10 +34,13 @@ def awkward_scores(rows, n, seed):
     (2, 2048, 63),    # LServe's rows at 128K (2048 physical pages, K - 1 = 63)
     (1, 500, 1),      # k = 1
     (2, 400, 400),    # k = n: every index
+    (2, 3000, 100),   # split over parts (PART), then merged
+    (2, 4096, 255),
 ])
-def test_matches_a_stable_sort(rows, n, k):
+@pytest.mark.parametrize("split", [True, False])
+def test_matches_a_stable_sort(rows, n, k, split):
     scores = awkward_scores(rows, n, seed=n + k).to(DEVICE)
-    got = triton_top_k.top_k_ascending(scores, k)
+    got = triton_top_k.top_k_ascending(scores, k, split=split)
     assert got.dtype == torch.int64 and got.shape == (rows, k)
     assert torch.equal(got.cpu(), stable_reference(scores.cpu(), k))
 
@@ -84,10 +87,11 @@ def test_dispatch_off_cuda_is_torch_topk_sorted():
     (1, 2100, 1, 256),     # k = 1 over nine chunks
     (2, 9000, 1024, 4096),  # LoopServe's k in the default chunk
 ])
-def test_radix_select_matches_a_stable_sort(rows, n, k, chunk):
+@pytest.mark.parametrize("masked_sums", [False, True])
+def test_radix_select_matches_a_stable_sort(rows, n, k, chunk, masked_sums):
     scores = awkward_scores(rows, n, seed=n + k)
     scores[-1, 10:400] = 0.5  # a tie run across chunk borders
-    got = radix.top_k_ascending(scores.to(DEVICE), k, chunk=chunk)
+    got = radix.top_k_ascending(scores.to(DEVICE), k, chunk=chunk, masked_sums=masked_sums)
     assert got.dtype == torch.int64 and got.shape == (rows, k)
     assert torch.equal(got.cpu(), stable_reference(scores, k))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from turnkv.model.triton import pdl
 
@@ -23,9 +23,12 @@ from turnkv.model.triton import pdl
 @triton.jit
 def _write_heads(k_ptr, v_ptr, slots_ptr, k_dst, v_dst, T, H,
                  sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, GDC: tl.constexpr):
-    if GDC:  # PDL: the previous kernel's writes first (model/triton/pdl.py)
+                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, GDC: tl.constexpr,
+                 EARLY: tl.constexpr):
+    if GDC:  # PDL: the previous kernel's writes first, then let the next one launch (model/triton/pdl.py)
         gdc_wait()
+        if EARLY:
+            gdc_launch_dependents()
     bh = tl.program_id(0).to(tl.int64)  # sequence * H + head: the slots' row order
     b, h = bh // H, bh % H
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -54,5 +57,5 @@ def write_heads(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_store: 
         k, v, slots, k_store, v_store, T, H,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_T=block_t, num_warps=4 if block_t >= 32 else 1,
-        **pdl.launch_options(k.device),
+        **pdl.launch_options(k.device, early=True),
     )

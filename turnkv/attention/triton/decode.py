@@ -35,7 +35,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from turnkv.model.triton import pdl
 
@@ -101,9 +101,12 @@ def _decode_chunk(
     H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr, PRECISION32: tl.constexpr, GDC: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
-    if GDC:  # PDL: the previous kernel's writes first (model/triton/pdl.py)
+    if GDC:  # PDL: the previous kernel's writes first, then let the next one launch (model/triton/pdl.py)
         gdc_wait()
+        if EARLY:
+            gdc_launch_dependents()
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // H
@@ -190,9 +193,11 @@ def _decode_chunk(
 @triton.jit
 def _merge_chunks(part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, Hq: tl.constexpr,
                   D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                  GDC: tl.constexpr):
-    if GDC:  # PDL: the previous kernel's writes first (model/triton/pdl.py)
+                  GDC: tl.constexpr, EARLY: tl.constexpr):
+    if GDC:  # PDL: the previous kernel's writes first, then let the next one launch (model/triton/pdl.py)
         gdc_wait()
+        if EARLY:
+            gdc_launch_dependents()
     row = tl.program_id(0)  # b * Hq + query head
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -280,10 +285,10 @@ def indexed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # fp32 tiles of a half-precision model's query and codes: TF32 holds them exactly.
         PRECISION32="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=launch["num_warps"], num_stages=launch["num_stages"], **pdl.launch_options(q.device),
+        num_warps=launch["num_warps"], num_stages=launch["num_stages"], **pdl.launch_options(q.device, early=True),
     )
     if num_splits > 1:
         _merge_chunks[(B * Hq,)](part, lse, out, out.stride(0), out.stride(1), Hq=Hq, D=D, BLOCK_D=BLOCK_D,
                                  NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
-                                 **pdl.launch_options(q.device))
+                                 **pdl.launch_options(q.device, early=True))
     return out

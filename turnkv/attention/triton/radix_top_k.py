@@ -27,6 +27,7 @@ import triton.language as tl
 
 CHUNK = 8192  # scores per program (H100, 32 x 128K: 111 us against 127 at 4096, 123 at 2048)
 ROUNDS = 8  # 4-bit digits of a 32-bit key
+MASKED_SUMS = False  # count a round's digits by 16 masked sums instead of tl.histogram
 SIGN: tl.constexpr = tl.constexpr(-2147483648)  # int32 with only the sign bit
 
 
@@ -56,7 +57,7 @@ def _descend(hist_ptr, row, R, K, ROUNDS_DONE: tl.constexpr):
 
 @triton.jit
 def _radix_round(scores_ptr, hist_ptr, gt_ptr, chunk_hist_ptr, n, R, K, stride_s, num_chunks,
-                 ROUND: tl.constexpr, CHUNK: tl.constexpr):
+                 ROUND: tl.constexpr, CHUNK: tl.constexpr, MASKED_SUMS: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     i = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -70,7 +71,12 @@ def _radix_round(scores_ptr, hist_ptr, gt_ptr, chunk_hist_ptr, n, R, K, stride_s
         ok = ok & ((ukey >> (SHIFT + 4)) == (prefix >> (SHIFT + 4)))
     b = tl.arange(0, 16)
     digit = (ukey >> SHIFT) & 15
-    counts = tl.histogram(digit, 16, mask=ok)
+    if MASKED_SUMS:  # 16 masked sums: no shared-memory atomics, which collide when most keys share a digit
+        counts = tl.zeros([16], tl.int32)
+        for v in tl.static_range(16):
+            counts = tl.where(b == v, tl.sum((ok & (digit == v)).to(tl.int32), 0), counts)
+    else:
+        counts = tl.histogram(digit, 16, mask=ok)
     if ROUND < 7:
         tl.atomic_add(hist_ptr + (ROUND * R + row) * 16 + b, counts)
     else:  # per chunk, for the write kernel: the low digit's counts and the keys above the prefix
@@ -113,7 +119,7 @@ def _radix_write(scores_ptr, hist_ptr, gt_ptr, chunk_hist_ptr, out_ptr, n, R, K,
     tl.store(out_ptr + row.to(tl.int64) * stride_o + place, i.to(tl.int64), mask=win)
 
 
-def top_k_ascending(scores: torch.Tensor, k: int, chunk: int = CHUNK) -> torch.Tensor:
+def top_k_ascending(scores: torch.Tensor, k: int, chunk: int | None = None, masked_sums: bool | None = None) -> torch.Tensor:
     """scores [..., n] fp32 (no NaN), 1 <= k <= n -> int64 [..., k]: the indices of the k largest
     scores of each row in ascending order; among equal scores at the threshold the lowest."""
     *lead, n = scores.shape
@@ -125,14 +131,16 @@ def top_k_ascending(scores: torch.Tensor, k: int, chunk: int = CHUNK) -> torch.T
     out = torch.empty(R, k, dtype=torch.int64, device=scores.device)
     if R == 0:
         return out.view(*lead, k)
+    chunk = chunk or CHUNK
+    masked_sums = MASKED_SUMS if masked_sums is None else masked_sums
     num_chunks = triton.cdiv(n, chunk)
     hist = torch.zeros((ROUNDS - 1) * R * 16, dtype=torch.int32, device=scores.device)
     chunk_hist = torch.empty(R * num_chunks * 16, dtype=torch.int32, device=scores.device)
     greater = torch.empty(R * num_chunks, dtype=torch.int32, device=scores.device)
-    warps = 8 if chunk >= 4096 else 4
+    warps = 16 if chunk >= 16384 else 8 if chunk >= 4096 else 4
     for r in range(ROUNDS):
         _radix_round[(R, num_chunks)](rows, hist, greater, chunk_hist, n, R, k, rows.stride(0), num_chunks,
-                                      ROUND=r, CHUNK=chunk, num_warps=warps)
+                                      ROUND=r, CHUNK=chunk, MASKED_SUMS=masked_sums, num_warps=warps)
     _radix_write[(R, num_chunks)](rows, hist, greater, chunk_hist, out, n, R, k, rows.stride(0), out.stride(0),
                                   num_chunks, CHUNK=chunk, BLOCK_C=max(2, triton.next_power_of_2(num_chunks)),
                                   num_warps=warps)

@@ -1,8 +1,10 @@
 """Exact top-k of short fp32 score rows on the GPU, the selected indices returned in ascending order:
 LServe's page selection (a row per query head of at most a few thousand physical pages, k = 63 at
-128K). One program per row sorts (score, index) keys in registers (tl.topk, a bitonic sort), then
-the k winners' indices: 10.7 us per layer on an H100 for 32 rows of 2048, where torch.topk and a
-sort of its indices took 30 us.
+128K). Keys are (score, index) pairs in an int64. A row of at least two parts (PART) is split: one
+program per part keeps its best keys (tl.topk, a bitonic sort in registers), then one per row takes
+the best of those and sorts the winners' indices. Shorter rows: one program per row does both. One
+program per row took 10.7 us per layer on an H100 for 32 rows of 2048, where torch.topk and a sort
+of its indices took 30 us; for the split path see benchmarks/gpu_top_k.py.
 
 Ties: among equal scores at the threshold the lowest indices win, as a stable descending sort would
 take them. Scores must not be NaN.
@@ -18,7 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROW = 4096  # longest row one program sorts
+MAX_ROW = 4096  # longest row this module takes
+SPLIT = True  # False: one program per row at any length (for timing)
+PART = 512  # rows of at least two parts of max(PART, 2 * next_pow2(k)) scores split over programs
 
 
 @triton.jit
@@ -46,7 +50,32 @@ def _top_k_small(scores_ptr, out_ptr, n, stride_s, stride_o, K: tl.constexpr, BL
     tl.store(out_ptr + row * stride_o + j, idx, mask=j < K)
 
 
-def top_k_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:
+@triton.jit
+def _top_k_part(scores_ptr, cand_ptr, n, stride_s, BLOCK_K: tl.constexpr, PART: tl.constexpr,
+                NUM_PARTS: tl.constexpr):
+    """The BLOCK_K best keys of one part of a row (stage 1 of the split path)."""
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    i = part * PART + tl.arange(0, PART)
+    ok = i < n
+    x = tl.load(scores_ptr + row * stride_s + i, mask=ok, other=0.0)
+    key = (_ordered(x).to(tl.int64) << 32) | (4294967295 - i.to(tl.int64))
+    key = tl.where(ok, key, -9223372036854775807 - 1)
+    tl.store(cand_ptr + (row * NUM_PARTS + part) * BLOCK_K + tl.arange(0, BLOCK_K), tl.topk(key, BLOCK_K))
+
+
+@triton.jit
+def _top_k_merge(cand_ptr, out_ptr, stride_o, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The K best of a row's parts' candidates, their indices ascending (stage 2)."""
+    row = tl.program_id(0).to(tl.int64)
+    top = tl.topk(tl.load(cand_ptr + row * BLOCK_C + tl.arange(0, BLOCK_C)), BLOCK_K)
+    idx = 4294967295 - (top & 4294967295)
+    j = tl.arange(0, BLOCK_K)
+    idx = tl.sort(tl.where(j < K, idx, 4611686018427387904))
+    tl.store(out_ptr + row * stride_o + j, idx, mask=j < K)
+
+
+def top_k_ascending(scores: torch.Tensor, k: int, split: bool | None = None) -> torch.Tensor:
     """scores [..., n] fp32 (no NaN), 1 <= k <= n <= MAX_ROW -> int64 [..., k]: the indices of the k
     largest scores of each row in ascending order; among equal scores at the threshold the lowest."""
     *lead, n = scores.shape
@@ -55,9 +84,19 @@ def top_k_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], k, dtype=torch.int64, device=scores.device)
-    if rows.shape[0]:
-        BLOCK = max(2, triton.next_power_of_2(n))
-        _top_k_small[(rows.shape[0],)](rows, out, n, rows.stride(0), out.stride(0), K=k,
-                                       BLOCK_K=max(2, triton.next_power_of_2(k)), BLOCK=BLOCK,
-                                       num_warps=4 if BLOCK <= 1024 else 8)
+    if rows.shape[0] == 0:
+        return out.view(*lead, k)
+    BLOCK = max(2, triton.next_power_of_2(n))
+    BLOCK_K = max(2, triton.next_power_of_2(k))
+    part = max(PART, 2 * BLOCK_K)
+    parts = BLOCK // part
+    if (SPLIT if split is None else split) and parts >= 2:  # a row's parts in parallel, then their candidates merged
+        cand = torch.empty(rows.shape[0] * parts * BLOCK_K, dtype=torch.int64, device=scores.device)
+        _top_k_part[(rows.shape[0], parts)](rows, cand, n, rows.stride(0), BLOCK_K=BLOCK_K, PART=part,
+                                            NUM_PARTS=parts, num_warps=4)
+        _top_k_merge[(rows.shape[0],)](cand, out, out.stride(0), K=k, BLOCK_K=BLOCK_K, BLOCK_C=parts * BLOCK_K,
+                                       num_warps=4 if parts * BLOCK_K <= 1024 else 8)
+    else:
+        _top_k_small[(rows.shape[0],)](rows, out, n, rows.stride(0), out.stride(0), K=k, BLOCK_K=BLOCK_K,
+                                       BLOCK=BLOCK, num_warps=4 if BLOCK <= 1024 else 8)
     return out.view(*lead, k)

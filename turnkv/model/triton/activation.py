@@ -10,15 +10,18 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from turnkv.model.triton import pdl
 
 
 @triton.jit
-def _silu_mul_in_place(x_ptr, stride_row, I, BLOCK: tl.constexpr, GDC: tl.constexpr):
-    if GDC:  # PDL: the previous kernel's writes first (model/triton/pdl.py)
+def _silu_mul_in_place(x_ptr, stride_row, I, BLOCK: tl.constexpr, GDC: tl.constexpr,
+                       EARLY: tl.constexpr):
+    if GDC:  # PDL: the previous kernel's writes first, then let the next one launch (model/triton/pdl.py)
         gdc_wait()
+        if EARLY:
+            gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < I
@@ -35,5 +38,5 @@ def silu_mul_in_place(gate_up: torch.Tensor, intermediate: int, block: int = 102
     assert width == 2 * intermediate and gate_up.stride(1) == 1
     _silu_mul_in_place[(R, triton.cdiv(intermediate, block))](gate_up, gate_up.stride(0), intermediate,
                                                                 BLOCK=block, num_warps=num_warps,
-                                                                **pdl.launch_options(gate_up.device))
+                                                                **pdl.launch_options(gate_up.device, early=True))
     return gate_up[:, :intermediate]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from turnkv.model.triton import pdl
 
@@ -23,10 +23,12 @@ MAX_TILE = 8192
 @triton.jit
 def _add_rms_norm(
     x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, H, eps,
-    BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, GDC: tl.constexpr,
+    BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, GDC: tl.constexpr, EARLY: tl.constexpr,
 ):
-    if GDC:  # PDL: the previous kernel's writes first (model/triton/pdl.py)
+    if GDC:  # PDL: the previous kernel's writes first, then let the next one launch (model/triton/pdl.py)
         gdc_wait()
+        if EARLY:
+            gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     r_row = res_ptr + row * stride_r
@@ -73,5 +75,5 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     num_warps = num_warps or max(1, min(16, block // 512))
     _add_rms_norm[(R,)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), H, eps,
                         BLOCK=block, ONE_TILE=block >= H, num_warps=num_warps,
-                        **pdl.launch_options(x.device))
+                        **pdl.launch_options(x.device, early=True))
     return out

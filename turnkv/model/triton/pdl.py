@@ -22,6 +22,12 @@ import os
 import torch
 
 ENABLED = os.environ.get("TURNKV_PDL", "1") != "0"
+# The small kernels (norms, RoPE, the K/V write, SiLU, decode attention and its merge) also signal
+# right after their wait that the next kernel may launch (gdc_launch_dependents). The next kernel
+# starts once every program has signalled, that is in the last wave, so its waiting programs only
+# take SMs the signalling kernel no longer needs. The skinny matmul leaves the signal to its exit (an
+# early signal measured no gain in a synthetic chain).
+EARLY_TRIGGER = os.environ.get("TURNKV_PDL_EARLY", "1") != "0"
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -30,8 +36,11 @@ def _supported(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def launch_options(device: torch.device) -> dict:
-    """The GDC flag and the launch option of a kernel launched on `device`."""
-    if ENABLED and not _INTERPRETED and device.type == "cuda" and _supported(device.index or 0):
-        return dict(GDC=True, launch_pdl=True)
-    return dict(GDC=False)
+def launch_options(device: torch.device, early: bool = False) -> dict:
+    """The GDC flag and the launch option of a kernel launched on `device`; early: the kernel also
+    takes the EARLY flag (signal the next launch right after the wait)."""
+    on = ENABLED and not _INTERPRETED and device.type == "cuda" and _supported(device.index or 0)
+    options = dict(GDC=on, launch_pdl=True) if on else dict(GDC=False)
+    if early:
+        options["EARLY"] = on and EARLY_TRIGGER
+    return options

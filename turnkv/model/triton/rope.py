@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from turnkv.model.triton import pdl
 
@@ -20,10 +20,12 @@ from turnkv.model.triton import pdl
 def _rope_in_place(
     x_ptr, cos_ptr, sin_ptr, num_heads,
     stride_xb, stride_xt, stride_xh, stride_cb, stride_ct,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, GDC: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, GDC: tl.constexpr, EARLY: tl.constexpr,
 ):
-    if GDC:  # PDL: the previous kernel's writes first (model/triton/pdl.py)
+    if GDC:  # PDL: the previous kernel's writes first, then let the next one launch (model/triton/pdl.py)
         gdc_wait()
+        if EARLY:
+            gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     b = tl.program_id(2).to(tl.int64)
@@ -56,6 +58,6 @@ def rope_in_place(x: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch
         x, cos, sin, num_heads, x.stride(0), x.stride(1), x.stride(2),
         cos.stride(0) if cos.shape[0] == B else 0, cos.stride(1),
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=block_h, num_warps=num_warps,
-        **pdl.launch_options(x.device),
+        **pdl.launch_options(x.device, early=True),
     )
     return x[:, :, :num_heads]
