@@ -119,7 +119,8 @@ def _radix_write(scores_ptr, hist_ptr, gt_ptr, chunk_hist_ptr, out_ptr, n, R, K,
     tl.store(out_ptr + row.to(tl.int64) * stride_o + place, i.to(tl.int64), mask=win)
 
 
-def top_k_ascending(scores: torch.Tensor, k: int, chunk: int | None = None, masked_sums: bool | None = None) -> torch.Tensor:
+def top_k_ascending(scores: torch.Tensor, k: int, chunk: int | None = None,
+                    masked_sums: bool | None = None) -> torch.Tensor:
     """scores [..., n] fp32 (no NaN), 1 <= k <= n -> int64 [..., k]: the indices of the k largest
     scores of each row in ascending order; among equal scores at the threshold the lowest."""
     *lead, n = scores.shape
