@@ -39,27 +39,23 @@ def timeit(cfg, reps=10):
 rows = []
 base, err = timeit({})
 print(f"default {base:.1f} us")
-best1 = ({}, base)
-for splits, warps, stages, bn in itertools.product((32, 64, 128, 256), (4, 8), (2, 3, 4), (64, 128)):
-    cfg = dict(keys_per_split=1, max_splits=splits, lse_warps=warps, lse_stages=stages, lse_block_n=bn)
-    try:
-        t, err = timeit(cfg)
-    except Exception as e:
-        print("fail", cfg, str(e)[:80]); continue
-    rows.append(dict(cfg=cfg, us=t, err=err))
-    if t < best1[1]:
-        best1 = (cfg, t)
+def sweep(configs, best):
+    """Time each config (a failed compile is reported and skipped); -> the fastest (config, us), best included."""
+    for cfg in configs:
+        try:
+            t, err = timeit(cfg)
+        except Exception as e:
+            print("fail", cfg, str(e)[:80]); continue
+        rows.append(dict(cfg=cfg, us=t, err=err))
+        if t < best[1]:
+            best = (cfg, t)
+    return best
+best1 = sweep((dict(keys_per_split=1, max_splits=splits, lse_warps=warps, lse_stages=stages, lse_block_n=bn)
+               for splits, warps, stages, bn in itertools.product((32, 64, 128, 256), (4, 8), (2, 3, 4), (64, 128))),
+              ({}, base))
 print("pass-1 best", best1)
-best2 = (best1[0], best1[1])
-for bn, warps in itertools.product((64, 128, 256), (4, 8)):
-    cfg = dict(best1[0], weights_block_n=bn, weights_warps=warps)
-    try:
-        t, err = timeit(cfg)
-    except Exception as e:
-        print("fail", cfg, str(e)[:80]); continue
-    rows.append(dict(cfg=cfg, us=t, err=err))
-    if t < best2[1]:
-        best2 = (cfg, t)
+best2 = sweep((dict(best1[0], weights_block_n=bn, weights_warps=warps)
+               for bn, warps in itertools.product((64, 128, 256), (4, 8))), best1)
 print("pass-2 best", best2)
 rows.sort(key=lambda r: r["us"])
 for r in rows[:12]:

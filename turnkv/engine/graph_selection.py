@@ -35,9 +35,9 @@ n_d), makes the refreshed rows' selection again at each layer inside the graph b
 the window's summed softmax weights over every key (the two-pass Triton kernel of
 attention/triton/window_scores.py reads the keys through the page table and skips blocks past the
 live length), the top `budget` of a capacity-padded row (attention/top_k.py: a radix select on
-CUDA), committed as slots into the refreshed rows by one kernel (attention/triton/token_slots.py). The window is the conversation's
-last n - 1 queries (copied into a static buffer before the replay) and the step's own (written by the
-graph). Per-row flags again: rows that do not re-select keep theirs. Warm-up steps read everything:
+CUDA), committed as slots into the refreshed rows by one kernel (attention/triton/token_slots.py).
+The window is the conversation's last n - 1 queries (copied into a static buffer before the replay)
+and the step's own (written by the graph). Per-row flags again: rows that do not re-select keep theirs. Warm-up steps read everything:
 the plain graph. The graphed steps hand their queries to the conversation's observation window
 (ProgressiveSelection.record_step). A layer whose tokens an eviction moved (stale), or a row whose
 selection is not in the buffers (an eager step ran), re-selects in the graph too. Eager steps: a
@@ -414,8 +414,7 @@ class _ProgressiveHandler(_Handler):
         self.R = num_query_heads if config.granularity == "query" else H
         self.G = self.R // H
         self.W = -(-(config.budget + config.interval) // 16) * 16  # selected tokens + those since
-        self.P = graphs.tables.shape[3]
-        self.capacity = self.P * pool.page_size
+        self.capacity = graphs.tables.shape[3] * pool.page_size
         self.budget = min(config.budget, self.capacity)
         dev = self.device
         self.head_of_row = torch.arange(self.R, device=dev) // self.G

@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 REDUCE = {"query": 0, "max": 1, "sum": 2}
-BLOCK_P = 16  # physical pages per page_scores program
 
 
 @triton.jit
@@ -81,18 +80,18 @@ def _page_scores(
 
 def page_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
                 num_phys: int, physical_page: int, logical_page: int, page_size: int, group: str = "query",
-                out: torch.Tensor | None = None, block_p: int | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, block_p: int = 16) -> torch.Tensor:
     """q [B, Hq, D]; kmax / kmin one layer's summaries [rows, D] (row = pool page * (page_size //
     logical_page) + sub-page); table [B, H, P] pool page ids (int32); lengths [B, H] (int32, the
     step's token included). -> fp32 scores [B, X, num_phys] (X = Hq for group "query", else H), -inf
-    at pages >= the head's newest."""
+    at pages >= the head's newest. block_p: 16 physical pages per program beat 8, 32 and 64 on an H100
+    at 128K (graphed: 9.0 against 10.8, 10.8 and 16.1 us; benchmarks/BENCHMARKS.md, rerun5)."""
     B, Hq, D = q.shape
     H = table.shape[1]
     G = Hq // H
     X = Hq if group == "query" else H
     assert q.stride(-1) == 1 and kmax.is_contiguous() and kmin.is_contiguous() and table.stride(-1) == 1
     out = torch.empty(B, X, num_phys, dtype=torch.float32, device=q.device) if out is None else out
-    block_p = block_p or BLOCK_P
     grid = (B * H, triton.cdiv(num_phys, block_p))
     _page_scores[grid](
         q, kmax, kmin, table, lengths, out,

@@ -13,10 +13,11 @@ and writes its winners at their final places: the output comes out sorted, with 
 Ties at the threshold go to the lowest indices, as in the short-row kernel (top_k.py) and a stable
 descending sort. Scores must not be NaN.
 
-H100, as CUDA-graph replays (scratch probe, 2026-11-25), k = 1024: 32 rows x 128K 111 us against
-128 for torch.topk and a sort of its indices; 8 rows x 128K 48 against 98; 32 rows x 32K 47 against
-93. A one-hot sum ([chunk, 16] in registers) instead of tl.histogram took 330 us at 32 x 128K, and
-the 2048-bin tl.histogram select tried before (top_k.py's docstring) 493: few bins, few rounds.
+H100, as CUDA-graph replays (benchmarks/gpu_top_k.py, results/h100_top_k.json), k = 1024: 32 rows
+x 128K 110 us against 128 for torch.topk and a sort of its indices; 8 rows x 128K 48 against 99;
+32 rows x 32K 47 against 93. Slower and dropped: the digits counted as a one-hot sum ([chunk, 16] in
+registers, 330 us at 32 x 128K) or as 16 masked sums (235 us), and an earlier select in 11-bit
+digits whose 2048-bin tl.histogram took about 150 us per round (493 us): few bins, few rounds.
 """
 
 from __future__ import annotations
@@ -25,17 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
-CHUNK = 8192  # scores per program (H100, 32 x 128K: 111 us against 127 at 4096, 123 at 2048)
+from turnkv.attention.triton.top_k import _ordered
+
+CHUNK = 8192  # scores per program (H100, 32 x 128K: 110 us against 127 at 4096 and 120 at 16384)
 ROUNDS = 8  # 4-bit digits of a 32-bit key
-MASKED_SUMS = False  # count a round's digits by 16 masked sums instead of tl.histogram
 SIGN: tl.constexpr = tl.constexpr(-2147483648)  # int32 with only the sign bit
-
-
-@triton.jit
-def _signed_key(x):
-    """fp32 -> int32 whose signed order is x's order (-0.0 just below +0.0)."""
-    bits = x.to(tl.int32, bitcast=True)
-    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
 
 @triton.jit
@@ -57,13 +52,13 @@ def _descend(hist_ptr, row, R, K, ROUNDS_DONE: tl.constexpr):
 
 @triton.jit
 def _radix_round(scores_ptr, hist_ptr, gt_ptr, chunk_hist_ptr, n, R, K, stride_s, num_chunks,
-                 ROUND: tl.constexpr, CHUNK: tl.constexpr, MASKED_SUMS: tl.constexpr):
+                 ROUND: tl.constexpr, CHUNK: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     i = chunk * CHUNK + tl.arange(0, CHUNK)
     ok = i < n
     x = tl.load(scores_ptr + row.to(tl.int64) * stride_s + i, mask=ok, other=0.0)
-    key = _signed_key(x)
+    key = _ordered(x)
     ukey = key ^ SIGN  # unsigned order: digits read from the top bit down
     prefix, need = _descend(hist_ptr, row, R, K, ROUND)
     SHIFT: tl.constexpr = 28 - 4 * ROUND
@@ -71,12 +66,7 @@ def _radix_round(scores_ptr, hist_ptr, gt_ptr, chunk_hist_ptr, n, R, K, stride_s
         ok = ok & ((ukey >> (SHIFT + 4)) == (prefix >> (SHIFT + 4)))
     b = tl.arange(0, 16)
     digit = (ukey >> SHIFT) & 15
-    if MASKED_SUMS:  # 16 masked sums: no shared-memory atomics, which collide when most keys share a digit
-        counts = tl.zeros([16], tl.int32)
-        for v in tl.static_range(16):
-            counts = tl.where(b == v, tl.sum((ok & (digit == v)).to(tl.int32), 0), counts)
-    else:
-        counts = tl.histogram(digit, 16, mask=ok)
+    counts = tl.histogram(digit, 16, mask=ok)
     if ROUND < 7:
         tl.atomic_add(hist_ptr + (ROUND * R + row) * 16 + b, counts)
     else:  # per chunk, for the write kernel: the low digit's counts and the keys above the prefix
@@ -110,7 +100,7 @@ def _radix_write(scores_ptr, hist_ptr, gt_ptr, chunk_hist_ptr, out_ptr, n, R, K,
 
     i = chunk * CHUNK + tl.arange(0, CHUNK)
     ok = i < n
-    key = _signed_key(tl.load(scores_ptr + row.to(tl.int64) * stride_s + i, mask=ok, other=0.0))
+    key = _ordered(tl.load(scores_ptr + row.to(tl.int64) * stride_s + i, mask=ok, other=0.0))
     is_equal = (ok & (key == threshold)).to(tl.int32)
     equal_rank = equal_before + tl.cumsum(is_equal, 0) - is_equal  # ties: the lowest indices first
     win = (ok & (key > threshold)) | ((is_equal != 0) & (equal_rank < take_equal))
@@ -119,8 +109,7 @@ def _radix_write(scores_ptr, hist_ptr, gt_ptr, chunk_hist_ptr, out_ptr, n, R, K,
     tl.store(out_ptr + row.to(tl.int64) * stride_o + place, i.to(tl.int64), mask=win)
 
 
-def top_k_ascending(scores: torch.Tensor, k: int, chunk: int | None = None,
-                    masked_sums: bool | None = None) -> torch.Tensor:
+def top_k_ascending(scores: torch.Tensor, k: int, chunk: int = CHUNK) -> torch.Tensor:
     """scores [..., n] fp32 (no NaN), 1 <= k <= n -> int64 [..., k]: the indices of the k largest
     scores of each row in ascending order; among equal scores at the threshold the lowest."""
     *lead, n = scores.shape
@@ -132,8 +121,6 @@ def top_k_ascending(scores: torch.Tensor, k: int, chunk: int | None = None,
     out = torch.empty(R, k, dtype=torch.int64, device=scores.device)
     if R == 0:
         return out.view(*lead, k)
-    chunk = chunk or CHUNK
-    masked_sums = MASKED_SUMS if masked_sums is None else masked_sums
     num_chunks = triton.cdiv(n, chunk)
     hist = torch.zeros((ROUNDS - 1) * R * 16, dtype=torch.int32, device=scores.device)
     chunk_hist = torch.empty(R * num_chunks * 16, dtype=torch.int32, device=scores.device)
@@ -141,7 +128,7 @@ def top_k_ascending(scores: torch.Tensor, k: int, chunk: int | None = None,
     warps = 16 if chunk >= 16384 else 8 if chunk >= 4096 else 4
     for r in range(ROUNDS):
         _radix_round[(R, num_chunks)](rows, hist, greater, chunk_hist, n, R, k, rows.stride(0), num_chunks,
-                                      ROUND=r, CHUNK=chunk, MASKED_SUMS=masked_sums, num_warps=warps)
+                                      ROUND=r, CHUNK=chunk, num_warps=warps)
     _radix_write[(R, num_chunks)](rows, hist, greater, chunk_hist, out, n, R, k, rows.stride(0), out.stride(0),
                                   num_chunks, CHUNK=chunk, BLOCK_C=max(2, triton.next_power_of_2(num_chunks)),
                                   num_warps=warps)

@@ -4,14 +4,13 @@ LServe's page selection (a row per query head of at most a few thousand physical
 program per part keeps its best keys (tl.topk, a bitonic sort in registers), then one per row takes
 the best of those and sorts the winners' indices. Shorter rows: one program per row does both. One
 program per row took 10.7 us per layer on an H100 for 32 rows of 2048, where torch.topk and a sort
-of its indices took 30 us; for the split path see benchmarks/gpu_top_k.py.
+of its indices took 30 us; split, 7.5 us against 12.3 (benchmarks/gpu_top_k.py, graphed replays).
 
 Ties: among equal scores at the threshold the lowest indices win, as a stable descending sort would
 take them. Scores must not be NaN.
 
-Tried and dropped for long rows (LoopServe's 128K tokens, k = 1024): a radix select in 11-bit digits
-whose per-chunk histograms came from tl.histogram. It was exact, but took 493 us per layer against
-torch's 123 (topk + sort): tl.histogram over 2048 bins costs about 150 us per pass at that size.
+Longer rows (LoopServe's 128K tokens, k = 1024) go to the radix select of radix_top_k.py, which
+uses the same key order and tie rule.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import triton
 import triton.language as tl
 
 MAX_ROW = 4096  # longest row this module takes
-SPLIT = True  # False: one program per row at any length (for timing)
 PART = 512  # rows of at least two parts of max(PART, 2 * next_pow2(k)) scores split over programs
 
 
@@ -33,21 +31,30 @@ def _ordered(x):
 
 
 @triton.jit
+def _keys(x, i, ok):
+    """Score in the high half, the index complemented in the low half: the larger key is the larger
+    score, then the lower index. Padding gets the smallest int64, below every real key."""
+    key = (_ordered(x).to(tl.int64) << 32) | (4294967295 - i.to(tl.int64))
+    return tl.where(ok, key, -9223372036854775807 - 1)
+
+
+@triton.jit
+def _store_ascending(top, out_ptr, row, stride_o, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The indices of the K best keys of `top` (BLOCK_K keys, descending), sorted, into row `row`."""
+    idx = 4294967295 - (top & 4294967295)
+    j = tl.arange(0, BLOCK_K)
+    idx = tl.sort(tl.where(j < K, idx, 4611686018427387904))  # the winners past K sort last
+    tl.store(out_ptr + row * stride_o + j, idx, mask=j < K)
+
+
+@triton.jit
 def _top_k_small(scores_ptr, out_ptr, n, stride_s, stride_o, K: tl.constexpr, BLOCK_K: tl.constexpr,
                  BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     ok = i < n
-    x = tl.load(scores_ptr + row * stride_s + i, mask=ok, other=0.0)
-    # Score in the high half, the index complemented in the low half: the larger key is the larger
-    # score, then the lower index. Padding gets the smallest int64, below every real key.
-    key = (_ordered(x).to(tl.int64) << 32) | (4294967295 - i.to(tl.int64))
-    key = tl.where(ok, key, -9223372036854775807 - 1)
-    top = tl.topk(key, BLOCK_K)  # descending
-    idx = 4294967295 - (top & 4294967295)
-    j = tl.arange(0, BLOCK_K)
-    idx = tl.sort(tl.where(j < K, idx, 4611686018427387904))  # the winners past K sort last
-    tl.store(out_ptr + row * stride_o + j, idx, mask=j < K)
+    key = _keys(tl.load(scores_ptr + row * stride_s + i, mask=ok, other=0.0), i, ok)
+    _store_ascending(tl.topk(key, BLOCK_K), out_ptr, row, stride_o, K, BLOCK_K)
 
 
 @triton.jit
@@ -58,9 +65,7 @@ def _top_k_part(scores_ptr, cand_ptr, n, stride_s, BLOCK_K: tl.constexpr, PART: 
     part = tl.program_id(1)
     i = part * PART + tl.arange(0, PART)
     ok = i < n
-    x = tl.load(scores_ptr + row * stride_s + i, mask=ok, other=0.0)
-    key = (_ordered(x).to(tl.int64) << 32) | (4294967295 - i.to(tl.int64))
-    key = tl.where(ok, key, -9223372036854775807 - 1)
+    key = _keys(tl.load(scores_ptr + row * stride_s + i, mask=ok, other=0.0), i, ok)
     tl.store(cand_ptr + (row * NUM_PARTS + part) * BLOCK_K + tl.arange(0, BLOCK_K), tl.topk(key, BLOCK_K))
 
 
@@ -69,15 +74,13 @@ def _top_k_merge(cand_ptr, out_ptr, stride_o, K: tl.constexpr, BLOCK_K: tl.const
     """The K best of a row's parts' candidates, their indices ascending (stage 2)."""
     row = tl.program_id(0).to(tl.int64)
     top = tl.topk(tl.load(cand_ptr + row * BLOCK_C + tl.arange(0, BLOCK_C)), BLOCK_K)
-    idx = 4294967295 - (top & 4294967295)
-    j = tl.arange(0, BLOCK_K)
-    idx = tl.sort(tl.where(j < K, idx, 4611686018427387904))
-    tl.store(out_ptr + row * stride_o + j, idx, mask=j < K)
+    _store_ascending(top, out_ptr, row, stride_o, K, BLOCK_K)
 
 
-def top_k_ascending(scores: torch.Tensor, k: int, split: bool | None = None) -> torch.Tensor:
+def top_k_ascending(scores: torch.Tensor, k: int, split: bool = True) -> torch.Tensor:
     """scores [..., n] fp32 (no NaN), 1 <= k <= n <= MAX_ROW -> int64 [..., k]: the indices of the k
-    largest scores of each row in ascending order; among equal scores at the threshold the lowest."""
+    largest scores of each row in ascending order; among equal scores at the threshold the lowest.
+    split=False: one program per row at any length (benchmarks/gpu_top_k.py times both)."""
     *lead, n = scores.shape
     assert scores.dtype == torch.float32 and 1 <= k <= n <= MAX_ROW, (scores.dtype, k, n)
     rows = scores.reshape(-1, n)
@@ -90,7 +93,7 @@ def top_k_ascending(scores: torch.Tensor, k: int, split: bool | None = None) -> 
     BLOCK_K = max(2, triton.next_power_of_2(k))
     part = max(PART, 2 * BLOCK_K)
     parts = BLOCK // part
-    if (SPLIT if split is None else split) and parts >= 2:  # a row's parts in parallel, then their candidates merged
+    if split and parts >= 2:  # a row's parts in parallel, then their candidates merged
         cand = torch.empty(rows.shape[0] * parts * BLOCK_K, dtype=torch.int64, device=scores.device)
         _top_k_part[(rows.shape[0], parts)](rows, cand, n, rows.stride(0), BLOCK_K=BLOCK_K, PART=part,
                                             NUM_PARTS=parts, num_warps=4)
