@@ -26,7 +26,7 @@ from turnkv.model.load import empty_model  # noqa: E402
 from turnkv.model.triton.activation import silu_mul_in_place  # noqa: E402
 from turnkv.model.triton.gemv import skinny_matmul  # noqa: E402
 from turnkv.model.triton.norm import add_rms_norm  # noqa: E402
-from turnkv.model.triton.rope import rope_in_place  # noqa: E402
+from turnkv.model.triton.rope import rope_in_place, rope_store  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -134,6 +134,29 @@ def test_rope_in_place_matches_apply_rope(dtype, tol, D, cos_batch):
     assert torch.equal(qkv[:, :, Hq + Hkv:], untouched), "v heads are not rotated"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [16, 10])
+def test_rope_store_is_rope_then_the_stores(dtype, D):
+    """rope_store: bit for bit the graphed step's three launches it replaces (rope_in_place, the
+    head-layout K/V write and the copy of q), and no pool slot but the token's is touched."""
+    from turnkv.kv.head_write import write_heads
+
+    B, Hq, Hkv, pages, page = 3, 6, 3, 5, 4  # blocks of 4 heads: partial q and k/v blocks
+    qkv = randn(B, 1, Hq + 2 * Hkv, D, dtype=dtype, seed=5)
+    cos, sin = rope_tables(B, 1, D, dtype)
+    slots = torch.randperm(pages * page, generator=torch.Generator().manual_seed(1))[: B * Hkv].to(DEVICE)
+    k_pool, v_pool = randn(pages, page, D, dtype=dtype, seed=6), randn(pages, page, D, dtype=dtype, seed=7)
+    q_out = torch.zeros(B, Hq, D, dtype=dtype, device=DEVICE)
+    expected = [qkv.clone(), k_pool.clone(), v_pool.clone()]
+    rotated = rope_in_place(expected[0], Hq + Hkv, cos, sin)
+    write_heads(rotated[:, :, Hq:], expected[0][:, :, Hq + Hkv:], slots, expected[1], expected[2])
+    out = rope_store(qkv, Hq, cos, sin, q_out, slots, k_pool, v_pool)
+    assert out.data_ptr() == qkv.data_ptr() and out.shape == (B, 1, Hq + Hkv, D)
+    assert torch.equal(qkv, expected[0])
+    assert torch.equal(q_out, expected[0][:, 0, :Hq])
+    assert torch.equal(k_pool, expected[1]) and torch.equal(v_pool, expected[2])
+
+
 # --- SiLU * up -------------------------------------------------------------------------------------
 
 
@@ -192,12 +215,17 @@ def tiny_model(device=DEVICE):
     return model.eval()
 
 
-def every_path(model, ids: list[int]):
+def every_path(model, ids: list[int], graphed: bool = False):
     """Logits of a prefill (more rows than the skinny limit), a second short prefill (fewer: the
-    skinny matmul) and token-by-token decode."""
+    skinny matmul) and token-by-token decode; graphed: decode through the CUDA-graph step (its
+    rotation fused with its stores), run without a graph off CUDA."""
+    from turnkv.engine.cuda_graphs import GraphedDecode
+
     c = model.config
     pool = PagePool(c.num_layers, c.num_kv_heads, c.head_dim, 64, 4, torch.float32, torch.device(DEVICE))
     runner = ModelRunner(model, pool, cuda_graphs=False)
+    if graphed:
+        runner.graphs = GraphedDecode(model, pool, c.max_position_embeddings, max_batch=2)
     seq = SequenceKV(pool)
     out = [runner.prefill(seq, ids[:11], all_logits=True), runner.prefill(seq, ids[11:16], all_logits=True)]
     for t in ids[16:]:
@@ -220,8 +248,13 @@ def test_decoder_with_kernels_forced_on_matches_the_torch_path(monkeypatch):
     monkeypatch.setattr(head_write, "write_heads", lambda *a: calls.append("write_heads") or real_write(*a))
     fused = every_path(model, ids)
     assert {"skinny_matmul", "add_rms_norm", "rope_in_place", "silu_mul_in_place", "write_heads"} <= set(calls)
+    assert "rope_store" not in calls
     assert fused.shape == ref.shape == (19, TINY.vocab_size)
     assert rel_err(fused, ref) < 1e-5
+    calls.clear()
+    graphed = every_path(model, ids, graphed=True)
+    assert calls.count("rope_store") == 3 * TINY.num_layers  # the 3 decode steps, every layer
+    assert rel_err(graphed, ref) < 1e-5
 
 
 def _counting(kernels: dict, calls: list):

@@ -27,6 +27,7 @@ import torch
 from turnkv.attention import decode
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
+from turnkv.model import ops
 from turnkv.model.decoder import Transformer
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
@@ -67,10 +68,21 @@ class _GraphStep:
         self.workspace = (torch.empty(batch * Hq * self.splits * D, device=r.pool.device),
                           torch.empty(batch * Hq * self.splits, device=r.pool.device))
 
+    def rotate(self, layer, qkv, num_heads, cos, sin):
+        """RoPE, then this step's stores: K/V into the pool and q into `queries` (kept for the methods'
+        observation windows). One kernel on CUDA for an unquantized pool (ops.rotate_and_store): two
+        launches less per layer than the rotation, the pool's write and the copy."""
+        Hq = self.queries.shape[2]
+        if not self.pool.quantized and ops.rotate_and_store(qkv, Hq, cos, sin, self.queries[layer], self.slots[layer],
+                                                            self.pool.k[layer], self.pool.v[layer]):
+            return qkv[:, :, :num_heads]
+        rotated = ops.rotate_heads(qkv, num_heads, cos, sin)
+        self.pool.write_heads(layer, self.slots[layer], rotated[:, :, Hq:], qkv[:, :, num_heads:])
+        self.queries[layer].copy_(rotated[:, 0, :Hq])
+        return rotated
+
     def attention(self, layer, q, k, v):
-        B, _, Hq, D = q.shape
-        self.pool.write_heads(layer, self.slots[layer], k, v)
-        self.queries[layer].copy_(q[:, 0])  # kept for the methods' observation windows
+        # rotate() has stored K/V and q.
         out = decode.indexed_decode(q[:, 0], self.pool.k[layer], self.pool.v[layer], self.tables[layer],
                                     self.lengths[layer], self.splits, window=self.window,
                                     key_positions=self.pool.positions[layer], query_positions=self.positions,

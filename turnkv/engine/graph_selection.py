@@ -377,10 +377,8 @@ class _PagedStep(_GraphStep):
         if self.variant == "reuse":
             self.expanded = self.handler.expand(slice(None), self.batch, self.kw)
 
-    def attention(self, layer, q, k, v):
+    def attention(self, layer, q, k, v):  # rotate() has stored K/V and q
         B, _, Hq, D = q.shape
-        self.pool.write_heads(layer, self.slots[layer], k, v)
-        self.queries[layer].copy_(q[:, 0])
         if self.pool.quantized:  # the statistics stay those of the compute-dtype keys, not of the codes
             self.handler.summaries.update(layer, self.slots[layer], k.transpose(1, 2).reshape(-1, D))
         elif layer == self.pool.num_layers - 1:  # every layer's key is in the pool now
@@ -617,10 +615,8 @@ class _ProgressiveStep(_GraphStep):
         else:
             self.handler.window_pos[: self.batch, self.handler.Wn - 1].copy_(self.positions)
 
-    def attention(self, layer, q, k, v):
+    def attention(self, layer, q, k, v):  # rotate() has stored K/V and q
         B, _, Hq, D = q.shape
-        self.pool.write_heads(layer, self.slots[layer], k, v)
-        self.queries[layer].copy_(q[:, 0])
         if self.variant == "rescore":
             self.handler.rescore(layer, q[:, 0], self.batch)
             read = self.handler.append(layer, self.batch, self.new_slots(layer))

@@ -22,7 +22,11 @@ from turnkv.model.config import ModelConfig, rope_inverse_frequencies
 
 
 class AttentionStep(Protocol):
-    """What a layer needs from the engine: store this step's K/V and attend over the kept state."""
+    """What a layer needs from the engine: store this step's K/V and attend over the kept state.
+
+    A step may also define `rotate(layer, qkv, num_heads, cos, sin)`, which the layer then calls in
+    place of ops.rotate_heads (same contract: heads [0, num_heads) of qkv rotated in place, returned)
+    so that the rotation can share a kernel with the step's own stores (the graphed decode step's)."""
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, T, Hq, D], k/v: [B, T, Hkv, D] (post-RoPE) -> [B, T, Hq, D]."""
@@ -63,7 +67,11 @@ class Attention(nn.Module):
         Hq, Hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(B, T, Hq + 2 * Hkv, self.head_dim)
         # One rotation over q and k together: half the launches of two.
-        q, k = ops.rotate_heads(qkv, Hq + Hkv, cos, sin).split([Hq, Hkv], dim=2)
+        rotate = getattr(step, "rotate", None)
+        if rotate is not None:
+            q, k = rotate(self.layer, qkv, Hq + Hkv, cos, sin).split([Hq, Hkv], dim=2)
+        else:
+            q, k = ops.rotate_heads(qkv, Hq + Hkv, cos, sin).split([Hq, Hkv], dim=2)
         out = step.attention(self.layer, q, k, qkv[:, :, Hq + Hkv :])
         return self.o_proj(out.reshape(B, T, Hq * self.head_dim))
 

@@ -88,6 +88,21 @@ def rotate_heads(qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torc
     return apply_rope(qkv[:, :, :num_heads], cos, sin)
 
 
+def rotate_and_store(qkv: torch.Tensor, num_q_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                     q_out: torch.Tensor, slots: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor) -> bool:
+    """A decode step's RoPE with its stores in one kernel (triton/rope.py rope_store): the q and k heads
+    of qkv [B, 1, Hq + 2 Hkv, D] rotated in place, q copied into q_out [B, Hq, D], k and v written at
+    slots [B * Hkv] of k_store / v_store (unquantized pages of the model dtype). False, with nothing
+    done, where the kernel does not apply: the caller then rotates and stores by itself."""
+    if not (use_kernels(qkv) and qkv.shape[1] == 1 and qkv.stride(3) == 1 and cos.stride(3) == 1
+            and cos.stride() == sin.stride() and cos.shape[0] in (1, qkv.shape[0]) and cos.dtype == qkv.dtype
+            and q_out.dtype == k_store.dtype == v_store.dtype == qkv.dtype and k_store.is_contiguous()
+            and v_store.is_contiguous() and slots.is_contiguous()):
+        return False
+    _kernels()["rope"].rope_store(qkv, num_q_heads, cos, sin, q_out, slots, k_store, v_store)
+    return True
+
+
 def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
     """gate_up [..., 2 I] -> silu(gate) * up [..., I], written over the gate half (no new buffer)."""
     if use_kernels(gate_up) and gate_up.is_contiguous():
