@@ -253,7 +253,8 @@ def test_decoder_with_kernels_forced_on_matches_the_torch_path(monkeypatch):
     assert rel_err(fused, ref) < 1e-5
     calls.clear()
     graphed = every_path(model, ids, graphed=True)
-    assert calls.count("rope_store") == 3 * TINY.num_layers  # the 3 decode steps, every layer
+    # Every layer of the 3 decode steps; on CUDA the graph's capture runs the Python, its replays do not.
+    assert calls.count("rope_store") == (2 if CUDA else 3) * TINY.num_layers
     assert rel_err(graphed, ref) < 1e-5
 
 
