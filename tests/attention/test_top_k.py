@@ -81,16 +81,17 @@ def test_dispatch_off_cuda_is_torch_topk_sorted():
     assert torch.equal(got, scores.topk(33, dim=-1).indices.sort(dim=-1).values)
 
 
-@pytest.mark.parametrize("rows,n,k,chunk", [
-    (3, 5000, 700, 1024),  # several chunks, the last one partial
-    (2, 3000, 3000, 512),  # k = n
-    (1, 2100, 1, 256),     # k = 1 over nine chunks
-    (2, 9000, 1024, 4096),  # LoopServe's k in the default chunk
+@pytest.mark.parametrize("rows,n,k,chunk,write_chunk", [
+    (3, 5000, 700, 1024, 1024),  # several chunks, the last one partial
+    (3, 5000, 700, 1024, 256),   # the last round and the write over smaller chunks than the others
+    (2, 3000, 3000, 512, 512),   # k = n
+    (1, 2100, 1, 256, 1024),     # k = 1 over nine chunks, written over three
+    (2, 9000, 1024, 4096, None),  # LoopServe's k, the default write chunk
 ])
-def test_radix_select_matches_a_stable_sort(rows, n, k, chunk):
+def test_radix_select_matches_a_stable_sort(rows, n, k, chunk, write_chunk):
     scores = awkward_scores(rows, n, seed=n + k)
     scores[-1, 10:400] = 0.5  # a tie run across chunk borders
-    got = radix.top_k_ascending(scores.to(DEVICE), k, chunk=chunk)
+    got = radix.top_k_ascending(scores.to(DEVICE), k, chunk=chunk, write_chunk=write_chunk)
     assert got.dtype == torch.int64 and got.shape == (rows, k)
     assert torch.equal(got.cpu(), stable_reference(scores, k))
 

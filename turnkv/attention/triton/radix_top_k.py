@@ -6,16 +6,16 @@ launch each find the k-th largest key four bits at a time: every program of a (r
 counts its chunk's keys that match the digits found so far, per value of the next digit (16 bins,
 tl.histogram), and adds the counts into the row's histogram with atomics. A program starts by
 walking the earlier rounds' histograms itself, so no launch sits between rounds to pick the digit.
-The last round keeps its counts per chunk instead, with each chunk's number of keys above the
-28-bit prefix; from those, the write kernel knows how many winners every chunk before its own holds
+The last round keeps its counts per chunk instead (chunks of WRITE_CHUNK, smaller than the other
+rounds'), with each chunk's number of keys above the 28-bit prefix; from those, the write kernel knows how many winners every chunk before its own holds
 and writes its winners at their final places: the output comes out sorted, with no sort.
 
 Ties at the threshold go to the lowest indices, as in the short-row kernel (top_k.py) and a stable
 descending sort. Scores must not be NaN.
 
 H100, as CUDA-graph replays (benchmarks/gpu_top_k.py, results/h100_top_k.json), k = 1024: 32 rows
-x 128K 110 us against 128 for torch.topk and a sort of its indices; 8 rows x 128K 48 against 99;
-32 rows x 32K 47 against 93. Slower and dropped: the digits counted as a one-hot sum ([chunk, 16] in
+x 128K 105.5 us against 128 for torch.topk and a sort of its indices; 8 rows x 128K 46 against 99;
+32 rows x 32K 46 against 93. Slower and dropped: the digits counted as a one-hot sum ([chunk, 16] in
 registers, 330 us at 32 x 128K) or as 16 masked sums (235 us), and an earlier select in 11-bit
 digits whose 2048-bin tl.histogram took about 150 us per round (493 us): few bins, few rounds.
 """
@@ -29,6 +29,10 @@ import triton.language as tl
 from turnkv.attention.triton.top_k import _ordered
 
 CHUNK = 8192  # scores per program (H100, 32 x 128K: 110 us against 127 at 4096 and 120 at 16384)
+# Scores per program of the last round and the write (their counts are per chunk): the write's two
+# cumulative sums run over shorter rows. H100, 32 x 128K: 105.5 us at 2048 against 110.3 at 8192,
+# 107.9 at 4096 and 116.7 at 1024.
+WRITE_CHUNK = 2048
 ROUNDS = 8  # 4-bit digits of a 32-bit key
 SIGN: tl.constexpr = tl.constexpr(-2147483648)  # int32 with only the sign bit
 
@@ -109,9 +113,15 @@ def _radix_write(scores_ptr, hist_ptr, gt_ptr, chunk_hist_ptr, out_ptr, n, R, K,
     tl.store(out_ptr + row.to(tl.int64) * stride_o + place, i.to(tl.int64), mask=win)
 
 
-def top_k_ascending(scores: torch.Tensor, k: int, chunk: int = CHUNK) -> torch.Tensor:
+def _warps(chunk: int) -> int:
+    return 16 if chunk >= 16384 else 8 if chunk >= 4096 else 4
+
+
+def top_k_ascending(scores: torch.Tensor, k: int, chunk: int = CHUNK, write_chunk: int | None = None) -> torch.Tensor:
     """scores [..., n] fp32 (no NaN), 1 <= k <= n -> int64 [..., k]: the indices of the k largest
-    scores of each row in ascending order; among equal scores at the threshold the lowest."""
+    scores of each row in ascending order; among equal scores at the threshold the lowest.
+    chunk: scores per program of the counting rounds; write_chunk: of the last round and the write."""
+    write_chunk = write_chunk or WRITE_CHUNK
     *lead, n = scores.shape
     assert scores.dtype == torch.float32 and 1 <= k <= n < 2**31, (scores.dtype, k, n)
     rows = scores.reshape(-1, n)
@@ -121,15 +131,15 @@ def top_k_ascending(scores: torch.Tensor, k: int, chunk: int = CHUNK) -> torch.T
     out = torch.empty(R, k, dtype=torch.int64, device=scores.device)
     if R == 0:
         return out.view(*lead, k)
-    num_chunks = triton.cdiv(n, chunk)
+    num_chunks = triton.cdiv(n, write_chunk)  # the last round's, for the write
     hist = torch.zeros((ROUNDS - 1) * R * 16, dtype=torch.int32, device=scores.device)
     chunk_hist = torch.empty(R * num_chunks * 16, dtype=torch.int32, device=scores.device)
     greater = torch.empty(R * num_chunks, dtype=torch.int32, device=scores.device)
-    warps = 16 if chunk >= 16384 else 8 if chunk >= 4096 else 4
     for r in range(ROUNDS):
-        _radix_round[(R, num_chunks)](rows, hist, greater, chunk_hist, n, R, k, rows.stride(0), num_chunks,
-                                      ROUND=r, CHUNK=chunk, num_warps=warps)
+        size = chunk if r < ROUNDS - 1 else write_chunk
+        _radix_round[(R, triton.cdiv(n, size))](rows, hist, greater, chunk_hist, n, R, k, rows.stride(0), num_chunks,
+                                                ROUND=r, CHUNK=size, num_warps=_warps(size))
     _radix_write[(R, num_chunks)](rows, hist, greater, chunk_hist, out, n, R, k, rows.stride(0), out.stride(0),
-                                  num_chunks, CHUNK=chunk, BLOCK_C=max(2, triton.next_power_of_2(num_chunks)),
-                                  num_warps=warps)
+                                  num_chunks, CHUNK=write_chunk, BLOCK_C=max(2, triton.next_power_of_2(num_chunks)),
+                                  num_warps=_warps(write_chunk))
     return out.view(*lead, k)
