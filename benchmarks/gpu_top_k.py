@@ -1,8 +1,7 @@
 """Exact top-k kernels against torch.topk + sort, timed as CUDA-graph replays, each checked against a
-stable sort: the radix select of long rows (turnkv/attention/triton/radix_top_k.py, chunks of 4096
-to 16384, and the last round with the write over chunks of 1024 to 4096) and the short-row kernel (top_k.py; one program per row, or split over parts and merged).
-Prints a table; JSON to $OUT/top_k.json. (results/h100_top_k.json also has a "radix 8192 masked"
-row: digits counted by 16 masked sums, a variant since removed for being slower.)
+stable sort: the radix select of long rows (turnkv/attention/triton/radix_top_k.py; counting rounds
+over chunks of 4096 to 16384, compaction and write over chunks of 1024 to 4096) and the short-row kernel (top_k.py; one program per row, or split over parts and merged).
+Prints a table; JSON to $OUT/top_k.json.
 
     python benchmarks/gpu_top_k.py     # H100: ~1 min
 """
@@ -41,10 +40,9 @@ for rows, n, k in ((32, 131072, 1024), (8, 131072, 1024), (32, 32768, 1024), (32
     want = ref(x, k)
     variants = {"torch topk+sort": lambda: x.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values}
     if n > S.MAX_ROW:
-        for chunk in (4096, 8192, 16384):
-            variants[f"radix {chunk} hist"] = lambda c=chunk: R.top_k_ascending(x, k, chunk=c, write_chunk=c)
-        for write in (1024, 2048, 4096):
-            variants[f"radix 8192 write {write}"] = lambda w=write: R.top_k_ascending(x, k, chunk=8192, write_chunk=w)
+        for chunk, write in ((8192, 2048), (4096, 2048), (16384, 2048), (8192, 1024), (8192, 4096)):
+            variants[f"radix {chunk}/{write}"] = lambda c=chunk, w=write: R.top_k_ascending(x, k, chunk=c,
+                                                                                           write_chunk=w)
     else:
         variants["one program"] = lambda: S.top_k_ascending(x, k, split=False)
         variants["split"] = lambda: S.top_k_ascending(x, k, split=True)

@@ -1,23 +1,30 @@
 """Exact top-k of long fp32 score rows on the GPU by radix select, the winners written in ascending
 index order: LoopServe's re-selection (a row per query head of every history token, k = 1024 of 128K).
 
-Each score becomes a 32-bit key whose unsigned order is the scores' order. Eight rounds of one
-launch each find the k-th largest key four bits at a time: every program of a (row, chunk) grid
-counts its chunk's keys that match the digits found so far, per value of the next digit (16 bins,
-tl.histogram), and adds the counts into the row's histogram with atomics. A program starts by
-walking the earlier rounds' histograms itself, so no launch sits between rounds to pick the digit.
-The last round keeps its counts per chunk instead (chunks of WRITE_CHUNK, smaller than the other
-rounds'), with each chunk's number of keys above the 28-bit prefix; from those, the write kernel knows how many winners every chunk before its own holds
-and writes its winners at their final places: the output comes out sorted, with no sort.
+Each score becomes a 32-bit key whose unsigned order is the scores' order. The k-th largest key is
+found four bits at a time, high digits first:
+1. Three counting rounds, one launch each, over the whole row: every program of a (row, chunk)
+   grid counts its chunk's keys that match the digits found so far, per value of the next digit
+   (16 bins, tl.histogram), and adds the counts into the row's histogram with atomics. A program
+   starts by walking the earlier rounds' histograms itself, so no launch sits between rounds.
+2. One pass compacts the keys that share the k-th largest's top 12 bits (the candidates: on real
+   scores about a thousand of a row's 128K) into a per-row list, and counts per chunk the keys above
+   them, which win whatever the lower digits.
+3. One program per row finds the remaining five digits over its candidates only, then counts per
+   chunk the candidates above the k-th largest and those equal to it.
+4. The write kernel knows from these counts how many winners every chunk before its own holds and
+   writes its winners at their final places: the output comes out sorted, with no sort.
 
+Five full passes over the scores instead of nine for eight rounds over every key. The candidate list
+has room for a whole row, so many equal scores (a row that is mostly -inf) cost time, not correctness.
 Ties at the threshold go to the lowest indices, as in the short-row kernel (top_k.py) and a stable
 descending sort. Scores must not be NaN.
 
 H100, as CUDA-graph replays (benchmarks/gpu_top_k.py, results/h100_top_k.json), k = 1024: 32 rows
-x 128K 105.5 us against 128 for torch.topk and a sort of its indices; 8 rows x 128K 46 against 99;
-32 rows x 32K 46 against 93. Slower and dropped: the digits counted as a one-hot sum ([chunk, 16] in
-registers, 330 us at 32 x 128K) or as 16 masked sums (235 us), and an earlier select in 11-bit
-digits whose 2048-bin tl.histogram took about 150 us per round (493 us): few bins, few rounds.
+x 128K 68.7 us against 127 for torch.topk and a sort of its indices; 8 rows x 128K 37 against 98;
+32 rows x 32K 35 against 93. Slower and dropped: eight rounds over every key (105 us at 32 x 128K),
+the digits counted as a one-hot sum ([chunk, 16] in registers, 330 us) or as 16 masked sums (235 us),
+and an earlier select in 11-bit digits whose 2048-bin tl.histogram took about 150 us per round.
 """
 
 from __future__ import annotations
@@ -28,13 +35,24 @@ import triton.language as tl
 
 from turnkv.attention.triton.top_k import _ordered
 
-CHUNK = 8192  # scores per program (H100, 32 x 128K: 110 us against 127 at 4096 and 120 at 16384)
-# Scores per program of the last round and the write (their counts are per chunk): the write's two
-# cumulative sums run over shorter rows. H100, 32 x 128K: 105.5 us at 2048 against 110.3 at 8192,
-# 107.9 at 4096 and 116.7 at 1024.
+# Scores per program of the counting rounds, and of the compaction and the write (whose counts are
+# per chunk). H100, 32 x 128K: 68.7 us at 8192 / 2048, 73.8 at 4096 / 2048, 69.0 at 16384 / 2048,
+# 72.4 at 8192 / 1024, 74.1 at 8192 / 4096.
+CHUNK = 8192
 WRITE_CHUNK = 2048
-ROUNDS = 8  # 4-bit digits of a 32-bit key
+COUNT_ROUNDS = 3  # 4-bit digits found over every key before the compaction
+BLOCK = 2048  # candidates a step of the per-row program
 SIGN: tl.constexpr = tl.constexpr(-2147483648)  # int32 with only the sign bit
+
+
+@triton.jit
+def _pick(h, need):
+    """One digit from its 16-bin histogram h of the keys still in the running: -> (the digit of the
+    need-th largest of them, how many keys with that digit are still to take)."""
+    b = tl.arange(0, 16)
+    above = tl.sum(h, 0) - tl.cumsum(h, 0)  # keys in the higher digits
+    digit = tl.max(tl.where((above < need) & (above + h >= need), b, -1), 0)
+    return digit, need - tl.sum(tl.where(b == digit, above, 0), 0)
 
 
 @triton.jit
@@ -46,58 +64,94 @@ def _descend(hist_ptr, row, R, K, ROUNDS_DONE: tl.constexpr):
     prefix = tl.full([], 0, tl.int32)
     need = K
     for r in tl.static_range(ROUNDS_DONE):
-        h = tl.load(hist_ptr + (r * R + row) * 16 + b)
-        above = tl.sum(h, 0) - tl.cumsum(h, 0)  # keys in the higher digits
-        digit = tl.max(tl.where((above < need) & (above + h >= need), b, -1), 0)
+        digit, need = _pick(tl.load(hist_ptr + (r * R + row) * 16 + b), need)
         prefix = prefix | (digit << (28 - 4 * r))
-        need = need - tl.sum(tl.where(b == digit, above, 0), 0)
     return prefix, need
 
 
 @triton.jit
-def _radix_round(scores_ptr, hist_ptr, gt_ptr, chunk_hist_ptr, n, R, K, stride_s, num_chunks,
-                 ROUND: tl.constexpr, CHUNK: tl.constexpr):
+def _radix_round(scores_ptr, hist_ptr, n, R, K, stride_s, ROUND: tl.constexpr, CHUNK: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     i = chunk * CHUNK + tl.arange(0, CHUNK)
     ok = i < n
     x = tl.load(scores_ptr + row.to(tl.int64) * stride_s + i, mask=ok, other=0.0)
-    key = _ordered(x)
-    ukey = key ^ SIGN  # unsigned order: digits read from the top bit down
+    ukey = _ordered(x) ^ SIGN  # unsigned order: digits read from the top bit down
     prefix, need = _descend(hist_ptr, row, R, K, ROUND)
     SHIFT: tl.constexpr = 28 - 4 * ROUND
     if ROUND > 0:  # the keys whose higher digits are the k-th largest's
         ok = ok & ((ukey >> (SHIFT + 4)) == (prefix >> (SHIFT + 4)))
-    b = tl.arange(0, 16)
-    digit = (ukey >> SHIFT) & 15
-    counts = tl.histogram(digit, 16, mask=ok)
-    if ROUND < 7:
-        tl.atomic_add(hist_ptr + (ROUND * R + row) * 16 + b, counts)
-    else:  # per chunk, for the write kernel: the low digit's counts and the keys above the prefix
-        tl.store(chunk_hist_ptr + (row * num_chunks + chunk) * 16 + b, counts)
-        above = (i < n) & ((key >> 4) > ((prefix ^ SIGN) >> 4))
-        tl.store(gt_ptr + row * num_chunks + chunk, tl.sum(above.to(tl.int32), 0))
+    counts = tl.histogram((ukey >> SHIFT) & 15, 16, mask=ok)
+    tl.atomic_add(hist_ptr + (ROUND * R + row) * 16 + tl.arange(0, 16), counts)
 
 
 @triton.jit
-def _radix_write(scores_ptr, hist_ptr, gt_ptr, chunk_hist_ptr, out_ptr, n, R, K, stride_s, stride_o, num_chunks,
-                 CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
+def _compact(scores_ptr, hist_ptr, count_ptr, cand_ptr, above_ptr, n, R, K, stride_s, num_chunks,
+             ROUNDS_DONE: tl.constexpr, CHUNK: tl.constexpr):
+    """Append the chunk's keys that share the k-th largest's found digits to the row's candidates
+    (key, index), and store how many of its keys are above them."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    prefix, need = _descend(hist_ptr, row, R, K, 7)
-    b = tl.arange(0, 16)
+    i = chunk * CHUNK + tl.arange(0, CHUNK)
+    ok = i < n
+    key = _ordered(tl.load(scores_ptr + row.to(tl.int64) * stride_s + i, mask=ok, other=0.0))
+    prefix, need = _descend(hist_ptr, row, R, K, ROUNDS_DONE)
+    SHIFT: tl.constexpr = 32 - 4 * ROUNDS_DONE
+    # Signed keys: an arithmetic shift keeps their order.
+    high, found = key >> SHIFT, (prefix ^ SIGN) >> SHIFT
+    tl.store(above_ptr + row * num_chunks + chunk, tl.sum((ok & (high > found)).to(tl.int32), 0))
+    match = (ok & (high == found)).to(tl.int32)
+    base = tl.atomic_add(count_ptr + row, tl.sum(match, 0))
+    place = row.to(tl.int64) * n + base + tl.cumsum(match, 0) - match
+    tl.store(cand_ptr + 2 * place, key, mask=match != 0)
+    tl.store(cand_ptr + 2 * place + 1, i, mask=match != 0)
+
+
+@triton.jit
+def _finish(cand_ptr, count_ptr, hist_ptr, greater_ptr, equal_ptr, threshold_ptr, n, R, K, num_chunks,
+            ROUNDS_DONE: tl.constexpr, WRITE_CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row: the lower digits over the candidates, then per write chunk the
+    candidates above the k-th largest key and those equal to it; stores the key and how many of the
+    equal ones win."""
+    row = tl.program_id(0)
+    prefix, need = _descend(hist_ptr, row, R, K, ROUNDS_DONE)
+    count = tl.load(count_ptr + row)
+    cand = cand_ptr + row.to(tl.int64) * n * 2
+    j0 = tl.arange(0, BLOCK)
+    for r in tl.static_range(ROUNDS_DONE, 8):
+        shift = 28 - 4 * r  # a compile-time int (r is the static loop's)
+        h = tl.zeros([16], tl.int32)
+        for start in range(0, count, BLOCK):
+            j = start + j0
+            ukey = tl.load(cand + 2 * j, mask=j < count, other=0) ^ SIGN
+            ok = (j < count) & ((ukey >> (shift + 4)) == (prefix >> (shift + 4)))
+            h += tl.histogram((ukey >> shift) & 15, 16, mask=ok)
+        digit, need = _pick(h, need)
+        prefix = prefix | (digit << shift)
+    threshold = prefix ^ SIGN  # the k-th largest key, signed order
+    one = tl.full([BLOCK], 1, tl.int32)
+    for start in range(0, count, BLOCK):
+        j = start + j0
+        key = tl.load(cand + 2 * j, mask=j < count, other=0)
+        at = row * num_chunks + tl.load(cand + 2 * j + 1, mask=j < count, other=0) // WRITE_CHUNK
+        tl.atomic_add(greater_ptr + at, one, mask=(j < count) & (key > threshold))
+        tl.atomic_add(equal_ptr + at, one, mask=(j < count) & (key == threshold))
+    tl.store(threshold_ptr + 2 * row, threshold)
+    tl.store(threshold_ptr + 2 * row + 1, need)
+
+
+@triton.jit
+def _radix_write(scores_ptr, above_ptr, greater_ptr, equal_ptr, threshold_ptr, out_ptr, n, stride_s, stride_o,
+                 num_chunks, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    threshold = tl.load(threshold_ptr + 2 * row)
+    take_equal = tl.load(threshold_ptr + 2 * row + 1)  # winners equal to the threshold
     c = tl.arange(0, BLOCK_C)
     c_ok = c < num_chunks
-    per_chunk = tl.load(chunk_hist_ptr + (row * num_chunks + c)[:, None] * 16 + b[None, :], mask=c_ok[:, None],
-                        other=0)  # [chunks, 16]
-    h = tl.sum(per_chunk, 0)
-    above = tl.sum(h, 0) - tl.cumsum(h, 0)
-    digit = tl.max(tl.where((above < need) & (above + h >= need), b, -1), 0)
-    take_equal = need - tl.sum(tl.where(b == digit, above, 0), 0)  # winners equal to the threshold
-    threshold = (prefix | digit) ^ SIGN  # the k-th largest key, signed order
-    greater = tl.load(gt_ptr + row * num_chunks + c, mask=c_ok, other=0) \
-        + tl.sum(tl.where(b[None, :] > digit, per_chunk, 0), 1)
-    equal = tl.sum(tl.where(b[None, :] == digit, per_chunk, 0), 1)
+    at = row * num_chunks + c
+    greater = tl.load(above_ptr + at, mask=c_ok, other=0) + tl.load(greater_ptr + at, mask=c_ok, other=0)
+    equal = tl.load(equal_ptr + at, mask=c_ok, other=0)
     earlier = c < chunk
     equal_before = tl.sum(tl.where(earlier, equal, 0), 0)
     start = tl.sum(tl.where(earlier, greater, 0), 0) + tl.minimum(equal_before, take_equal)
@@ -120,10 +174,10 @@ def _warps(chunk: int) -> int:
 def top_k_ascending(scores: torch.Tensor, k: int, chunk: int = CHUNK, write_chunk: int | None = None) -> torch.Tensor:
     """scores [..., n] fp32 (no NaN), 1 <= k <= n -> int64 [..., k]: the indices of the k largest
     scores of each row in ascending order; among equal scores at the threshold the lowest.
-    chunk: scores per program of the counting rounds; write_chunk: of the last round and the write."""
+    chunk: scores per program of the counting rounds; write_chunk: of the compaction and the write."""
     write_chunk = write_chunk or WRITE_CHUNK
     *lead, n = scores.shape
-    assert scores.dtype == torch.float32 and 1 <= k <= n < 2**31, (scores.dtype, k, n)
+    assert scores.dtype == torch.float32 and 1 <= k <= n < 2**30, (scores.dtype, k, n)
     rows = scores.reshape(-1, n)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -131,15 +185,22 @@ def top_k_ascending(scores: torch.Tensor, k: int, chunk: int = CHUNK, write_chun
     out = torch.empty(R, k, dtype=torch.int64, device=scores.device)
     if R == 0:
         return out.view(*lead, k)
-    num_chunks = triton.cdiv(n, write_chunk)  # the last round's, for the write
-    hist = torch.zeros((ROUNDS - 1) * R * 16, dtype=torch.int32, device=scores.device)
-    chunk_hist = torch.empty(R * num_chunks * 16, dtype=torch.int32, device=scores.device)
-    greater = torch.empty(R * num_chunks, dtype=torch.int32, device=scores.device)
-    for r in range(ROUNDS):
-        size = chunk if r < ROUNDS - 1 else write_chunk
-        _radix_round[(R, triton.cdiv(n, size))](rows, hist, greater, chunk_hist, n, R, k, rows.stride(0), num_chunks,
-                                                ROUND=r, CHUNK=size, num_warps=_warps(size))
-    _radix_write[(R, num_chunks)](rows, hist, greater, chunk_hist, out, n, R, k, rows.stride(0), out.stride(0),
-                                  num_chunks, CHUNK=write_chunk, BLOCK_C=max(2, triton.next_power_of_2(num_chunks)),
-                                  num_warps=_warps(write_chunk))
+    nc = triton.cdiv(n, write_chunk)
+    dev = scores.device
+    # One zeroed buffer (one launch): the rounds' histograms, the candidate counts, and per write
+    # chunk the candidates above and equal to the threshold.
+    zeroed = torch.zeros(COUNT_ROUNDS * R * 16 + R + 2 * R * nc, dtype=torch.int32, device=dev)
+    hist, count, greater, equal = zeroed.split([COUNT_ROUNDS * R * 16, R, R * nc, R * nc])
+    above = torch.empty(R * nc, dtype=torch.int32, device=dev)
+    candidates = torch.empty(R * n * 2, dtype=torch.int32, device=dev)  # (key, index) pairs, room for a row
+    threshold = torch.empty(R * 2, dtype=torch.int32, device=dev)
+    for r in range(COUNT_ROUNDS):
+        _radix_round[(R, triton.cdiv(n, chunk))](rows, hist, n, R, k, rows.stride(0), ROUND=r, CHUNK=chunk,
+                                                 num_warps=_warps(chunk))
+    _compact[(R, nc)](rows, hist, count, candidates, above, n, R, k, rows.stride(0), nc, ROUNDS_DONE=COUNT_ROUNDS,
+                      CHUNK=write_chunk, num_warps=_warps(write_chunk))
+    _finish[(R,)](candidates, count, hist, greater, equal, threshold, n, R, k, nc, ROUNDS_DONE=COUNT_ROUNDS,
+                  WRITE_CHUNK=write_chunk, BLOCK=BLOCK, num_warps=8)
+    _radix_write[(R, nc)](rows, above, greater, equal, threshold, out, n, rows.stride(0), out.stride(0), nc,
+                          CHUNK=write_chunk, BLOCK_C=max(2, triton.next_power_of_2(nc)), num_warps=_warps(write_chunk))
     return out.view(*lead, k)
