@@ -25,8 +25,8 @@ class AttentionStep(Protocol):
     """What a layer needs from the engine: store this step's K/V and attend over the kept state.
 
     A step may also define `rotate(layer, qkv, num_heads, cos, sin)`, which the layer then calls in
-    place of ops.rotate_heads (same contract: heads [0, num_heads) of qkv rotated in place, returned)
-    so that the rotation can share a kernel with the step's own stores (the graphed decode step's)."""
+    place of ops.rotate_heads (same contract: returns heads [0, num_heads) of qkv rotated), so that
+    the rotation can share a kernel with the step's own stores (the graphed decode step's)."""
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, T, Hq, D], k/v: [B, T, Hkv, D] (post-RoPE) -> [B, T, Hq, D]."""
