@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from turnkv.model.triton import pdl
 
@@ -25,10 +24,7 @@ def _write_heads(k_ptr, v_ptr, slots_ptr, k_dst, v_dst, T, H,
                  sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, GDC: tl.constexpr,
                  EARLY: tl.constexpr):
-    if GDC:  # PDL: the previous kernel's writes first, then let the next one launch (model/triton/pdl.py)
-        gdc_wait()
-        if EARLY:
-            gdc_launch_dependents()
+    pdl.enter(GDC, EARLY)  # PDL: wait for the previous kernel (model/triton/pdl.py)
     bh = tl.program_id(0).to(tl.int64)  # sequence * H + head: the slots' row order
     b, h = bh // H, bh % H
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)

@@ -35,7 +35,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from turnkv.model.triton import pdl
 
@@ -103,10 +102,7 @@ def _decode_chunk(
     PRECISION: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr, PRECISION32: tl.constexpr, GDC: tl.constexpr,
     EARLY: tl.constexpr,
 ):
-    if GDC:  # PDL: the previous kernel's writes first, then let the next one launch (model/triton/pdl.py)
-        gdc_wait()
-        if EARLY:
-            gdc_launch_dependents()
+    pdl.enter(GDC, EARLY)  # PDL: wait for the previous kernel (model/triton/pdl.py)
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // H
@@ -194,10 +190,7 @@ def _decode_chunk(
 def _merge_chunks(part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, Hq: tl.constexpr,
                   D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
                   GDC: tl.constexpr, EARLY: tl.constexpr):
-    if GDC:  # PDL: the previous kernel's writes first, then let the next one launch (model/triton/pdl.py)
-        gdc_wait()
-        if EARLY:
-            gdc_launch_dependents()
+    pdl.enter(GDC, EARLY)  # PDL: wait for the previous kernel (model/triton/pdl.py)
     row = tl.program_id(0)  # b * Hq + query head
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from turnkv.model.triton import pdl
 
@@ -18,10 +17,7 @@ from turnkv.model.triton import pdl
 @triton.jit
 def _silu_mul_in_place(x_ptr, stride_row, I, BLOCK: tl.constexpr, GDC: tl.constexpr,
                        EARLY: tl.constexpr):
-    if GDC:  # PDL: the previous kernel's writes first, then let the next one launch (model/triton/pdl.py)
-        gdc_wait()
-        if EARLY:
-            gdc_launch_dependents()
+    pdl.enter(GDC, EARLY)  # PDL: wait for the previous kernel (model/triton/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < I

@@ -24,7 +24,6 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from turnkv.model.triton import pdl
 
@@ -41,8 +40,7 @@ def _skinny_matmul(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, GDC: tl.constexpr,
 ):
-    if GDC:  # PDL: the previous kernel's writes first (model/triton/pdl.py)
-        gdc_wait()
+    pdl.enter(GDC, False)  # PDL: wait for the previous kernel (model/triton/pdl.py)
     tile = tl.program_id(0)
     split = tl.program_id(1)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)

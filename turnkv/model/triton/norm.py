@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from turnkv.model.triton import pdl
 
@@ -25,10 +24,7 @@ def _add_rms_norm(
     x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, H, eps,
     BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, GDC: tl.constexpr, EARLY: tl.constexpr,
 ):
-    if GDC:  # PDL: the previous kernel's writes first, then let the next one launch (model/triton/pdl.py)
-        gdc_wait()
-        if EARLY:
-            gdc_launch_dependents()
+    pdl.enter(GDC, EARLY)  # PDL: wait for the previous kernel (model/triton/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     r_row = res_ptr + row * stride_r

@@ -6,9 +6,9 @@ predecessor has finished and its writes are visible, so nothing is read or writt
 saves is the launch gap between the two: on an H100, inside a CUDA graph, 1.15 -> 0.69 us per tiny
 kernel and 0.16 ms on a 32-layer chain of 288 decode-sized kernels (benchmarks/BENCHMARKS.md).
 
-A kernel that takes part has a `GDC: tl.constexpr` argument and calls `gdc_wait()` first thing,
-before any load or store, in every program: the chain's order then holds transitively (a kernel
-cannot finish before the one it waits on). Its launch adds `**launch_options(device)`.
+A kernel that takes part has a `GDC: tl.constexpr` argument and calls `enter(GDC, ...)` first
+thing, before any load or store, in every program: the chain's order then holds transitively (a
+kernel cannot finish before the one it waits on). Its launch adds `**launch_options(device)`.
 
 Off below compute capability 9, under Triton's interpreter, and with TURNKV_PDL=0 in the
 environment (read at import) or `ENABLED = False`.
@@ -20,6 +20,9 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 ENABLED = os.environ.get("TURNKV_PDL", "1") != "0"
 # Kernels launched with early=True (norms, RoPE, the K/V write, SiLU, decode attention and its merge)
@@ -46,3 +49,14 @@ def launch_options(device: torch.device, early: bool = False) -> dict:
     if early:
         options["EARLY"] = on and EARLY_TRIGGER
     return options
+
+
+@triton.jit
+def enter(GDC: tl.constexpr, EARLY: tl.constexpr):
+    """A taking-part kernel's first statement: wait until the previous kernel is done and its writes
+    are visible (gdc_wait), then, with EARLY, let the next kernel launch (gdc_launch_dependents).
+    Nothing when GDC is off."""
+    if GDC:
+        gdc_wait()
+        if EARLY:
+            gdc_launch_dependents()

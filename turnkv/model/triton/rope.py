@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from turnkv.model.triton import pdl
 
@@ -50,10 +49,7 @@ def _rope_in_place(
     stride_xb, stride_xt, stride_xh, stride_cb, stride_ct,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, GDC: tl.constexpr, EARLY: tl.constexpr,
 ):
-    if GDC:  # PDL: the previous kernel's writes first, then let the next one launch (model/triton/pdl.py)
-        gdc_wait()
-        if EARLY:
-            gdc_launch_dependents()
+    pdl.enter(GDC, EARLY)  # PDL: wait for the previous kernel (model/triton/pdl.py)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     b = tl.program_id(2).to(tl.int64)
@@ -70,10 +66,7 @@ def _rope_store(
     """One program per block of heads of one sequence's token: q heads rotate (in place and into
     q_out), k heads rotate (in place and to their slot in k_dst), v heads copy to their slot in v_dst.
     A block holds heads of one kind only: the launcher cuts the blocks at HQ and HQ + HKV."""
-    if GDC:
-        gdc_wait()
-        if EARLY:
-            gdc_launch_dependents()
+    pdl.enter(GDC, EARLY)  # PDL: wait for the previous kernel (model/triton/pdl.py)
     block = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     q_blocks = tl.cdiv(HQ, BLOCK_H)
