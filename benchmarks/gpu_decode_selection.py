@@ -1,18 +1,15 @@
-"""Decode with a selection (Quest, LServe, LoopServe) replayed from CUDA graphs (issues #6/#7):
-ms per decode token of dense, quest, lserve (streaming heads, pattern=random), lserve-dynamic and
-loopserve-d, Llama-3.1-8B shape with random weights in bf16, batch 1 and 8, contexts 32768 / 65536 /
-129536 (rows whose KV does not fit the GPU are skipped). Also, at the longest context, LServe's
-selector alone against its sparse attention (each captured in a graph of all layers, replayed), and
-before anything else a correctness check at a small context: the graphed steps against the eager
-ones, fed the same tokens.
+"""Decode with a selection (Quest, LServe, LoopServe) replayed from CUDA graphs: ms per decode token
+of dense, quest, lserve (streaming heads, pattern=random), lserve-dynamic and loopserve-d,
+Llama-3.1-8B shape with random weights in bf16, batch 1 and 8, contexts 32768 / 65536 / 129536 (rows
+whose KV does not fit the GPU are skipped), each beside its floor. Also, at the longest context,
+LServe's selector alone against its sparse attention (each captured in a graph of all layers,
+replayed), and before anything else a correctness check at a small context: the graphed steps
+against the eager ones, fed the same tokens.
 
-Each context is prefilled once (dense prefill: the decode does not depend on how the prompt was
-computed; LServe's streaming heads are trimmed to sink + local after it, last, on their own copies);
-the other conversations of a batch are copies of the first. The page statistics and LoopServe's
-observation window start at the first decode step (a rebuild from the pool; the window of the first
-re-selection holds the 16 decode queries, as with a dense prefill). Per recipe: `--warmup` steps
-(graph captures, LoopServe's warm-up), then `--steps` timed steps (greedy tokens kept on the GPU, the
-recipe's after-step hook run as generate() does), then the conversations are cut back.
+Each row runs the engine's own turn (engine/turn.py and the step loop of engine/decode_loop.py, as
+LLM.generate runs it): prefill with the recipe, then `--warmup` + `--steps` greedy tokens; the time
+per token is taken over the last `--steps` (from the times the tokens were read), after the graph
+captures and LoopServe's warm-up.
 
 Floors (bytes a step must read / copy bandwidth measured here): weights + what the step reads of
 the KV: dense every token; quest / lserve the selected pages per row (query heads) plus the page
@@ -31,7 +28,6 @@ import argparse
 import json
 import os
 import sys
-import time
 import traceback
 
 import torch
@@ -39,6 +35,9 @@ import torch
 import turnkv
 from turnkv.attention import decode as decode_module
 from turnkv.bench import hardware
+from turnkv.engine import decode_loop, graph_progressive, graph_selection
+from turnkv.engine.conversation import Conversation
+from turnkv.engine.turn import TurnInput, TurnRun
 from turnkv.errors import KVCacheFullError
 from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.recipe import Recipe
@@ -66,7 +65,6 @@ SMOKE_RECIPES = {
     "loopserve-d-kv": "loopserve-d decode=loopserve(budget=64,warmup=4,interval=4,granularity=kv)",
     "lserve-kv": "lserve prefill=streaming_heads(pattern=random,sink=16,local=32) decode=lserve(budget=128,group=max)",
 }
-# lserve and lserve-kv trim their copies' streaming heads (the same seeded pattern): last.
 ORDER = ["dense", "quest", "lserve-dynamic", "loopserve-d", "loopserve-d-eager", "loopserve-d-kv", "lserve-kv", "lserve"]
 
 
@@ -109,14 +107,14 @@ def start(llm, recipe: Recipe, seqs: list[SequenceKV], ctx: int):
 
 
 def decode_steps(llm, recipe, seqs, states, tokens, n: int, forced: list | None = None):
-    """n decode steps; greedy tokens stay on the device (or `forced` tokens). -> last tokens, logits."""
-    selectors = [st.decode for st in states]
-    windows = [st.window for st in states]
+    """n decode steps of the graphed-against-eager check, fed the same tokens (greedy, or `forced`).
+    -> last tokens, logits."""
+    contexts = [st.context for st in states]
     out = []
     for i in range(n):
         if forced is not None:
             tokens = forced[i]
-        logits = llm.runner.decode(seqs, tokens, windows=windows, selectors=selectors)
+        logits = llm.runner.decode(seqs, tokens, contexts)
         for seq, st in zip(seqs, states):
             recipe.after_decode_step(seq, st, llm.model.inv_freq, turn=1)
         tokens = logits.argmax(-1)
@@ -147,9 +145,7 @@ def correctness(llm, recipes: dict, ctx: int, steps: int) -> list[dict]:
         for name in ORDER:
             if name not in recipes or name == "dense":
                 continue
-            from turnkv.engine import graph_selection
-
-            graph_selection.RESCORE_IN_GRAPH = name != "loopserve-d-eager"
+            graph_progressive.RESCORE_IN_GRAPH = name != "loopserve-d-eager"
             recipe = Recipe.parse(recipes[name])
             seq = clone(llm, base)
             try:
@@ -213,36 +209,50 @@ def floor_bytes(llm, name: str, recipe: Recipe, ctx: int, batch: int, weight_byt
     return int(weight_bytes + batch * (selected + stats))
 
 
-def time_recipe(llm, name, recipe_text, seqs, ctx, args, hw) -> dict:
-    from turnkv.engine import graph_selection
+def run_turns(llm, recipe: Recipe, prompts: list[list[int]], new_tokens: int):
+    """One turn per prompt through the engine's turn driver and step loop, as LLM.generate runs them;
+    the conversations stay open (their selection state is read afterwards). -> (replies, convs)."""
+    params = llm.sampling_params(max_new_tokens=new_tokens, ignore_eos=True)
+    convs = [Conversation(llm, None, recipe) for _ in prompts]
+    try:
+        turns = [TurnRun(c, TurnInput(0, ids, segment_end=len(ids)), llm.new_generation(c.kv, params)).begin()
+                 for c, ids in zip(convs, prompts)]
+        for turn in turns:
+            turn.take(turn.prefill())
+        for _ in decode_loop.decode(llm, turns):
+            pass
+        return [turn.finish() for turn in turns], convs
+    except BaseException:
+        for c in convs:
+            c.close()
+        raise
 
+
+def time_recipe(llm, name, recipe_text, ctx, batch, args, hw) -> dict:
     recipe = Recipe.parse(recipe_text)
-    graph_selection.RESCORE_IN_GRAPH = name != "loopserve-d-eager"
-    batch = len(seqs)
-    states = start(llm, recipe, seqs, ctx)
-    tokens = torch.full((batch,), 7, device=llm.device)
+    graph_progressive.RESCORE_IN_GRAPH = name != "loopserve-d-eager"
+    prompts = [prompt(ctx, llm.config.vocab_size, ctx + b) for b in range(batch)]
     calls, undo = count_eager(llm)
-    tokens, _ = decode_steps(llm, recipe, seqs, states, tokens, args.warmup)
-    sync(llm.device)
-    calls.clear()
-    t = time.perf_counter()
-    tokens, _ = decode_steps(llm, recipe, seqs, states, tokens, args.steps)
-    sync(llm.device)
-    seconds = time.perf_counter() - t
-    undo()
-    ms = 1000 * seconds / args.steps
-    floor = floor_bytes(llm, name, recipe, ctx, batch, hw["weight_bytes"]) / hw["copy_bandwidth"] * 1000
-    stats = [st.decode for st in states if st.decode is not None]
-    row = {"recipe": name, "context": ctx, "batch": batch, "ms_per_token": ms, "floor_ms": floor,
-           "floor_share": floor / ms, "eager_steps": len(calls), "timed_steps": args.steps,
-           "selections_last_layer": getattr(stats[0], "selections", None) if stats else None}
-    if args.selector_at == ctx and batch == 1 and name in ("lserve", "lserve-dynamic"):
-        try:
-            row["selector"] = selector_vs_attention(llm, states, ctx, name)
-        except Exception:
-            row["selector"] = {"recipe": name, "error": traceback.format_exc()[-1500:]}
-    for s in seqs:
-        s.truncate(ctx)
+    try:
+        replies, convs = run_turns(llm, recipe, prompts, args.warmup + args.steps)
+    finally:
+        undo()
+    try:
+        times = replies[0].token_times
+        ms = 1000 * (times[-1] - times[args.warmup]) / (len(times) - 1 - args.warmup)
+        floor = floor_bytes(llm, name, recipe, ctx, batch, hw["weight_bytes"]) / hw["copy_bandwidth"] * 1000
+        stats = [c.method_state.decode for c in convs if c.method_state.decode is not None]
+        row = {"recipe": name, "context": ctx, "batch": batch, "ms_per_token": ms, "floor_ms": floor,
+               "floor_share": floor / ms, "ttft_s": replies[0].ttft_s, "eager_steps": len(calls),
+               "timed_steps": args.steps, "selections_last_layer": getattr(stats[0], "selections", None) if stats else None}
+        if args.selector_at == ctx and batch == 1 and name in ("lserve", "lserve-dynamic"):
+            try:
+                row["selector"] = selector_vs_attention(llm, [c.method_state for c in convs], ctx, name)
+            except Exception:
+                row["selector"] = {"recipe": name, "error": traceback.format_exc()[-1500:]}
+    finally:
+        for c in convs:
+            c.close()
     return row
 
 
@@ -252,8 +262,6 @@ def selector_vs_attention(llm, states, ctx: int, label: str, reps: int = 20) -> 
     selecting layer and replayed: selector = scores + top-k + commit + expansion of the layer's rows
     (what a selecting step adds); expand = the expansion of every layer at once (what a reusing step
     adds); attention = the indexed decode over the selected pages."""
-    from turnkv.engine import graph_selection
-
     graphs = llm.runner.graphs
     if graphs is None or llm.device.type != "cuda":
         return None
@@ -357,7 +365,6 @@ def main():
     args.selector_at = max(contexts)
     for ctx in contexts:
         for batch in (int(b) for b in args.batches.split(",")):
-            seqs = []
             need = batch * -(-(ctx + args.warmup + args.steps + 64) // llm.pool.page_size) * llm.config.num_kv_heads
             if need > llm.pool.free_pages(0):
                 row = {"context": ctx, "batch": batch, "skipped": f"KV does not fit: {need} pages per layer, "
@@ -365,35 +372,18 @@ def main():
                 print(json.dumps(row), flush=True)
                 result["rows"].append(row)
                 continue
-            try:
-                first = SequenceKV(llm.pool)
-                seqs.append(first)
-                llm.runner.prefill(first, prompt(ctx, llm.config.vocab_size, ctx))
-                for _ in range(batch - 1):
-                    seqs.append(clone(llm, first))
-            except KVCacheFullError as e:
-                for s in seqs:
-                    s.free()
-                row = {"context": ctx, "batch": batch, "skipped": f"KV does not fit: {str(e)[:120]}"}
+            for name in ORDER:
+                if name not in recipes:
+                    continue
+                try:
+                    row = time_recipe(llm, name, recipes[name], ctx, batch, args, hw)
+                except KVCacheFullError as e:
+                    row = {"recipe": name, "context": ctx, "batch": batch, "skipped": str(e)[:120]}
+                except Exception:
+                    row = {"recipe": name, "context": ctx, "batch": batch, "error": traceback.format_exc()[-1500:]}
                 print(json.dumps(row), flush=True)
                 result["rows"].append(row)
-                continue
-            try:
-                for name in ORDER:
-                    if name not in recipes:
-                        continue
-                    try:
-                        row = time_recipe(llm, name, recipes[name], seqs, ctx, args, hw)
-                    except KVCacheFullError as e:
-                        row = {"recipe": name, "context": ctx, "batch": batch, "skipped": str(e)[:120]}
-                    except Exception:
-                        row = {"recipe": name, "context": ctx, "batch": batch, "error": traceback.format_exc()[-1500:]}
-                    print(json.dumps(row), flush=True)
-                    result["rows"].append(row)
-                    save()
-            finally:
-                for s in seqs:
-                    s.free()
+                save()
             if llm.device.type == "cuda":
                 torch.cuda.empty_cache()
     result["selector"] = [r["selector"] for r in result["rows"] if r.get("selector")]

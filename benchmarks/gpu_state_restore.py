@@ -64,9 +64,9 @@ def make_state(llm, n: int, turn_prompt: int, turn_decode: int):
     seq = SequenceKV(llm.pool)
     window = TurnQueries(llm.config.num_layers, 0)
     llm.runner.prefill(seq, ids[: n - turn_prompt - turn_decode])
-    llm.runner.prefill(seq, ids[n - turn_prompt - turn_decode : n - turn_decode], window=window)
+    llm.runner.prefill(seq, ids[n - turn_prompt - turn_decode : n - turn_decode], context=StepContext(window=window))
     for t in ids[n - turn_decode :]:
-        llm.runner.decode([seq], torch.tensor([t], device=llm.device), windows=[window])
+        llm.runner.decode([seq], torch.tensor([t], device=llm.device), [StepContext(window=window)])
     sync()
     return ids, seq, window
 
@@ -218,6 +218,7 @@ import json, sys, time, torch, turnkv
 from turnkv.kv.sequence import SequenceKV
 from turnkv.kv.tiers import TieredStore
 from turnkv.methods.registry import build
+from turnkv.methods.step_context import StepContext
 t0 = time.perf_counter()
 llm = turnkv.LLM(sys.argv[3], dtype="bfloat16", device=sys.argv[4], kv_memory=sys.argv[2], state_cpu_memory=0)
 startup = time.perf_counter() - t0

@@ -172,7 +172,7 @@ def test_a_shared_first_prompt_is_bit_identical_to_prefilling_it(chat_llm):
             assert all(torch.equal(x, y) for x, y in zip(wa.queries, wb.queries))
             assert all(torch.equal(x, y) for x, y in zip(wa.positions, wb.positions))
         for turn in first:
-            turn.abort()
+            turn.abandon()
         own.close()
         copied.close()
     assert chat_llm.pool.bytes_in_use() == 0

@@ -1,15 +1,34 @@
 """The CI smoke subset: `turnkv bench quality --preset smoke` on the embedded SmolLM2 (about two
 minutes on 2 CPU cores). Every task and question position, SnapKV under both turn policies, the
-report written. It checks that the suite runs end to end and that its invariants hold, not scores."""
+report written. It checks that the suite runs end to end, that its invariants hold, and that its
+greedy records are the committed snapshot's (snapshots/quality_smoke.jsonl): a change to the engine's
+turn or step path that changes what the smoke run computes shows up here.
+
+To refresh the snapshot after a deliberate change of behaviour:
+    turnkv bench quality --preset smoke --out /tmp/smoke
+    python tests/bench/test_quality_smoke.py /tmp/smoke/results.jsonl
+"""
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
 from turnkv.bench.quality_presets import PRESETS
 from turnkv.cli import main
+
+SNAPSHOT = Path(__file__).parent / "snapshots" / "quality_smoke.jsonl"
+# What a record holds that the engine computes deterministically (timings are left out).
+EXACT = ("instance", "task", "position", "recipe", "turn", "tokens", "response", "score", "kv_bytes",
+         "full_kv_bytes", "history_tokens", "first_divergence", "prefilled_tokens", "agreement")
+
+
+def snapshot_of(records: list[dict]) -> list[dict]:
+    rows = [{k: r[k] for k in (*EXACT, "kl") if k in r} for r in records]
+    return sorted(rows, key=lambda r: (r["instance"], r["recipe"], r["turn"]))
 
 
 @pytest.mark.slow
@@ -36,3 +55,15 @@ def test_bench_quality_smoke_preset_on_smollm2(tmp_path):
     assert "--preset smoke" in summary["command"] or summary["settings"]["preset"] == "smoke"
     report = (out / "report.md").read_text()
     assert "| snapkv@flowkv |" in report and "## By question position" in report
+    expected = [json.loads(line) for line in SNAPSHOT.read_text().splitlines()]
+    got = snapshot_of(records)
+    assert len(got) == len(expected)
+    for row, want in zip(got, expected):
+        assert {k: row.get(k) for k in EXACT} == {k: want.get(k) for k in EXACT}
+        assert row["kl"] == pytest.approx(want["kl"], rel=1e-5, abs=1e-7)
+
+
+if __name__ == "__main__":  # write the snapshot from a smoke run's results.jsonl
+    lines = Path(sys.argv[1]).read_text().splitlines()
+    SNAPSHOT.parent.mkdir(exist_ok=True)
+    SNAPSHOT.write_text("".join(json.dumps(r) + "\n" for r in snapshot_of([json.loads(x) for x in lines])))

@@ -54,25 +54,28 @@ def test_transformers_peer_prefills_long_batches_in_chunks(tiny, monkeypatch):
 
 def test_batched_rows_drive_the_recipe_as_the_engine_does(tiny, monkeypatch):
     # A selecting recipe's batched row must time its selection, not dense decode: every step hands
-    # the runner the conversations' selectors, and the recipe's per-step hook runs for each.
-    from turnkv.bench.speed import measure_batch
+    # the runner the conversations' step contexts with their selectors, and the recipe's per-step
+    # hook runs for each conversation.
+    from turnkv.bench.speed import measure
 
     decode, hook = tiny.runner.decode, Recipe.after_decode_step
     seen, hooked = [], []
 
-    def spy(seqs, tokens, **kwargs):
-        seen.append(kwargs.get("selectors"))
-        return decode(seqs, tokens, **kwargs)
+    def spy(seqs, tokens, contexts=None):
+        seen.append([c.selector for c in contexts])
+        return decode(seqs, tokens, contexts)
 
     monkeypatch.setattr(tiny.runner, "decode", spy)
     monkeypatch.setattr(Recipe, "after_decode_step", lambda self, *a, **k: hooked.append(1) or hook(self, *a, **k))
     cfg = SpeedConfig(contexts=[64], new_tokens=4, repeat=1)
     hw = {"weight_bytes": 1, "copy_bandwidth": 1e9}
-    measure_batch(tiny, Recipe.parse("decode=quest(budget=16,dense_layers=0)"), 64, 2, cfg, hw)
-    assert len(seen) == 3 + 4  # warm-up steps, then the timed ones
-    assert all(sel is not None and len(sel) == 2 and all(s is not None for s in sel) for sel in seen)
+    row = measure(tiny, Recipe.parse("decode=quest(budget=16,dense_layers=0)"), 64, 2, cfg, hw)
+    # The warm-up generation (one prompt, 3 steps), then the batch of two (3 steps).
+    assert [len(sel) for sel in seen] == [1] * 3 + [2] * 3
+    assert all(s is not None for sel in seen for s in sel)
     assert all(s.selections > 0 for s in seen[-1])  # 64 kept tokens over a 16-token budget: it selected
-    assert len(hooked) == 2 * len(seen)
+    assert len(hooked) == sum(len(sel) for sel in seen)
+    assert row["tokens_per_s"] == pytest.approx(2 / row["tpot_s"])
 
 
 def test_prefill_flops_by_hand(tiny):
@@ -100,7 +103,8 @@ def test_run_speed_measures_every_planned_figure(tiny, tmp_path):
     kv = {(r["recipe"], r["context"], r["batch"]): r["kv_bytes"] for r in ours}
     assert kv[("snapkv", 48, 1)] < kv[("full", 48, 1)]
     batch2 = next(r for r in ours if (r["recipe"], r["context"], r["batch"]) == ("full", 48, 2))
-    assert batch2["kv_read_bytes"] == 2 * (48 + 3) * tiny.config.kv_bytes_per_token(4)  # after 3 warm-up steps
+    # The KV a last step reads: the prompt and every generated token but the last.
+    assert batch2["kv_read_bytes"] == 2 * (48 + 15) * tiny.config.kv_bytes_per_token(4)
     turns = [r for r in rows if "turns" in r]
     assert [t["history_tokens"] for t in turns[0]["turns"]] == [24, 32]
     assert "reprefill_whole_history_s" in turns[0]["turns"][-1]
@@ -138,11 +142,11 @@ def test_a_shape_past_the_kv_pool_is_reported_and_the_rest_runs(chat_model_dir):
 def test_batched_rows_count_what_a_quantized_pool_reads(chat_model_dir):
     """With int8 KV the floor's KV read is the codes and their scales: (2 x 16 + 2 x 4) bytes per
     token-head of the tiny model (head_dim 16), against 2 x 16 x 4 in fp32."""
-    from turnkv.bench.speed import measure_batch
+    from turnkv.bench.speed import measure
 
     llm = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="32MiB", kv_dtype="int8")
     cfg = SpeedConfig(contexts=[48], batches=[2], new_tokens=4, turns=0, repeat=1)
     hw = {"weight_bytes": 1000, "copy_bandwidth": 1e9}
-    row = measure_batch(llm, Recipe(), 48, 2, cfg, hw)
+    row = measure(llm, Recipe(), 48, 2, cfg, hw)
     assert row["kv_read_bytes"] == 2 * (48 + 3) * 2 * 2 * (2 * 16 + 2 * 4)
     assert row["tpot_floor_s"] == pytest.approx((1000 + row["kv_read_bytes"]) / 1e9)

@@ -82,7 +82,7 @@ def test_streaming_heads_page_ring_matches_eager(engines):
     for llm in engines:
         st = r.new_state(llm.config.num_layers)
         seq = SequenceKV(llm.pool)
-        llm.runner.prefill(seq, prompts[0] * 2, pattern=r.pattern_hook(st))
+        llm.runner.prefill(seq, prompts[0] * 2, context=st.context)
         r.prefill.trim(seq)
         steps = []
         for t in range(48):

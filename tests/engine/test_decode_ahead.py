@@ -73,10 +73,17 @@ def _kv_state(conv):
     return seq.next_position, seq.lengths.copy(), keys
 
 
-@pytest.mark.parametrize("recipe", [None, "snapkv budget=48 schedule=decode every=4"])
+SELECTING = ["loopserve-d decode=loopserve(budget=24,warmup=2,interval=3)",
+             "decode=quest(budget=16,dense_layers=0)",
+             "lserve prefill=streaming_heads(pattern=random,sink=4,local=16) decode=lserve(budget=32,dense_layers=0)"]
+
+
+@pytest.mark.parametrize("recipe", [None, "snapkv budget=48 schedule=decode every=4", *SELECTING])
 def test_conversation_turns_keep_the_same_state(engines, recipe, count_ahead):
     """Turn by turn: the same reply, the same KV (positions, per-head lengths, keys) and the same
-    observation window, with replies stopped by an end-of-sequence token mid-way."""
+    observation window, with replies stopped by an end-of-sequence token mid-way. A decode selection
+    runs ahead too: the step launched after the stop is undone in its state (its queries, its page
+    statistics, its step count), so the next turn selects as one step at a time would."""
     ahead, plain = engines
     probe = plain.conversation(recipe=recipe)
     first = probe.send("Tell me about the sea.", max_new_tokens=8, ignore_eos=True).token_ids
@@ -99,6 +106,8 @@ def test_conversation_turns_keep_the_same_state(engines, recipe, count_ahead):
                 torch.testing.assert_close(x, y)
             for x, y in zip(qa, qb):
                 torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+        decode_stats = [[e.get("decode", {}).get("steps") for e in c.method_stats] for c in convs]
+        assert decode_stats[0] == decode_stats[1]
     assert len(count_ahead) == 3
     assert {r.finish_reason for c in convs for r in (t.reply for t in c.turns)} >= {"stop"}
 
@@ -111,7 +120,7 @@ def test_stop_string_ahead(engines):
     assert a.token_ids == b.token_ids and a.text == b.text and a.finish_reason == b.finish_reason
 
 
-def test_teacher_forcing_and_selection_stay_one_step_at_a_time(engines, count_ahead):
+def test_teacher_forcing_stays_one_step_at_a_time(engines, count_ahead):
     ahead, _ = engines
     conv = ahead.conversation()
     reply = conv.send("Hello", max_new_tokens=4, ignore_eos=True)
@@ -119,6 +128,13 @@ def test_teacher_forcing_and_selection_stay_one_step_at_a_time(engines, count_ah
     list(forced.stream("Hello", force=reply.token_ids, logprobs=True, max_new_tokens=4))
     assert forced.last_reply.token_ids == reply.token_ids
     assert len(count_ahead) == 1  # the forced turn did not run ahead
+
+
+def test_selection_with_an_eviction_window_stays_one_step_at_a_time(engines, count_ahead):
+    ahead, _ = engines
+    conv = ahead.conversation(recipe="snapkv budget=48 decode=quest(budget=16,dense_layers=0)")
+    conv.send("Hello", max_new_tokens=4, ignore_eos=True)
+    assert count_ahead == []  # an eager fallback step would leave the eviction window nothing to read
 
 
 def test_unreserve_undoes_the_last_reserve(chat_llm):

@@ -14,6 +14,7 @@ import torch
 
 import turnkv
 from turnkv.attention import decode as decode_module
+from turnkv.engine import graph_paged, graph_progressive
 from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.recipe import Recipe
 
@@ -98,8 +99,7 @@ def drive(llm, recipe: str, lengths: list[int], steps: int, monkeypatch, leave: 
         last = []
         for seq, st, n in zip(seqs, states, lengths):
             ids = torch.randint(0, 300, (n,), generator=gen).tolist()
-            last.append(llm.runner.prefill(seq, ids, window=st.window, pattern=recipe.pattern_hook(st),
-                                           selector=st.decode))
+            last.append(llm.runner.prefill(seq, ids, context=st.context))
             recipe.after_prompt(seq, st, n, llm.model.inv_freq, turn=1)
         tokens = torch.stack(last).argmax(-1)
         for step in range(steps):
@@ -108,8 +108,7 @@ def drive(llm, recipe: str, lengths: list[int], steps: int, monkeypatch, leave: 
                 live, tokens = [live[i] for i in keep], tokens[keep]
             box[1] = len(live)
             calls.clear()
-            logits = llm.runner.decode([seqs[c] for c in live], tokens, windows=[states[c].window for c in live],
-                                       selectors=[states[c].decode for c in live])
+            logits = llm.runner.decode([seqs[c] for c in live], tokens, [states[c].context for c in live])
             for c in live:
                 recipe.after_decode_step(seqs[c], states[c], llm.model.inv_freq, turn=1)
             out.append((list(live), logits.clone(), [(layer, per_seq) for layer, per_seq in calls]))
@@ -205,12 +204,10 @@ def test_paged_rows_move_when_conversations_leave(pair, monkeypatch, name):
 @pytest.mark.parametrize("granularity", ["query", "kv"])
 @pytest.mark.parametrize("lengths", [[300], [300, 30, 190]], ids=["batch1", "batch3"])
 def test_progressive_decode_in_graph_equals_eager(pair, monkeypatch, granularity, lengths, in_graph):
-    from turnkv.engine import graph_selection
-
     recipe = f"loopserve-d decode=loopserve(budget=40,warmup=3,interval=4,granularity={granularity})"
     steps = 15
     a = drive(pair[0], recipe, lengths, steps, monkeypatch)
-    monkeypatch.setattr(graph_selection, "RESCORE_IN_GRAPH", in_graph)
+    monkeypatch.setattr(graph_progressive, "RESCORE_IN_GRAPH", in_graph)
     b = drive(pair[1], recipe, lengths, steps, monkeypatch)
     assert_same(a, b)
     # Decode step n (1-based) re-selects at n = 3, 7, 11, 15: inside the graph, or eagerly.
@@ -223,13 +220,11 @@ def test_progressive_decode_in_graph_equals_eager(pair, monkeypatch, granularity
 
 @pytest.mark.parametrize("in_graph", [True, False], ids=["rescore_in_graph", "rescore_eager"])
 def test_progressive_rows_move_when_conversations_leave(pair, monkeypatch, in_graph):
-    from turnkv.engine import graph_selection
-
     recipe = "loopserve-d decode=loopserve(budget=40,warmup=3,interval=4,sinks=4)"
     lengths = [300, 30, 190]
     leave = {4: 0, 9: 1}  # between re-selections: the rows' buffers move with them
     a = drive(pair[0], recipe, lengths, 13, monkeypatch, leave=leave)
-    monkeypatch.setattr(graph_selection, "RESCORE_IN_GRAPH", in_graph)
+    monkeypatch.setattr(graph_progressive, "RESCORE_IN_GRAPH", in_graph)
     b = drive(pair[1], recipe, lengths, 13, monkeypatch, leave=leave)
     assert_same(a, b)
     assert b[2] == ([] if in_graph else [2, 6, 10])
@@ -356,12 +351,11 @@ def test_expand_kernel_matches_torch(pair, select):
     kernel against the torch path, on random buffers."""
     pytest.importorskip("triton")
     from turnkv.attention.triton import page_select
-    from turnkv.engine import graph_selection
     from turnkv.methods.lserve.selector import SelectorConfig
 
     graphs = pair[1].runner.graphs
     cfg = SelectorConfig(physical_page=32, logical_page=16, token_budget=96, group="query")
-    h = graph_selection._PagedHandler(graphs, cfg, graphs.queries.shape[2])
+    h = graph_paged.PagedHandler(graphs, cfg, graphs.queries.shape[2])
     gen = torch.Generator().manual_seed(4)
     L, B, H, P = h.L, h.B_max, h.H, h.P
     saved = graphs.tables.clone(), graphs.lengths.clone()
@@ -402,7 +396,7 @@ def test_commit_slots_kernel_matches_reference():
     last, the other rows untouched."""
     pytest.importorskip("triton")
     from turnkv.attention.triton import token_slots
-    from turnkv.engine.graph_selection import commit_slots_reference
+    from turnkv.engine.graph_progressive import commit_slots_reference
 
     gen = torch.Generator().manual_seed(5)
     B, H, G, P, ps, K, W = 3, 2, 2, 10, 16, 24, 40

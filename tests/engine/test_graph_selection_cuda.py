@@ -66,11 +66,11 @@ def test_logits_match_eager_steps(engines, name):
 
         llm.runner.forward = forward
         try:
-            llm.runner.prefill(seq, prompt, window=st.window, pattern=recipe.pattern_hook(st), selector=st.decode)
+            llm.runner.prefill(seq, prompt, context=st.context)
             recipe.after_prompt(seq, st, len(prompt), llm.model.inv_freq, turn=1)
             steps = []
             for t in tokens:
-                steps.append(llm.runner.decode([seq], llm.token_tensor([t]), windows=[st.window], selectors=[st.decode]))
+                steps.append(llm.runner.decode([seq], llm.token_tensor([t]), [st.context]))
                 recipe.after_decode_step(seq, st, llm.model.inv_freq, turn=1)
             outs.append(torch.stack(steps))
         finally:

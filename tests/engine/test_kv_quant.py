@@ -71,7 +71,7 @@ def test_eviction_keeps_exact_budgets(engines, kv):
         seq, st = SequenceKV(llm.pool), recipe.new_state(llm.config.num_layers)
         try:
             free = llm.pool.free_pages(0)
-            llm.runner.prefill(seq, list(range(5, 5 + n)), window=st.window)
+            llm.runner.prefill(seq, list(range(5, 5 + n)), context=st.context)
             recipe.after_prompt(seq, st, n, llm.model.inv_freq, turn=1)
             lengths = seq.lengths
             assert (lengths.mean(axis=1) == budget).all()  # the layer budget, exactly

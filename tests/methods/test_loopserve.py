@@ -290,7 +290,7 @@ def prefill_logits(llm, ids, recipe, chunks):
     seq = SequenceKV(llm.pool)
     st = recipe.new_state(llm.config.num_layers)
     try:
-        parts = [llm.runner.prefill(seq, c, all_logits=True, pattern=recipe.pattern_hook(st)) for c in chunks(ids)]
+        parts = [llm.runner.prefill(seq, c, all_logits=True, context=st.context) for c in chunks(ids)]
     finally:
         seq.free()
     return torch.cat(parts), st

@@ -14,6 +14,7 @@ from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.lserve.decode import LServeDecode, QuestDecode, summaries_for
 from turnkv.methods.lserve.summaries import PageSummaries
+from turnkv.methods.step_context import StepContext
 
 PROMPTS = ["The river flows past the old mill where the miller counts sacks of grain every morning before dawn.",
            "Mountains rise over the valley; snow covers the peaks while shepherds lead goats to the high meadows."]
@@ -106,13 +107,13 @@ def test_a_needle_far_back_is_found():
     v[0, needle, 0] = 7.0
     q = torch.randn(1, T, 1, D) * 0.1
     slots = seq.reserve(T)
-    step = Step(pool, [seq], [slots], torch.arange(T)[None], pattern=None, selectors=[sel], decoding=False)
+    step = Step(pool, [seq], [slots], torch.arange(T)[None], contexts=[StepContext(selector=sel)], decoding=False)
     step.attention(0, q, k, v)
     q1 = torch.zeros(1, 1, 1, D)
     q1[0, 0, 0, 0] = 4.0
     k1, v1 = torch.randn(1, 1, 1, D) * 0.1, torch.randn(1, 1, 1, D)
     slots = seq.reserve(1)
-    step = Step(pool, [seq], [slots], torch.tensor([[T]]), selectors=[sel], decoding=True)
+    step = Step(pool, [seq], [slots], torch.tensor([[T]]), contexts=[StepContext(selector=sel)], decoding=True)
     out = step.attention(0, q1, k1, v1)[0, 0, 0]
     entries, counts = sel.entries(0, seq)
     read = entries[0, : counts[0]].tolist()

@@ -15,6 +15,7 @@ from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.lserve.pattern import HeadPattern
 from turnkv.methods.lserve.streaming import StreamingHeads
 from turnkv.methods.recipe import Recipe
+from turnkv.methods.step_context import StepContext
 
 STREAMING = [[True, False], [False, True]]  # tiny model: 2 layers x 2 KV heads
 MESSAGES = ["The river flows past the old mill where the miller counts sacks of grain every morning before dawn.",
@@ -211,7 +212,8 @@ def test_multi_turn_decode_equals_attention_over_exactly_the_kept_positions(chat
     try:
         from turnkv.methods.pattern_hook import PatternHook
 
-        logits = chat_llm.runner.prefill(seq, tokens, all_logits=True, pattern=PatternHook(oracle, []))
+        logits = chat_llm.runner.prefill(seq, tokens, all_logits=True,
+                                           context=StepContext(pattern=PatternHook(oracle, [])))
     finally:
         seq.free()
     full = torch.log_softmax(logits.float(), dim=-1)

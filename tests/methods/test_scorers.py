@@ -25,6 +25,7 @@ from turnkv.methods.snapkv import SnapKV
 from turnkv.methods.streaming_llm import StreamingLLM
 from turnkv.methods.tova import TOVA
 from turnkv.methods.uniform import Uniform
+from turnkv.methods.step_context import StepContext
 
 H, HQ, G, D = 2, 4, 2, 16
 INV_FREQ = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
@@ -336,7 +337,7 @@ def run_step(pool, seq, naive, g, T):
     p0 = seq.next_position
     slots = seq.reserve(T)
     positions = torch.arange(p0, p0 + T)
-    step = Step(pool, [seq], [slots], positions[None], accumulate=True)
+    step = Step(pool, [seq], [slots], positions[None], contexts=[StepContext(accumulate=True)])
     q, k, v = (torch.randn(1, T, n, D, generator=g) for n in (HQ, H, H))
     out = step.attention(0, q, k, v)[0]
     torch.testing.assert_close(out, naive.step(q[0], k[0], v[0], positions).float(), **TOL)
@@ -414,11 +415,11 @@ def test_h2o_mass_through_the_model_sums_to_queries_times_group(chat_llm):
     seq, plain = SequenceKV(pool), SequenceKV(pool)
     try:
         ids = list(range(200, 220))
-        logits = runner.prefill(seq, ids, accumulate=True)
+        logits = runner.prefill(seq, ids, context=StepContext(accumulate=True))
         runner.prefill(plain, ids)
         for _ in range(3):
             token = int(logits.argmax())
-            logits = runner.decode([seq], torch.tensor([token]), accumulate=True)[0]
+            logits = runner.decode([seq], torch.tensor([token]), [StepContext(accumulate=True)])[0]
             runner.decode([plain], torch.tensor([token]))
         for layer in range(L):
             mass = seq.gather_attention_mass(layer)

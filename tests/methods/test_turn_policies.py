@@ -446,7 +446,7 @@ def test_generate_compresses_the_prompt(chat_llm):
     auto = chat_llm.generate(prompt, recipe=recipe, max_new_tokens=n, ignore_eos=True)
     seq, st = SequenceKV(chat_llm.pool), recipe.new_state(L)
     try:
-        logits = chat_llm.runner.prefill(seq, ids, window=st.window)
+        logits = chat_llm.runner.prefill(seq, ids, context=st.context)
         recipe.after_prompt(seq, st, len(ids), chat_llm.model.inv_freq, turn=1)
         assert st.log[0]["span"] == [0, len(ids)]
         for layer in range(L):
@@ -456,7 +456,7 @@ def test_generate_compresses_the_prompt(chat_llm):
                 assert len(kept) == B and kept[-4:] == list(range(len(ids) - 4, len(ids)))
         out = [int(logits.argmax())]
         while len(out) < n:
-            out.append(int(chat_llm.runner.decode([seq], torch.tensor([out[-1]]), windows=[st.window])[0].argmax()))
+            out.append(int(chat_llm.runner.decode([seq], torch.tensor([out[-1]]), [st.context])[0].argmax()))
     finally:
         seq.free()
     assert auto.token_ids == out

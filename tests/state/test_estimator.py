@@ -13,6 +13,7 @@ from turnkv.attention.reference import attention_weights
 from turnkv.state import estimator
 from turnkv.state.estimator import TurnQueries, attention_statistics, ir_regions, sample_rows
 from turnkv.state.pairing import select_pairs
+from turnkv.methods.step_context import StepContext
 
 LONG = " ".join(f"Item {i} is the {['red', 'green', 'blue', 'white'][i % 4]} box on shelf {i % 7}." for i in range(18))
 
@@ -135,9 +136,9 @@ def test_sampled_rows_on_smollm2_keep_most_of_the_exact_pairs():
     ids = llm.tokenizer.encode(Path(__file__).resolve().parents[2].joinpath("turnkv/state/estimator.py").read_text() * 3)[:n]
     seq, window = SequenceKV(llm.pool), TurnQueries(N, 0)
     llm.runner.prefill(seq, ids[: n - turn_rows])
-    llm.runner.prefill(seq, ids[n - turn_rows : n - 32], window=window)
+    llm.runner.prefill(seq, ids[n - turn_rows : n - 32], context=StepContext(window=window))
     for t in ids[n - 32 :]:
-        llm.runner.decode([seq], torch.tensor([t]), windows=[window])
+        llm.runner.decode([seq], torch.tensor([t]), [StepContext(window=window)])
     queries, positions, is_decode = window.take()
     ir, distance = attention_statistics(seq, queries, positions, is_decode)
     exact = set(select_pairs(ir, distance, 0.3, 0.5))

@@ -78,6 +78,8 @@ def add_speed_parser(sub) -> None:
     p.add_argument("--recipes", default="full", help="comma-separated presets or recipe strings")
     p.add_argument("--peers", default="transformers,sdpa", help="comma-separated; 'none' for none")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--skip-tokens", type=int, default=16,
+                   help="decode steps left out of the time per token (a selection's warm-up, graph captures)")
     p.add_argument("--out", default="benchmarks/speed/latest")
     p.set_defaults(func=cmd_speed)
 
@@ -105,7 +107,8 @@ def cmd_speed(args) -> int:
     recipes = {spec: Recipe.parse(spec) for spec in _split(args.recipes)}
     config = SpeedConfig(contexts=contexts, batches=batches, new_tokens=args.new_tokens, turns=args.turns,
                          turn_tokens=args.turn_tokens, recipes=recipes,
-                         peers=tuple(p for p in _split(args.peers) if p != "none"), repeat=args.repeat)
+                         peers=tuple(p for p in _split(args.peers) if p != "none"), repeat=args.repeat,
+                         skip_tokens=args.skip_tokens)
     result = run_speed(llm, config)
     command = "turnkv bench speed " + " ".join(shlex.quote(a) for a in sys.argv[3:])
     print(speed_report.write(result, args.out, command))

@@ -1,13 +1,12 @@
 """Conversations driven a turn at a time and several together, for the quality runner.
 
-On a CPU, decoding one conversation reads every weight of the model for one token (about 50 ms a
-token for SmolLM2-135M on one core, bound by memory bandwidth); a batch of 16 conversations reads them
-once for 16 tokens. The quality suite runs dozens of recipes over the same conversation, so it
-drives them together: each conversation prefills its own prompt (prefill is compute-bound, nothing
-to share), then every unfinished one decodes in lockstep, one batched step
-(`ModelRunner.decode(seqs, tokens, windows=..., selectors=...)`) per token for each kind of step
-(plain, H2O's attention accumulation, decode selection), with each conversation's recipe hooks
-called as the engine's decode loop calls them.
+On a CPU, decoding one conversation reads every weight of the model for one token (bound by memory
+bandwidth); a batch of 16 conversations reads them once for 16 tokens. The quality suite runs dozens
+of recipes over the same conversation, so it drives them together. Every turn is the engine's
+TurnRun (engine/turn.py): each conversation prefills its own prompt (prefill is compute-bound,
+nothing to share), then every unfinished one decodes in lockstep through the engine's step loop
+(engine/decode_loop.step: one batched forward per token for each kind of step, plain, H2O's
+attention accumulation, decode selection, then each conversation's recipe hook and token).
 
 Three exact shortcuts on top, each only where it cannot change what is computed:
 
@@ -40,9 +39,12 @@ import copy
 import time
 import torch
 
-from turnkv.engine.conversation import Conversation, Turn
+from turnkv.engine import decode_loop
+from turnkv.engine.conversation import Conversation
 from turnkv.engine.observe import QueryWindow
+from turnkv.engine.turn import TurnRun
 from turnkv.kv.snapshot import export_kv, import_kv
+from turnkv.methods.step_context import StepContext
 
 
 def chunkable(recipe) -> bool:
@@ -110,7 +112,7 @@ class SharedPrompt:
             window = QueryWindow(self.llm.config.num_layers, len(prompt))  # every query: each copy takes its tail
             try:
                 t0 = time.perf_counter()
-                logits = self.llm.runner.prefill(seq, prompt, window=window, accumulate=accumulate)
+                logits = self.llm.runner.prefill(seq, prompt, context=StepContext(window=window, accumulate=accumulate))
                 seconds = time.perf_counter() - t0
                 meta, tensors = export_kv(seq)
             finally:
@@ -140,30 +142,11 @@ class SharedPrompt:
         return logits, seconds
 
 
-class PendingTurn:
-    """A turn whose prompt is prefilled and whose first token is taken; decode_together() finishes
-    its generation, finish() closes the turn as Conversation._run_turn does."""
+class PendingTurn(TurnRun):
+    """A lockstep turn: the engine's TurnRun, with the TTFT it took (a shared prompt's prefill
+    counted) and the forced answer of a chunkable recipe fed in one forward."""
 
-    def __init__(self, conv, gen, prompt, cached, keep, new_ids, messages, full_text, turn, system_end, window_before):
-        self.conv, self.gen, self.prompt = conv, gen, prompt
-        self.cached, self.keep, self.new_ids = cached, keep, new_ids
-        self.messages, self.full_text, self.turn, self.system_end = messages, full_text, turn, system_end
-        self.window_before = window_before
-        self.ttft_s: float | None = None
-        self.watch = None  # called as watch(pending, index, token, logits_row) before a token is accepted
-        self.finished = False
-
-    @property
-    def state(self):
-        return self.conv.method_state
-
-    def take(self, logits: torch.Tensor) -> None:
-        """Sample (or force) the next token from its logits and accept it."""
-        gen = self.gen
-        token = gen.sample(logits)
-        if self.watch is not None:
-            self.watch(self, len(gen.token_ids), token, logits)
-        gen.accept(token)
+    ttft_s: float | None = None
 
     def force_rest_as_chunk(self) -> None:
         """Teacher forcing of a chunkable recipe: the rest of the forced answer in one forward."""
@@ -174,9 +157,9 @@ class PendingTurn:
         # In the KV: the last accepted token, then every forced token but the last (whose logits
         # nobody reads), exactly what the decode steps would have fed.
         feed = gen.token_ids[-1:] + rest[:-1]
-        st = self.state
-        logits = conv.llm.runner.prefill(conv.kv, feed, all_logits=True, window=st.window,
-                                         accumulate=conv.recipe.accumulates_attention)
+        ctx = self.context
+        logits = conv.llm.runner.prefill(conv.kv, feed, all_logits=True,
+                                         context=StepContext(window=ctx.window, accumulate=ctx.accumulate))
         for i, row in enumerate(logits):
             self.take(row)
             if gen.done and i != len(feed) - 1:
@@ -184,77 +167,35 @@ class PendingTurn:
         if not gen.done:
             raise RuntimeError("a forced answer did not end with its last token")
 
-    def finish(self) -> None:
-        """Close the turn: the recipe's turn-end hook, then the conversation's history, as the engine."""
-        conv, gen = self.conv, self.gen
-        conv.recipe.at_turn_end(conv.kv, conv.method_state, conv.llm.model.inv_freq, self.turn)
-        reply = gen.reply(prompt_tokens=len(self.prompt), cached_tokens=self.cached)
-        conv.tokens = conv.tokens[: self.keep] + self.new_ids + reply.token_ids
-        conv.text = self.full_text + conv.llm.tokenizer.decode(reply.token_ids, skip_special_tokens=False)
-        conv.messages = [*self.messages, {"role": "assistant", "content": reply.text}]
-        conv.turns.append(Turn(self.cached, self.keep + len(self.new_ids), len(conv.tokens), reply, self.system_end))
-        conv.last_reply = reply
-        conv.llm.state.after_turn(conv)
-        self.finished = True
-
-    def abort(self) -> None:
-        if not self.finished:
-            self.conv._roll_back(self.cached, self.window_before)
-            self.conv.llm.state.abort_turn(self.conv)
-            self.finished = True
-
 
 class LockstepConversation(Conversation):
     """A Conversation whose turns are opened with begin() and decoded by decode_together()."""
-
-    _begin: dict | None = None
 
     def begin(self, message: str, max_new_tokens: int, force: list[int] | None = None, logprobs: bool = False,
               shared: SharedPrompt | None = None, watch=None) -> PendingTurn:
         """Render the turn, prefill its prompt (from `shared` on a first turn that may take it), run the
         recipe's after-prompt hook and take the first token. A forced turn of a chunkable recipe is
-        complete on return. `watch` sees every token before it is accepted (see PendingTurn)."""
-        self._begin = {"shared": shared, "watch": watch}
-        try:
-            # Conversation.stream renders and checks the turn and hands over to _run_turn (below).
-            return self.stream(message, force=force, logprobs=logprobs, max_new_tokens=max_new_tokens)
-        finally:
-            self._begin = None
-
-    def _run_turn(self, messages, full_text, keep, new_ids, gen, boundaries, has_context) -> PendingTurn:
-        # Conversation._run_turn up to the first token, for a message without a separate context.
-        if has_context or self._begin is None:
-            raise NotImplementedError("lockstep turns are opened with begin(message)")
-        shared, watch = self._begin["shared"], self._begin["watch"]
-        self.llm.state.before_turn(self, len(new_ids) + gen.params.max_new_tokens)
-        self._roll_back_to_reusable(keep)
-        cached = self.kv.next_position
-        prompt = self.tokens[cached:keep] + new_ids
-        recipe, st, inv_freq = self.recipe, self.method_state, self.llm.model.inv_freq
-        turn = len(self.turns) + 1
-        system_end = boundaries[0] if (not self.turns and self.system and boundaries) else 0
-        segment_end = cached if self.turns else system_end
-        window_before = st.window.snapshot() if st.window is not None else None
-        pending = PendingTurn(self, gen, prompt, cached, keep, new_ids, messages, full_text, turn, system_end,
-                              window_before)
+        complete on return. `watch` sees every token before it is accepted (TurnRun.watch)."""
+        inputs = self.turn_input(message)
+        params = self.llm.sampling_params(max_new_tokens=max_new_tokens)
+        gen = self.llm.new_generation(self.kv, params, forced=force, keep_logprobs=logprobs)
+        pending = PendingTurn(self, inputs, gen, self.llm.state).begin()
         pending.watch = watch
         try:
             t0 = time.perf_counter()
             before = 0.0
-            if shared is not None and cached == 0 and not self.turns and _shares_first_prompt(self):
-                logits, before = shared.copy_into(self, prompt)
+            if shared is not None and pending.cached == 0 and not self.turns and _shares_first_prompt(self):
+                logits, before = shared.copy_into(self, pending.prompt)
+                pending.prefilled_elsewhere()
             else:
-                logits = self.llm.runner.prefill(self.kv, prompt, window=st.window,
-                                                 accumulate=recipe.accumulates_attention,
-                                                 pattern=recipe.pattern_hook(st), selector=st.decode)
-            recipe.after_prompt(self.kv, st, segment_end, inv_freq, turn)
+                logits = pending.prefill()
             pending.take(logits)
             # A shared prompt's TTFT is what prefilling it took, plus this conversation's own work.
             pending.ttft_s = time.perf_counter() - t0 + before
-            if gen.forced is not None and chunkable(recipe):
+            if gen.forced is not None and chunkable(self.recipe):
                 pending.force_rest_as_chunk()
         except BaseException:
-            pending.abort()
+            pending.abandon()
             raise
         return pending
 
@@ -283,40 +224,18 @@ class LockstepConversation(Conversation):
         for token in pending.gen.token_ids:
             gen.accept(token)
         gen.logprobs = list(logprobs[:done])
-        out = PendingTurn(twin, gen, pending.prompt, pending.cached, pending.keep, pending.new_ids, pending.messages,
-                          pending.full_text, pending.turn, pending.system_end, None)
+        out = pending.continued_by(twin, gen)
         out.ttft_s = pending.ttft_s
-        out.watch = None
         return out
 
 
-def _kind(p: PendingTurn) -> tuple[bool, bool]:
-    return p.conv.recipe.accumulates_attention, p.state.decode is not None
-
-
 def decode_together(llm, pendings: list[PendingTurn], max_batch: int = 32) -> None:
-    """Decode every unfinished generation of `pendings` to its end, one batched forward per step for
-    each kind of step (plain; H2O's accumulation; decode selection) and at most max_batch rows each.
-    Per conversation, as the engine's one-at-a-time loop: the step, the recipe's after-decode hook,
-    then the token."""
-    inv_freq = llm.model.inv_freq
-    while True:
-        active = [p for p in pendings if not p.gen.done]
-        if not active:
-            return
-        kinds: dict[tuple, list[PendingTurn]] = {}
-        for p in active:
-            kinds.setdefault(_kind(p), []).append(p)
-        for (accumulate, _), group in kinds.items():
-            for start in range(0, len(group), max_batch):
-                batch = group[start : start + max_batch]
-                logits = llm.runner.decode([p.conv.kv for p in batch],
-                                           llm.token_tensor([p.gen.token_ids[-1] for p in batch]),
-                                           windows=[p.state.window for p in batch], accumulate=accumulate,
-                                           selectors=[p.state.decode for p in batch])
-                for row, p in zip(logits, batch):
-                    p.conv.recipe.after_decode_step(p.conv.kv, p.state, inv_freq, p.turn)
-                    p.take(row)
+    """Decode every unfinished generation of `pendings` to its end through the engine's step loop:
+    one batched forward per step for each kind of step (plain; H2O's accumulation; decode
+    selection), at most max_batch rows each. A fork made during a step joins `pendings` (the
+    tracks' sink) and decodes from the next step on."""
+    while any(not p.done for p in pendings):
+        decode_loop.step(llm, pendings, max_batch)
 
 
 class Track:
@@ -378,7 +297,7 @@ class Track:
         else:
             logprobs = pending.gen.logprobs
         if not forkable(self.free):
-            self.replay_from = pending.turn - 1
+            self.replay_from = pending.number - 1
             return
         twin = self.free.fork(pending, self._ref, logprobs)
         twin.take(row)
@@ -426,7 +345,7 @@ class Track:
     def abort(self) -> None:
         for p in (self._free_turn, self._forced_turn):
             if p is not None:
-                p.abort()
+                p.abandon()
 
     def close(self) -> None:
         for conv in (self.free, self.forced):
@@ -458,7 +377,7 @@ class _Replay:
 
     def abort(self) -> None:
         if self._turn is not None:
-            self._turn.abort()
+            self._turn.abandon()
 
     def close(self) -> None:
         self.conv.close()

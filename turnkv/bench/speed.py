@@ -30,6 +30,7 @@ class SpeedConfig:
     peers: tuple[str, ...] = ("transformers", "sdpa")
     repeat: int = 3
     seed: int = 0
+    skip_tokens: int = 16  # decode steps left out of the time per token (warm-up; LoopServe's is 16)
 
 
 def _prompt(ctx: int, vocab: int, seed: int) -> list[int]:
@@ -47,72 +48,39 @@ def _peak_gb(device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
 
 
-def measure_single(llm, recipe, ctx: int, cfg: SpeedConfig, hw: dict) -> dict:
-    """Batch 1 through the public API: TTFT, time per token, KV kept, peak memory."""
-    ids = _prompt(ctx, llm.config.vocab_size, cfg.seed)
-    llm.generate(ids[: min(ctx, 512)], recipe=recipe, max_new_tokens=4, ignore_eos=True)  # warm-up
-    replies = []
+def steady_time_per_token(reply, skip: int) -> float:
+    """Seconds per decode step after the first `skip` tokens (a decode selection's warm-up, graph
+    captures), from the times the tokens were read; the whole decode when the reply is too short."""
+    times = reply.token_times
+    skip = min(skip, len(times) - 2)
+    if skip < 0:
+        return reply.time_per_token_s
+    return (times[-1] - times[skip]) / (len(times) - 1 - skip)
+
+
+def measure(llm, recipe, ctx: int, batch: int, cfg: SpeedConfig, hw: dict) -> dict:
+    """`batch` prompts of `ctx` tokens through LLM.generate, the path users take: TTFT (batch 1),
+    time per decode step after the first `cfg.skip_tokens` tokens, KV kept, peak memory."""
+    prompts = [_prompt(ctx, llm.config.vocab_size, cfg.seed + b) for b in range(batch)]
+    llm.generate(prompts[0][: min(ctx, 512)], recipe=recipe, max_new_tokens=4, ignore_eos=True)  # warm-up
+    runs = []
     _peak_reset(llm.device)
-    for _ in range(cfg.repeat):
-        replies.append(llm.generate(ids, recipe=recipe, max_new_tokens=cfg.new_tokens, ignore_eos=True))
-    ttft = statistics.median(r.ttft_s for r in replies)
-    tpot = statistics.median(r.time_per_token_s for r in replies)
-    kv_bytes = replies[0].kv_bytes  # pages held at the end: the floor counts up to a page per head too many
-    decode_floor = hardware.decode_bytes(hw["weight_bytes"], kv_bytes) / hw["copy_bandwidth"]
-    prefill_floor = hardware.prefill_flops(llm.config, ctx) / hw["matmul_rate"]
-    return {"ttft_s": ttft, "ttft_floor_s": prefill_floor, "ttft_of_floor": prefill_floor / ttft,
-            "tpot_s": tpot, "tpot_floor_s": decode_floor, "tpot_of_floor": decode_floor / tpot,
-            "tokens_per_s": 1 / tpot, "kv_bytes": kv_bytes, "peak_gb": _peak_gb(llm.device)}
-
-
-@torch.inference_mode()
-def measure_batch(llm, recipe, ctx: int, batch: int, cfg: SpeedConfig, hw: dict) -> dict:
-    """Batched decode at the runner, as a server's scheduler drives it: B conversations prefilled
-    (and compressed by the recipe), then steps whose greedy tokens stay on the device."""
-    seqs = [SequenceKV(llm.pool) for _ in range(batch)]
-    try:
-        last = []
-        states = [recipe.new_state(llm.config.num_layers) for _ in seqs]
-        for b, (seq, st) in enumerate(zip(seqs, states)):
-            ids = _prompt(ctx, llm.config.vocab_size, cfg.seed + b)
-            last.append(llm.runner.prefill(seq, ids, window=st.window, accumulate=recipe.accumulates_attention,
-                                           pattern=recipe.pattern_hook(st), selector=st.decode))
-            recipe.after_prompt(seq, st, ctx, llm.model.inv_freq, turn=1)
-        tokens = torch.stack(last).argmax(-1)
-        # Each step as the engine drives it (LLM.generate): the recipe's decode selection, observation
-        # windows and attention accumulation, then its per-step hook (decode-time eviction, trimming
-        # the streaming heads' ring). Without them a selecting recipe's rows would time dense decode.
-        observe = dict(windows=[st.window for st in states], accumulate=recipe.accumulates_attention,
-                       selectors=[st.decode for st in states])
-
-        def step(tokens):
-            tokens = llm.runner.decode(seqs, tokens, **observe).argmax(-1)
-            for seq, st in zip(seqs, states):
-                recipe.after_decode_step(seq, st, llm.model.inv_freq, turn=1)
-            return tokens
-
-        _peak_reset(llm.device)
-        for _ in range(3):  # warm-up (captures the graph of this batch size)
-            tokens = step(tokens)
-        kv_bytes = sum(s.bytes() for s in seqs)  # pages held
-        kv_read = sum(s.tokens() for s in seqs) * llm.pool.token_bytes  # what a step reads (scales included)
-        steps = cfg.new_tokens
-
-        def run():
-            nonlocal tokens
-            for _ in range(steps):
-                tokens = step(tokens)
-
-        seconds = hardware.median_time(run, llm.device, repeat=1, warmup=0)
-        for s in seqs:  # leave the context where it was for the next repeat
-            s.truncate(ctx)
-    finally:
-        for s in seqs:
-            s.free()
-    tpot = seconds / steps
-    floor = hardware.decode_bytes(hw["weight_bytes"], kv_read) / hw["copy_bandwidth"]
-    return {"tpot_s": tpot, "tpot_floor_s": floor, "tpot_of_floor": floor / tpot, "tokens_per_s": batch / tpot,
-            "kv_bytes": kv_bytes, "kv_read_bytes": kv_read, "peak_gb": _peak_gb(llm.device)}
+    for _ in range(cfg.repeat if batch == 1 else 1):
+        runs.append(llm.generate(prompts, recipe=recipe, max_new_tokens=cfg.new_tokens, ignore_eos=True))
+    tpot = statistics.median(steady_time_per_token(replies[0], cfg.skip_tokens) for replies in runs)
+    replies = runs[0]
+    kv_bytes = sum(r.kv_bytes for r in replies)  # pages held at the end
+    kv_read = sum(r.kv_tokens for r in replies) * llm.pool.token_bytes  # what a last step reads (scales included)
+    decode_floor = hardware.decode_bytes(hw["weight_bytes"], kv_read) / hw["copy_bandwidth"]
+    row = {"tpot_s": tpot, "tpot_floor_s": decode_floor, "tpot_of_floor": decode_floor / tpot,
+           "tokens_per_s": batch / tpot, "kv_bytes": kv_bytes, "kv_read_bytes": kv_read,
+           "tpot_whole_decode_s": statistics.median(r[0].time_per_token_s for r in runs),
+           "peak_gb": _peak_gb(llm.device)}
+    if batch == 1:
+        ttft = statistics.median(r[0].ttft_s for r in runs)
+        prefill_floor = hardware.prefill_flops(llm.config, ctx) / hw["matmul_rate"]
+        row |= {"ttft_s": ttft, "ttft_floor_s": prefill_floor, "ttft_of_floor": prefill_floor / ttft}
+    return row
 
 
 @torch.inference_mode()
@@ -164,10 +132,8 @@ def run_speed(llm, cfg: SpeedConfig, progress: bool = True) -> dict:
     for kind, name, ctx, batch in tqdm(plan, desc="bench speed", disable=not progress):
         row = {"engine": kind if kind != "turns" else "turnkv", "recipe": name, "context": ctx, "batch": batch}
         try:
-            if kind == "turnkv" and batch == 1:
-                row |= measure_single(llm, recipes[name], ctx, cfg, hw)
-            elif kind == "turnkv":
-                row |= measure_batch(llm, recipes[name], ctx, batch, cfg, hw)
+            if kind == "turnkv":
+                row |= measure(llm, recipes[name], ctx, batch, cfg, hw)
             elif kind == "turns":
                 row["turns"] = measure_turns(llm, ctx, cfg, hw)
             elif kind == "sdpa":

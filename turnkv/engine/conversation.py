@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from turnkv.engine import chat_template, decode_loop
 from turnkv.engine.generation import Reply
+from turnkv.engine.turn import TurnInput, TurnRun
 from turnkv.errors import ContextLengthError, InvalidRequestError
 from turnkv.kv.sequence import SequenceKV
 
@@ -109,11 +110,21 @@ class Conversation:
         `force` feeds the given reply tokens instead of sampling them (teacher forcing), and
         `logprobs` keeps each step's log-softmax in the Reply: together they measure how far a
         compressed conversation's distributions drift from a reference along the same answer."""
+        params = self.llm.sampling_params(**sampling)
+        inputs = self.turn_input(message, context)
+        if force is not None and (not force or not all(isinstance(t, int) for t in force)):
+            raise InvalidRequestError("force must be a non-empty list of token ids")
+        gen = self.llm.new_generation(self.kv, params, forced=force, keep_logprobs=logprobs)
+        return self._run(TurnRun(self, inputs, gen, self.llm.state))
+
+    def turn_input(self, message: str, context: str | None = None) -> TurnInput:
+        """What a turn with this user message (and separate context) adds to the history: the
+        kept tokens it reuses and the new tokens, split where the system prompt and the context end.
+        Raises InvalidRequestError (empty message) or ContextLengthError (over the model's context)."""
         if not isinstance(message, str) or not message.strip():
             raise InvalidRequestError("the message is empty")
         if context is not None and (not isinstance(context, str) or not context.strip()):
             raise InvalidRequestError("the context is empty")
-        params = self.llm.sampling_params(**sampling)
         tokenizer = self.llm.require_tokenizer()
         content = message if context is None else f"{context}\n\n{message}"
         messages = [*self.messages, {"role": "user", "content": content}]
@@ -124,39 +135,29 @@ class Conversation:
         cuts = [self._system_text(full_text)] if not self.turns else []
         if context is not None:
             cuts.append(full_text.index(content) + len(context))
-        keep, new_ids, boundaries = self._split_at(full_text, keep, new_ids, cuts)
+        new_ids, boundaries = self._split_at(full_text, keep, new_ids, cuts)
         total = keep + len(new_ids)
         if total + 1 > self.llm.max_model_len:
             raise ContextLengthError(
                 f"this turn needs {total} tokens of context plus one to generate, and the model holds "
                 f"{self.llm.max_model_len}; start a new conversation or /reset"
             )
-        if force is not None and (not force or not all(isinstance(t, int) for t in force)):
-            raise InvalidRequestError("force must be a non-empty list of token ids")
-        gen = self.llm.new_generation(self.kv, params, forced=force, keep_logprobs=logprobs)
-        return self._run_turn(messages, full_text, keep, new_ids, gen, boundaries, context is not None)
+        system_end = boundaries[0] if (not self.turns and self.system and boundaries) else 0
+        return TurnInput(keep, new_ids, system_end, boundaries[-1] if context is not None else None, messages,
+                         full_text)
 
-    def _roll_back(self, position: int, window_snapshot=None) -> None:
-        """Drop the KV from `position` on, and the recipe's bookkeeping of it. An undone turn gets its
-        observation window back as it was before the turn."""
-        self.kv.truncate(position)
-        st = self.method_state
-        st.frozen_upto = min(st.frozen_upto, position)
-        st.since_compression = 0
-        if st.window is not None and window_snapshot is not None:
-            st.window.restore(window_snapshot)
-        elif st.window is not None:
-            st.window.truncate(position)
-
-    def _roll_back_to_reusable(self, keep: int) -> None:
-        """Drop the kept KV this turn may not reuse: what the template no longer renders (past `keep`),
-        and the previous reply when the recipe prefills it again (answer=reprefill)."""
-        if self.kv.next_position > keep:
-            self._roll_back(keep)
-        if self.recipe.answer == "reprefill" and self.turns:
-            reply_start = self.turns[-1].prompt_end
-            if self.kv.next_position > reply_start:
-                self._roll_back(reply_start)
+    def _run(self, turn: TurnRun) -> Iterator[str]:
+        turn.begin()  # restores the state: counts in TTFT
+        try:
+            piece = turn.take(turn.prefill())
+            if piece:
+                yield piece
+            for _, piece in decode_loop.decode(self.llm, [turn]):
+                if piece:
+                    yield piece
+            turn.finish()
+        finally:
+            turn.abandon()  # nothing to undo once finished
 
     def _system_text(self, full_text: str) -> int:
         """Characters of full_text that render the system prompt alone (0 without one)."""
@@ -166,58 +167,78 @@ class Conversation:
         return len(system_text) if full_text.startswith(system_text) else 0
 
     def _split_at(self, full_text, keep, new_ids, cuts):
-        """Re-encode the new text in pieces at character offsets `cuts`; returns the token counts
-        (absolute positions) where the pieces end."""
+        """Re-encode the new text in pieces at character offsets `cuts`; returns the new tokens and
+        the absolute positions where the pieces before the last end."""
         kept_len = len(self.text) if keep == len(self.tokens) else len(
             self.llm.tokenizer.decode(self.tokens[:keep], skip_special_tokens=False))
         cuts = sorted(c for c in cuts if c > kept_len)
         if not cuts:
-            return keep, new_ids, []
+            return new_ids, []
         ids, boundaries, start = [], [], kept_len
         for cut in cuts + [len(full_text)]:
             ids += chat_template.encode(self.llm.tokenizer, full_text[start:cut])
             boundaries.append(keep + len(ids))
             start = cut
-        return keep, ids, boundaries[:-1]
+        return ids, boundaries[:-1]
 
-    def _run_turn(self, messages, full_text, keep, new_ids, gen, boundaries, has_context) -> Iterator[str]:
-        self.llm.state.before_turn(self, len(new_ids) + gen.params.max_new_tokens)  # restore; counts in TTFT
-        self._roll_back_to_reusable(keep)
-        cached = self.kv.next_position
-        prompt = self.tokens[cached:keep] + new_ids
-        recipe, st, inv_freq = self.recipe, self.method_state, self.llm.model.inv_freq
-        turn = len(self.turns) + 1
-        system_end = boundaries[0] if (not self.turns and self.system and boundaries) else 0
-        segment_end = cached if self.turns else system_end
-        observe = dict(window=st.window, accumulate=recipe.accumulates_attention, pattern=recipe.pattern_hook(st),
-                       selector=st.decode)
-        window_before = st.window.snapshot() if st.window is not None else None
-        finished = False
-        try:
-            if has_context:  # prefill up to the end of the context, compress, then the rest
-                context_end = boundaries[-1]
-                self.llm.runner.prefill(self.kv, prompt[: context_end - cached], **observe)
-                recipe.after_context(self.kv, st, context_end, inv_freq, turn)
-                logits = self.llm.runner.prefill(self.kv, prompt[context_end - cached :], **observe)
-            else:
-                logits = self.llm.runner.prefill(self.kv, prompt, **observe)
-            recipe.after_prompt(self.kv, st, segment_end, inv_freq, turn)
-            piece = gen.accept(gen.sample(logits))
-            if piece:
-                yield piece
-            for _, piece in decode_loop.decode(self.llm, recipe, [gen], [st], turn):
-                if piece:
-                    yield piece
-            recipe.at_turn_end(self.kv, st, inv_freq, turn)
-            finished = True
-        finally:
-            if not finished:
-                self._roll_back(cached, window_before)
-                self.llm.state.abort_turn(self)
-        reply = gen.reply(prompt_tokens=len(prompt), cached_tokens=cached)
-        self.tokens = self.tokens[:keep] + new_ids + reply.token_ids
-        self.text = full_text + self.llm.tokenizer.decode(reply.token_ids, skip_special_tokens=False)
-        self.messages = [*messages, {"role": "assistant", "content": reply.text}]
-        self.turns.append(Turn(cached, keep + len(new_ids), len(self.tokens), reply, system_end))
+    # ---- what the turn driver (engine/turn.py) and the server's store change ----------------------
+    def roll_back(self, position: int, window_snapshot=None) -> None:
+        """Drop the KV from `position` on, and the recipe's bookkeeping of it. An undone turn gets its
+        observation window back as it was before the turn (window_snapshot)."""
+        self.kv.truncate(position)
+        st = self.method_state
+        st.frozen_upto = min(st.frozen_upto, position)
+        st.since_compression = 0
+        if st.window is not None and window_snapshot is not None:
+            st.window.restore(window_snapshot)
+        elif st.window is not None:
+            st.window.truncate(position)
+
+    def roll_back_to_reusable(self, keep: int) -> None:
+        """Drop the kept KV a turn may not reuse: what the template no longer renders (past `keep`),
+        and the previous reply when the recipe prefills it again (answer=reprefill)."""
+        if self.kv.next_position > keep:
+            self.roll_back(keep)
+        if self.recipe.answer == "reprefill" and self.turns:
+            reply_start = self.turns[-1].prompt_end
+            if self.kv.next_position > reply_start:
+                self.roll_back(reply_start)
+
+    def cut(self, tokens: int, chars: int) -> None:
+        """Forget the history from token `tokens` (character `chars` of its text) on: a clean
+        boundary where a turn's prompt or reply ends."""
+        if self.kv.next_position > tokens:
+            self.roll_back(tokens)
+        self.tokens, self.text = self.tokens[:tokens], self.text[:chars]
+        self.turns = [t for t in self.turns if t.end <= tokens]
+
+    def record_turn(self, inputs: TurnInput, cached: int, reply: Reply) -> None:
+        """A turn ended: its message and reply join the history."""
+        self.tokens = self.tokens[: inputs.keep] + inputs.new_ids + reply.token_ids
+        self.text = inputs.full_text + self.llm.tokenizer.decode(reply.token_ids, skip_special_tokens=False)
+        self.messages = [*inputs.messages, {"role": "assistant", "content": reply.text}]
+        self.turns.append(Turn(cached, inputs.keep + len(inputs.new_ids), len(self.tokens), reply, inputs.segment_end))
         self.last_reply = reply
-        self.llm.state.after_turn(self)
+
+    # ---- records: what it takes to rebuild a conversation around a stored state -----------------
+    def to_record(self) -> dict:
+        """The conversation's history and recipe as JSON (the state tiers store it beside the KV)."""
+        return {
+            "system": self.system, "recipe": str(self.recipe), "messages": self.messages, "tokens": self.tokens,
+            "text": self.text, "frozen_upto": self.method_state.frozen_upto,
+            "turns": [{"start": t.start, "prompt_end": t.prompt_end, "end": t.end, "system_end": t.system_end,
+                       "reply": {f.name: getattr(t.reply, f.name) for f in fields(t.reply) if f.name not in ("logprobs", "token_times")}}
+                      for t in self.turns],
+        }
+
+    @classmethod
+    def from_record(cls, llm: LLM, conversation_id: str, record: dict) -> Conversation:
+        """The conversation `to_record` described, under its id; its KV comes back at its next turn."""
+        conv = cls(llm, record["system"], record["recipe"])
+        conv.id = conversation_id
+        conv.messages, conv.tokens, conv.text = record["messages"], record["tokens"], record["text"]
+        conv.turns = [Turn(t["start"], t["prompt_end"], t["end"], Reply(**t["reply"]), t["system_end"])
+                      for t in record["turns"]]
+        conv.last_reply = conv.turns[-1].reply if conv.turns else None
+        conv.method_state.frozen_upto = record["frozen_upto"]
+        return conv

@@ -1,8 +1,13 @@
-"""Decode a batch of generations to their end, one step ahead of the host where it can.
+"""The step loop: every caller decodes its turns (engine/turn.py) through it.
+
+step() is one batched decode step, as nano-vllm's LLMEngine.step: schedule the turns into batches
+that can share a forward (batches()), run each (forward()), then postprocess each turn's row
+(the recipe's per-step hook, then the token). decode() runs steps until every turn is done, one step
+ahead of the host where it can:
 
 Reading a sampled token on the host waits for the GPU to finish its step, and the next step's host
-work (detokenising, stop checks, the step's metadata) then runs while the GPU idles: 0.7-1.1 ms of
-an 8-9 ms step at batch 1 on an H100 (profiled). So where decode replays from CUDA graphs, the loop
+work (detokenising, stop checks, the step's metadata) then runs while the GPU idles, about a tenth
+of a batch-1 step (benchmarks/BENCHMARKS.md). So where decode replays from CUDA graphs, the loop
 launches step k with step k-1's tokens still on the device, and reads step k-1's tokens while step k
 runs.
 
@@ -14,10 +19,15 @@ once the step is known to count, and before the next step is launched: the devic
 operations in the same order as one step at a time. Stops by length are known ahead and never cost
 an extra step.
 
+A decode selection's state advances at launch (its step counter, the queries it keeps, the page
+statistics that fold the step's key in): a step launched for nothing is undone there too
+(`discard_step`). A conversation that both selects and records an eviction window runs one step at
+a time, since an eager fallback step of its selection would leave the window nothing to read.
+
 The loop runs one step at a time (reading every token before the next step) where running ahead
 would change what is computed or cannot be undone: teacher forcing and kept log-probabilities (they
-read each step's logits), decode selection (its state advances every step), attention accumulation
-(H2O: every step adds to the kept mass), and steps that do not replay from the graphs.
+read each step's logits), attention accumulation (H2O: every step adds to the kept mass), and steps
+that do not replay from the graphs.
 """
 
 from __future__ import annotations
@@ -28,45 +38,62 @@ import torch
 
 from turnkv.engine.generation import Generation
 from turnkv.engine.sampling import sample
+from turnkv.engine.turn import TurnRun
 
 
-def decode(llm, recipe, gens: list[Generation], states: list, turn: int) -> Iterator[tuple[int, str]]:
-    """Decode every generation of `gens` (each has accepted its first token) until it is done, with
-    the recipe's per-sequence method states. Yields (index, text made final) per accepted token."""
-    active = [i for i, g in enumerate(gens) if not g.done]
+def batches(turns: list[TurnRun], max_batch: int = 32) -> list[list[TurnRun]]:
+    """Schedule: the unfinished turns, grouped into batches that share one forward (a batch agrees
+    on attention accumulation, and on whether it selects), at most max_batch each."""
+    kinds: dict[tuple[bool, bool], list[TurnRun]] = {}
+    for turn in turns:
+        if not turn.done:
+            ctx = turn.context
+            kinds.setdefault((ctx.accumulate, ctx.selector is not None), []).append(turn)
+    return [group[i : i + max_batch] for group in kinds.values() for i in range(0, len(group), max_batch)]
+
+
+def forward(llm, batch: list[TurnRun]) -> torch.Tensor:
+    """Run: one decode step of `batch`, each fed its last token -> logits [B, V]."""
+    tokens = llm.token_tensor([t.gen.token_ids[-1] for t in batch])
+    return llm.runner.decode([t.seq for t in batch], tokens, [t.context for t in batch])
+
+
+def step(llm, turns: list[TurnRun], max_batch: int = 32) -> list[tuple[TurnRun, str]]:
+    """One decode step of every unfinished turn; returns (turn, text made final) per turn."""
+    out = []
+    for batch in batches(turns, max_batch):
+        logits = forward(llm, batch)
+        out += [(turn, turn.after_step(row)) for turn, row in zip(batch, logits)]
+    return out
+
+
+def decode(llm, turns: list[TurnRun]) -> Iterator[tuple[int, str]]:
+    """Decode every turn of `turns` (each has taken its first token) until it is done. Yields
+    (index, text made final) per accepted token."""
+    active = [t for t in turns if not t.done]
     if not active:
         return
-    if _can_run_ahead(llm, recipe, [gens[i] for i in active], [states[i] for i in active]):
-        yield from _ahead(llm, recipe, gens, states, active, turn)
-    else:
-        yield from _one_at_a_time(llm, recipe, gens, states, turn)
+    if _can_run_ahead(llm, active):
+        yield from _ahead(llm, turns)
+        return
+    index = {id(t): i for i, t in enumerate(turns)}
+    while any(not t.done for t in turns):
+        for turn, piece in step(llm, turns):
+            yield index[id(turn)], piece
 
 
-def _one_at_a_time(llm, recipe, gens, states, turn):
-    inv_freq = llm.model.inv_freq
-    while True:
-        active = [i for i, g in enumerate(gens) if not g.done]
-        if not active:
-            return
-        logits = llm.runner.decode([gens[i].seq for i in active], llm.token_tensor([gens[i].token_ids[-1] for i in active]),
-                                   windows=[states[i].window for i in active], accumulate=recipe.accumulates_attention,
-                                   selectors=[states[i].decode for i in active])
-        for row, i in zip(logits, active):
-            recipe.after_decode_step(gens[i].seq, states[i], inv_freq, turn)
-            piece = gens[i].accept(gens[i].sample(row))
-            yield i, piece
-
-
-def _can_run_ahead(llm, recipe, gens, states) -> bool:
+def _can_run_ahead(llm, turns: list[TurnRun]) -> bool:
     graphs = llm.runner.graphs
-    if graphs is None or recipe.accumulates_attention or any(st.decode is not None for st in states):
+    if graphs is None or len(turns) > graphs.buckets[-1]:
         return False
-    if any(g.forced is not None or g.logprobs is not None for g in gens):
-        return False
-    if len(gens) > graphs.buckets[-1]:
-        return False
+    for t in turns:
+        ctx = t.context
+        if ctx.accumulate or (ctx.selector is not None and ctx.window is not None):
+            return False
+        if t.gen.forced is not None or t.gen.logprobs is not None:
+            return False
     # Every step must replay from the graphs, up to the last position a generation can reach.
-    last = max(g.seq.next_position + g.params.max_new_tokens for g in gens)
+    last = max(t.seq.next_position + t.gen.params.max_new_tokens for t in turns)
     return last < graphs.capacity
 
 
@@ -103,15 +130,18 @@ def _sample_rows(gens: list[Generation], logits: torch.Tensor) -> torch.Tensor:
     return torch.stack([sample(g.limit_vocab(row), g.params, g.generator) for g, row in zip(gens, logits)])
 
 
-def _ahead(llm, recipe, gens, states, rows, turn):
-    runner, inv_freq = llm.runner, llm.model.inv_freq
-    host = _HostTokens(len(rows), llm.device)
+def _ahead(llm, turns: list[TurnRun]):
+    host = _HostTokens(len(turns), llm.device)
+    rows = [i for i, t in enumerate(turns) if not t.done]
+    gens = [t.gen for t in turns]
     inputs = llm.token_tensor([gens[i].token_ids[-1] for i in rows])
     unread = None  # (rows, host buffer) of the last launched step, whose tokens are not read yet
     while rows or unread is not None:
         launched = None
         if rows:  # step k, fed step k-1's tokens on the device
-            out = _sample_rows([gens[i] for i in rows], runner.decode([gens[i].seq for i in rows], inputs))
+            logits = llm.runner.decode([turns[i].seq for i in rows], inputs,
+                                       [_without_window(turns[i].context) for i in rows])
+            out = _sample_rows([gens[i] for i in rows], logits)
             launched = (rows, out, host.send(out))
         if unread is not None:  # step k-1's tokens, read while step k runs
             ahead = set(rows)  # these sequences already hold step k's token
@@ -124,8 +154,8 @@ def _ahead(llm, recipe, gens, states, rows, turn):
         counted = [j for j, i in enumerate(step_rows) if not gens[i].done]
         for i in step_rows:
             if gens[i].done:  # it stopped at the token step k consumed: step k was for nothing
-                gens[i].seq.unreserve(1)
-        _bookkeeping(llm, recipe, gens, states, step_rows, counted, inv_freq, turn)
+                _discard_step(turns[i])
+        _bookkeeping(llm, turns, step_rows, counted)
         unread = (step_rows, buffer)
         # Step k+1: every counted row whose token from step k will not be its last by length.
         going_on = [j for j in counted if not gens[step_rows[j]].stops_by_length_next()]
@@ -136,12 +166,25 @@ def _ahead(llm, recipe, gens, states, rows, turn):
             inputs = out
 
 
-def _bookkeeping(llm, recipe, gens, states, step_rows, counted, inv_freq, turn) -> None:
+def _without_window(context):
+    """The step's context at launch: windows are filled in by _bookkeeping once the step counts."""
+    return context if context.window is None else type(context)(None, context.accumulate, context.pattern,
+                                                                 context.selector)
+
+
+def _discard_step(turn: TurnRun) -> None:
+    """Undo a launched step that turned out to follow the generation's last token."""
+    position = turn.seq.next_position - 1
+    turn.seq.unreserve(1)
+    if turn.context.selector is not None:
+        turn.context.selector.discard_step(turn.seq, position)
+
+
+def _bookkeeping(llm, turns, step_rows, counted) -> None:
     """A counted step's observation (its queries into the windows) and the recipe's per-step hook,
     before the next step is launched, as the one-at-a-time loop orders them."""
-    windows = [states[i].window if j in counted else None for j, i in enumerate(step_rows)]
+    windows = [turns[i].context.window if j in counted else None for j, i in enumerate(step_rows)]
     if any(w is not None for w in windows):
-        llm.runner.graphs.record_windows([gens[i].seq for i in step_rows], windows)
+        llm.runner.graphs.record_windows([turns[i].seq for i in step_rows], windows)
     for j in counted:
-        i = step_rows[j]
-        recipe.after_decode_step(gens[i].seq, states[i], inv_freq, turn)
+        turns[step_rows[j]].after_step_hook()

@@ -27,6 +27,8 @@ class Reply:
     kv_tokens: int  # tokens held in the KV store, summed over layers and heads
     kv_bytes: int
     logprobs: torch.Tensor | None = None  # [completion_tokens, V] when asked for (fidelity metrics)
+    # Seconds from the turn's start at which each token was accepted (read on the host).
+    token_times: list[float] | None = None
 
     @property
     def time_per_token_s(self) -> float:
@@ -55,6 +57,7 @@ class Generation:
         if params.seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(params.seed)
         self.token_ids: list[int] = []
+        self.token_times: list[float] = []
         self.finish_reason: str | None = None
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
@@ -78,6 +81,7 @@ class Generation:
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self.token_ids.append(token)
+        self.token_times.append(time.perf_counter())
         piece = ""
         if token in self.eos_ids:
             self.finish_reason = "stop"
@@ -122,4 +126,5 @@ class Generation:
             kv_tokens=self.seq.tokens(),
             kv_bytes=self.seq.bytes(),
             logprobs=torch.stack(self.logprobs) if self.logprobs else None,
+            token_times=[t - self.started for t in self.token_times],
         )

@@ -11,6 +11,7 @@ from turnkv.engine import decode_loop
 from turnkv.engine.conversation import Conversation
 from turnkv.engine.generation import Generation, Reply
 from turnkv.engine.runner import ModelRunner
+from turnkv.engine.turn import TurnInput, TurnRun
 from turnkv.engine.sampling import SamplingParams
 from turnkv.errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from turnkv.kv.pool import PagePool
@@ -82,8 +83,8 @@ class LLM:
         self.pool = PagePool.for_budget(self.config, self._kv_budget(kv_memory), page_size, self.dtype, self.device,
                                         self.kv_dtype)
         if prefill_chunk is None:
-            # Bigger chunks on a GPU: each chunk re-reads the kept history, and flash attention over
-            # 4K queries runs at about 60% of its rate over 32K (measured on an H100).
+            # Bigger chunks on a GPU: each chunk re-reads the kept history, and flash attention runs
+            # well below its peak rate on short query blocks (benchmarks/BENCHMARKS.md, prefill).
             prefill_chunk = 32768 if self.device.type == "cuda" else 4096
         self.runner = ModelRunner(self.model, self.pool, prefill_chunk, self.max_model_len, cuda_graphs)
         eos = set(self.config.eos_token_ids)
@@ -168,14 +169,14 @@ class LLM:
 
     def resume(self, conversation_id: str) -> Conversation:
         """A conversation stored in the state tiers (the disk tier survives restarts), by its id."""
-        return self.state.resume(conversation_id)
+        return Conversation.from_record(self, conversation_id, self.state.record(conversation_id))
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty")
             return self.require_tokenizer().encode(prompt)
-        # One numpy pass, not a Python check per id (12 ms for a 32K-token prompt): strings, floats
+        # One numpy pass, not a Python check per id: strings, floats
         # and ints too big for int64 give a dtype that is not an integer kind.
         try:
             ids = np.asarray(prompt) if isinstance(prompt, (list, tuple)) else np.empty(0)
@@ -198,23 +199,18 @@ class LLM:
         for ids in encoded:
             if len(ids) + 1 > self.max_model_len:
                 raise ContextLengthError(f"a prompt of {len(ids)} tokens does not fit the context of {self.max_model_len}")
-        seqs = [SequenceKV(self.pool) for _ in batch]
-        states = [recipe.new_state(self.config.num_layers) for _ in batch]
-        accumulate = recipe.accumulates_attention
-        inv_freq = self.model.inv_freq
+        convs = [Conversation(self, None, recipe) for _ in batch]  # containers for the KV and recipe state
         try:
-            gens = [self.new_generation(seq, params) for seq in seqs]
-            for gen, ids, st in zip(gens, encoded, states):
-                logits = self.runner.prefill(gen.seq, ids, window=st.window, accumulate=accumulate,
-                                             pattern=recipe.pattern_hook(st), selector=st.decode)
-                recipe.after_prompt(gen.seq, st, len(ids), inv_freq, turn=1)
-                gen.accept(gen.sample(logits))
-            for _ in decode_loop.decode(self, recipe, gens, states, turn=1):
+            turns = [TurnRun(conv, TurnInput(0, ids, segment_end=len(ids)), self.new_generation(conv.kv, params)).begin()
+                     for conv, ids in zip(convs, encoded)]
+            for turn in turns:
+                turn.take(turn.prefill())
+            for _ in decode_loop.decode(self, turns):
                 pass
-            replies = [g.reply(prompt_tokens=len(ids), cached_tokens=0) for g, ids in zip(gens, encoded)]
+            replies = [turn.finish() for turn in turns]
         finally:
-            for seq in seqs:
-                seq.free()
+            for conv in convs:
+                conv.close()
         return replies[0] if single else replies
 
     def info(self) -> dict:

@@ -13,6 +13,7 @@ from turnkv.engine.cuda_graphs import GraphedDecode
 from turnkv.engine.step import Step
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
+from turnkv.methods.step_context import StepContext
 from turnkv.model.decoder import Transformer
 
 
@@ -29,18 +30,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, seqs: list[SequenceKV], token_ids: torch.Tensor, all_logits: bool = False,
-                windows: list | None = None, accumulate: bool = False, pattern=None,
-                selectors: list | None = None, decoding: bool = False) -> torch.Tensor:
+                contexts: list[StepContext | None] | None = None, decoding: bool = False) -> torch.Tensor:
         """Append token_ids [B, T] to each sequence and return fp32 logits: [B, V] at the last token,
         or [B, T, V] with all_logits. On any failure every sequence is rolled back as it was.
-        pattern / selectors: a recipe's sparse prefill and per-sequence decode selection (see Step)."""
+        contexts: per sequence, what its recipe asks of the step (StepContext; None: nothing)."""
         B, T = token_ids.shape
         before = [s.next_position for s in seqs]
         try:
             slots = [s.reserve(T) for s in seqs]
             positions = torch.tensor(before, device=self.device)[:, None] + torch.arange(T, device=self.device)
-            step = Step(self.pool, seqs, slots, positions, self.model.config.sliding_window, windows, accumulate,
-                        pattern, selectors, decoding)
+            step = Step(self.pool, seqs, slots, positions, self.model.config.sliding_window, contexts, decoding)
             last = None if all_logits else torch.full((B, 1), T - 1, device=self.device)
             with self._attention_backends(T):
                 logits = self.model(token_ids.to(self.device), positions, step, logits_at=last)
@@ -52,8 +51,8 @@ class ModelRunner:
 
     def _attention_backends(self, num_new: int):
         """Decode on CUDA skips cuDNN attention: it builds an execution plan for every new key length,
-        and decode meets a new one at every step and in every layer whose length differs (measured on
-        an H100: 1.6 -> 38.5 tok/s for Ada-SnapKV's uneven heads, 11.4 -> 48.6 for dense). Prefill
+        and decode meets a new one at every step and in every layer whose length differs (several
+        times slower decode, most for uneven heads; benchmarks/BENCHMARKS.md). Prefill
         keeps it, where it is the fastest backend."""
         if self.device.type != "cuda" or num_new > 1:
             return contextlib.nullcontext()
@@ -61,38 +60,40 @@ class ModelRunner:
 
         return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
-    def prefill(self, seq: SequenceKV, token_ids: list[int], all_logits: bool = False, window=None,
-                accumulate: bool = False, pattern=None, selector=None) -> torch.Tensor:
+    def prefill(self, seq: SequenceKV, token_ids: list[int], all_logits: bool = False,
+                context: StepContext | None = None) -> torch.Tensor:
         """Prefill one sequence's new tokens in chunks; returns the logits at the last token ([V]), or
-        at every new token ([T, V]) with all_logits. pattern: the recipe's sparse prefill (applied to
-        every chunk against all kept history); selector: the sequence's decode selection state, which
-        watches the prompt's queries."""
+        at every new token ([T, V]) with all_logits. context: the recipe's hooks (its sparse pattern
+        runs on every chunk against all kept history; its decode selection watches the queries)."""
         ids = torch.tensor([token_ids], dtype=torch.int64)
         before = seq.next_position
         outputs = []
+        contexts = [context]
         try:
             for start in range(0, ids.shape[1], self.prefill_chunk):
                 chunk = ids[:, start : start + self.prefill_chunk]
                 last_chunk = start + self.prefill_chunk >= ids.shape[1]
-                observe = dict(windows=[window], accumulate=accumulate, pattern=pattern,
-                               selectors=[selector] if selector is not None else None)
                 if all_logits or last_chunk:
-                    outputs.append(self.forward([seq], chunk, all_logits, **observe)[0])
+                    outputs.append(self.forward([seq], chunk, all_logits, contexts)[0])
                 else:
-                    self.forward([seq], chunk, **observe)
+                    self.forward([seq], chunk, contexts=contexts)
         except BaseException:
             seq.truncate(before)
             raise
         return torch.cat(outputs) if all_logits else outputs[-1]
 
-    def decode(self, seqs: list[SequenceKV], tokens: torch.Tensor, windows: list | None = None,
-               accumulate: bool = False, selectors: list | None = None) -> torch.Tensor:
-        """One decode step for a batch: tokens [B] -> logits [B, V]. selectors: per sequence, a decode
-        selection state or None (read every kept token)."""
-        selecting = selectors is not None and any(s is not None for s in selectors)
+    def decode(self, seqs: list[SequenceKV], tokens: torch.Tensor,
+               contexts: list[StepContext | None] | None = None) -> torch.Tensor:
+        """One decode step for a batch: tokens [B] -> logits [B, V]. contexts: per sequence, what its
+        recipe asks of the step (a batch agrees on `accumulate`)."""
+        contexts = contexts or [None] * len(seqs)
+        selectors = [c.selector if c is not None else None for c in contexts]
+        windows = [c.window if c is not None else None for c in contexts]
+        windows = windows if any(w is not None for w in windows) else None
+        accumulate = any(c is not None and c.accumulate for c in contexts)
+        selecting = any(s is not None for s in selectors)
         if self.graphs is None or accumulate or not self.graphs.fits(seqs):
-            return self.forward(seqs, tokens.view(-1, 1), windows=windows, accumulate=accumulate,
-                                selectors=selectors if selecting else None, decoding=True)
+            return self.forward(seqs, tokens.view(-1, 1), contexts=contexts, decoding=True)
         if not selecting:
             return self._graphed_decode(seqs, tokens, windows)
         # A selection inside the graphs (engine/graph_selection.py), or the eager step where it cannot
@@ -101,7 +102,7 @@ class ModelRunner:
         chooser = graph_selection.for_graphs(self.graphs)
         plan = chooser.plan(seqs, selectors)
         if plan is None:
-            logits = self.forward(seqs, tokens.view(-1, 1), windows=windows, selectors=selectors, decoding=True)
+            logits = self.forward(seqs, tokens.view(-1, 1), contexts=contexts, decoding=True)
             chooser.after_eager(seqs, selectors)
             return logits
         return self._graphed_decode(seqs, tokens, windows, plan)

@@ -10,6 +10,7 @@ from turnkv.attention import decode, lines, reference
 from turnkv.engine import selection
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
+from turnkv.methods.step_context import PLAIN, StepContext
 
 
 class Step:
@@ -20,24 +21,30 @@ class Step:
     """
 
     def __init__(self, pool: PagePool, seqs: list[SequenceKV], slots: list[torch.Tensor], positions: torch.Tensor,
-                 sliding_window: int | None = None, windows: list | None = None, accumulate: bool = False,
-                 pattern=None, selectors: list | None = None, decoding: bool = False):
+                 sliding_window: int | None = None, contexts: list[StepContext | None] | None = None,
+                 decoding: bool = False):
         num_new = positions.shape[1]
-        # Methods' hooks (None for dense prefill and decode over every kept token, whose paths below
-        # are untouched): `pattern(layer, lines.Keys) -> out` computes a prefill chunk's attention
-        # (a sparse pattern); `selectors[b]` picks the slots sequence b reads in each layer of a decode
-        # step (decoding: this step is one, not a prefill of one token), and watches every step's queries.
-        self.pattern = pattern if num_new > 1 else None
-        self.selectors = selectors if selectors and any(s is not None for s in selectors) else None
+        contexts = [c or PLAIN for c in contexts] if contexts else [PLAIN] * len(seqs)
+        # A batch shares its accumulation (H2O adds every query's weights to the keys' mass); the
+        # prefill pattern is a chunk's (T > 1) of one sequence. None where nothing is asked, so the
+        # dense paths below stay untouched.
+        self.accumulate = contexts[0].accumulate
+        if any(c.accumulate != self.accumulate for c in contexts):
+            raise ValueError("a batch's conversations must agree on attention accumulation")
+        self.pattern = contexts[0].pattern if num_new > 1 else None
+        # selectors[b] picks the slots sequence b reads in each layer of a decode step (decoding: this
+        # step is one, not a prefill of one token), and watches every step's queries.
+        selectors = [c.selector for c in contexts]
+        self.selectors = selectors if any(s is not None for s in selectors) else None
         self.observers = self.selectors
         # Selectors that keep statistics beside the pages (LServe's per-page key min/max) see every K
         # write of their sequence, prefill and decode: `written(layer, seq, slots, k)`.
         self.writers = [(b, s) for b, s in enumerate(self.observers or []) if hasattr(s, "written")]
         self.seqs = seqs
-        # Observation for the methods: per sequence a QueryWindow (or None), and whether to add each
-        # query's attention weights to the attention mass stored beside the keys (H2O).
-        self.windows = windows if windows and any(w is not None for w in windows) else None
-        self.accumulate = accumulate
+        # Per sequence a QueryWindow (or None) that records each layer's queries for the scorers.
+        windows = [c.window for c in contexts]
+        self.windows = windows if any(w is not None for w in windows) else None
+        accumulate = self.accumulate
         self.pool, self.num_new = pool, num_new
         self.sliding_window = sliding_window
         # [L, B*H*T]: one flat index list per layer, in (sequence, head, token) order.

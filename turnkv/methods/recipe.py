@@ -31,6 +31,7 @@ from turnkv.methods.pattern_hook import PatternHook, summarise
 from turnkv.methods.recompress import Recompress
 from turnkv.methods.registry import build
 from turnkv.methods.resident import Resident
+from turnkv.methods.step_context import StepContext
 
 EVICTION_KEYS = {"budget", "keep_ratio", "compression_ratio", "schedule", "every"}
 DEFAULT_BUDGET = 1024
@@ -48,6 +49,14 @@ class MethodState:
     decode: Any = None  # the decode axis' selection state (LoopServe), None when decode reads everything
     pattern_stats: list[dict] = field(default_factory=list)  # the running turn's per-layer prefill entries
     stats: list[dict] = field(default_factory=list)  # per turn: what the prefill pattern / decode selection did
+    accumulate: bool = False  # the scorer adds up attention mass (H2O)
+    sparse_prefill: Any = None  # the recipe's prefill pattern component, or None (dense prefill)
+
+    @property
+    def context(self) -> StepContext:
+        """What this conversation's forward steps do beyond dense attention (the runner's argument)."""
+        pattern = None if self.sparse_prefill is None else PatternHook(self.sparse_prefill, self.pattern_stats)
+        return StepContext(self.window, self.accumulate, pattern, self.decode)
 
 
 @dataclass
@@ -169,7 +178,9 @@ class Recipe:
         decode = self.decode.new_state(num_layers) if self.selects_decode else None
         if decode is not None and hasattr(decode, "static") and self.static_sparsity is not None:
             decode.static = self.static_sparsity  # LServe: streaming heads never select
-        return MethodState(self.state.query_window(num_layers, window), decode=decode)
+        return MethodState(self.state.query_window(num_layers, window), decode=decode,
+                           accumulate=self.accumulates_attention,
+                           sparse_prefill=self.prefill if self.sparse_prefill else None)
 
     @property
     def accumulates_attention(self) -> bool:
@@ -193,10 +204,6 @@ class Recipe:
     def _trim(self, kv) -> None:
         if self.static_sparsity is not None:
             self.static_sparsity.trim(kv)
-
-    def pattern_hook(self, st: MethodState):
-        """What runner.prefill's `pattern` gets for this conversation (None: dense prefill)."""
-        return PatternHook(self.prefill, st.pattern_stats) if self.sparse_prefill else None
 
     def after_prompt(self, kv, st: MethodState, segment_end: int, inv_freq, turn: int) -> None:
         """A turn's prompt is prefilled; tokens before `segment_end` belong to finished segments."""

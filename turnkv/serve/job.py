@@ -1,8 +1,7 @@
 """One request inside the worker thread: the turn it runs on a kept (or new) conversation.
 
-The steps mirror Conversation.stream (prefill the new tokens against the kept KV, let the recipe
-compress at its scheduled points, sample, roll back on failure), cut apart so that the scheduler can
-interleave prefill slices of some requests with batched decode steps of others.
+The request's turn is the engine's TurnRun (engine/turn.py), as Conversation.stream runs it; the
+scheduler interleaves its prefill slices with the batched decode steps of other requests.
 """
 
 from __future__ import annotations
@@ -12,7 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from turnkv.engine import chat_template
-from turnkv.engine.conversation import Conversation, Turn
+from turnkv.engine.conversation import Conversation
+from turnkv.engine.turn import TurnInput, TurnRun
 from turnkv.errors import ContextLengthError, InvalidRequestError
 
 
@@ -39,8 +39,7 @@ class Job:
         self.cancelled = False  # set by the HTTP side when the client goes away
         self.entry = None  # the store's entry for chat requests
         self.conv: Conversation | None = None
-        self.prefilled = 0
-        self.started = False  # anything written to the KV that failure must undo
+        self.turn: TurnRun | None = None
         self.last_token_at: float | None = None
 
     @property
@@ -69,19 +68,13 @@ class Job:
             raise ContextLengthError(f"max_tokens is {self.max_tokens} but the prompt ({total} tokens) leaves room for "
                                      f"{room} in the model's context of {llm.max_model_len}")
         params = llm.sampling_params(**self.sampling, max_new_tokens=self.max_tokens or min(self.default_max_tokens, room))
-        kv, state = self.conv.kv, self.conv.method_state
-        self.conv._roll_back_to_reusable(self.keep)  # answer=reprefill prefills the last reply again
-        if not self.new_ids and kv.next_position >= self.keep:
-            # The request ends inside the kept history (a regenerated reply): its last token is fed
-            # again, since sampling needs the logits after it.
-            self.conv._roll_back(self.keep - 1)
-        self.cached = kv.next_position
-        self.prompt = self.conv.tokens[self.cached : self.keep] + self.new_ids
-        self.turn = len(self.conv.turns) + 1
-        system_end = self.system_mark[0] if self.system_mark else 0
-        self.segment_end = self.cached if self.conv.turns else system_end
-        self.window_before = state.window.snapshot() if state.window is not None else None
-        self.gen = llm.new_generation(kv, params)
+        if self.is_chat:
+            segment_end = self.system_mark[0] if self.system_mark else 0
+        else:
+            segment_end = len(self.new_ids)  # a raw prompt is one finished segment, as in LLM.generate
+        inputs = TurnInput(self.keep, self.new_ids, segment_end, None, self.messages if self.is_chat else None,
+                           self.full_text if self.is_chat else "")
+        self.turn = TurnRun(self.conv, inputs, llm.new_generation(self.conv.kv, params)).begin()
 
     def _encode_rest(self, tokenizer, kept_chars: int):
         """The tokens after the kept prefix. A conversation's first turn is encoded in two pieces, the
@@ -99,51 +92,25 @@ class Job:
     # ---- running -----------------------------------------------------------------------------------
     @property
     def prefill_left(self) -> int:
-        return len(self.prompt) - self.prefilled
+        return self.turn.prefill_left
 
-    def prefill(self, llm, size: int) -> tuple[str, bool]:
+    def prefill(self, size: int) -> tuple[str, bool]:
         """Prefill the next `size` prompt tokens; after the last slice, sample the first token.
         Returns (text made final, done)."""
-        recipe, state = self.conv.recipe, self.conv.method_state
-        chunk = self.prompt[self.prefilled : self.prefilled + size]
-        self.started = True
-        logits = llm.runner.prefill(self.conv.kv, chunk, window=state.window, accumulate=recipe.accumulates_attention,
-                                    pattern=recipe.pattern_hook(state), selector=state.decode)
-        self.prefilled += len(chunk)
-        if self.prefill_left:
+        logits = self.turn.prefill(size)
+        if logits is None:
             return "", False
-        recipe.after_prompt(self.conv.kv, state, self.segment_end, llm.model.inv_freq, self.turn)
-        return self.accept(logits, llm)
-
-    def accept(self, logits, llm) -> tuple[str, bool]:
-        piece = self.gen.accept(self.gen.sample(logits))
-        return piece, self.gen.done
-
-    def after_decode(self, logits, llm) -> tuple[str, bool]:
-        self.conv.recipe.after_decode_step(self.conv.kv, self.conv.method_state, llm.model.inv_freq, self.turn)
-        return self.accept(logits, llm)
-
-    @property
-    def last_token(self) -> int:
-        return self.gen.token_ids[-1]
+        return self.turn.take(logits), self.turn.done
 
     # ---- ending ------------------------------------------------------------------------------------
-    def finish(self, llm, store) -> Outcome:
-        conv = self.conv
-        conv.recipe.at_turn_end(conv.kv, conv.method_state, llm.model.inv_freq, self.turn)
-        reply = self.gen.reply(prompt_tokens=len(self.prompt), cached_tokens=self.cached)
-        outcome = Outcome(reply.text, reply.finish_reason, self.keep + len(self.new_ids), self.cached,
+    def finish(self, store) -> Outcome:
+        reply = self.turn.finish()
+        outcome = Outcome(reply.text, reply.finish_reason, self.keep + len(self.new_ids), self.turn.cached,
                           reply.completion_tokens)
         if not self.is_chat:
-            conv.close()
+            self.conv.close()
             return outcome
         prompt_end = self.keep + len(self.new_ids)
-        conv.tokens = conv.tokens[: self.keep] + self.new_ids + reply.token_ids
-        conv.text = self.full_text + llm.tokenizer.decode(reply.token_ids, skip_special_tokens=False)
-        conv.messages = [*self.messages, {"role": "assistant", "content": reply.text}]
-        system_end = self.system_mark[0] if self.system_mark else 0
-        conv.turns.append(Turn(self.cached, prompt_end, len(conv.tokens), reply, system_end))
-        conv.last_reply = reply
         self.entry.record_turn(self.system_mark, (prompt_end, len(self.full_text)))
         store.release(self.entry)
         return outcome
@@ -153,13 +120,13 @@ class Job:
         the job can then be admitted again from the start."""
         if self.conv is None:
             return
-        if self.started:
-            self.conv._roll_back(self.cached, self.window_before)
+        if self.turn is not None:
+            self.turn.abandon()
         if self.entry is not None:
             store.release(self.entry)
         else:
             self.conv.close()
-        self.conv, self.entry, self.prefilled, self.started = None, None, 0, False
+        self.conv, self.entry, self.turn = None, None, None
 
 
 def check_max_tokens(value: int | None, max_model_len: int) -> int | None:

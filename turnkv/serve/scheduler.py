@@ -23,6 +23,7 @@ import threading
 import time
 from collections import deque
 
+from turnkv.engine import decode_loop
 from turnkv.errors import KVCacheFullError
 from turnkv.serve.errors import APIError
 from turnkv.serve.job import Job
@@ -185,7 +186,7 @@ class Scheduler:
             job = self.prefilling[0]
             size = min(self.config.prefill_chunk, job.prefill_left)
             try:
-                piece, done = self._with_room(lambda: job.prefill(self.llm, self.config.prefill_chunk))
+                piece, done = self._with_room(lambda: job.prefill(self.config.prefill_chunk))
             except KVCacheFullError as e:
                 self.prefilling.pop(0)
                 if self.decoding:  # memory comes back as they finish: wait for it, from the start
@@ -218,16 +219,17 @@ class Scheduler:
             self.decoding.append(job)
 
     def _decode(self) -> None:
-        groups: dict[bool, list[Job]] = {}
-        for job in self.decoding:
-            groups.setdefault(job.conv.recipe.accumulates_attention, []).append(job)
-        for accumulate, jobs in groups.items():
-            logits = self._decode_step(jobs, accumulate)
-            self.metrics.labels(self.metrics.batch).observe(len(jobs))
+        """One step of the engine's step loop (engine/decode_loop.py) over every decoding request,
+        its forward retried here when the KV pool is full."""
+        jobs = {id(job.turn): job for job in self.decoding}
+        for batch in decode_loop.batches([job.turn for job in self.decoding], self.config.max_running):
+            logits = self._decode_step(batch, jobs)
+            self.metrics.labels(self.metrics.batch).observe(len(batch))
             now = time.perf_counter()
-            for job, row in zip(jobs, logits):
+            for turn, row in zip(batch, logits):
+                job = jobs[id(turn)]
                 try:
-                    piece, done = job.after_decode(row, self.llm)
+                    piece = turn.after_step(row)
                 except Exception as e:
                     self.decoding.remove(job)
                     self._fail(job, e)
@@ -236,26 +238,23 @@ class Scheduler:
                 job.last_token_at = now
                 if piece:
                     job.sink("text", piece)
-                if done:
+                if turn.done:
                     self.decoding.remove(job)
                     self._finish(job)
 
-    def _decode_step(self, jobs: list[Job], accumulate: bool):
-        """One runner.decode call over `jobs`; on a full pool, evict idle conversations, then the
-        newest request, until the step fits. Returns the logits of the jobs still in `jobs`."""
-        llm = self.llm
+    def _decode_step(self, batch: list, jobs: dict):
+        """decode_loop.forward over `batch` (turns; jobs maps id(turn) to its request); on a full
+        pool, evict idle conversations, then the newest request, until the step fits. Returns the
+        logits of the turns still in `batch`."""
         while True:
             try:
-                return self._with_room(lambda: llm.runner.decode(
-                    [j.conv.kv for j in jobs], llm.token_tensor([j.last_token for j in jobs]),
-                    windows=[j.conv.method_state.window for j in jobs], accumulate=accumulate,
-                    selectors=[j.conv.method_state.decode for j in jobs]))
+                return self._with_room(lambda: decode_loop.forward(self.llm, batch))
             except KVCacheFullError as e:
-                victim = max(jobs, key=lambda j: j.arrived)
-                jobs.remove(victim)
-                self.decoding.remove(victim)
-                self._fail(victim, e)
-                if not jobs:
+                victim = max(batch, key=lambda t: jobs[id(t)].arrived)
+                batch.remove(victim)
+                self.decoding.remove(jobs[id(victim)])
+                self._fail(jobs[id(victim)], e)
+                if not batch:
                     return []
 
     def _with_room(self, step):
@@ -269,7 +268,7 @@ class Scheduler:
     # ---- endings -----------------------------------------------------------------------------------
     def _finish(self, job: Job) -> None:
         try:
-            outcome = job.finish(self.llm, self.store)
+            outcome = job.finish(self.store)
         except Exception as e:
             self._fail(job, e)
             return

@@ -108,13 +108,9 @@ class Entry:
 
     def cut(self, tokens: int, chars: int) -> None:
         """Roll the conversation back to the clean boundary (tokens, chars)."""
-        conv = self.conv
-        if conv.kv.next_position > tokens:
-            conv._roll_back(tokens)
-        conv.tokens, conv.text = conv.tokens[:tokens], conv.text[:chars]
-        conv.turns = [t for t in conv.turns if t.end <= tokens]
+        self.conv.cut(tokens, chars)
         self.marks = [m for m in self.marks if m[0] <= tokens]
-        if not conv.turns:
+        if not self.conv.turns:
             self.anchor = 0
 
     def record_turn(self, system: tuple[int, int] | None, prompt: tuple[int, int]) -> None:

@@ -10,8 +10,7 @@ the disk tier alone can bring a conversation back after a restart (`resume`), an
 file falls back to recomputing that history. The strategy that stored an entry restores it, whatever
 the conversation's recipe says now, with one exception: a disk entry whose history a prefill rebuilds
 exactly (nothing evicted) is recomputed instead of read when the disk's measured read rate makes the
-read alone slower than the recompute. On the H100 machine a 32K-token 8B state (4.3 GB) read from
-its disk in 2.5-7 s, and recomputing it took 1.4 s.
+read alone slower than the recompute (a slow disk against a fast GPU: benchmarks/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from dataclasses import fields
 
 import numpy as np
 
-from turnkv.engine.generation import Reply
+from turnkv.errors import InvalidRequestError
 from turnkv.kv.disk import CorruptStateError
 from turnkv.kv.tiers import StateTiersFullError, TieredStore
 from turnkv.methods.registry import build
@@ -117,7 +116,7 @@ class StateManager:
         strategy = conv.recipe.state
         stored = strategy.pack(self.ctx, conv.kv, conv.method_state.window, tier)
         meta = {"strategy": {"name": strategy.name, "params": _params(strategy)}, "state": stored.meta,
-                "conversation": conversation_record(conv)}
+                "conversation": conv.to_record()}
         landed = self.tiers.put(conv.id, meta, stored.tensors, tier)
         conv.kv.free()
         del self.resident[conv.id]
@@ -129,21 +128,12 @@ class StateManager:
         self.resident.pop(conv.id, None)
         self.tiers.delete(conv.id)
 
-    def resume(self, conversation_id: str):
-        """The conversation stored under this id (e.g. on disk before a restart); its state comes
-        back at its next turn."""
-        from turnkv.engine.conversation import Conversation, Turn
-
-        meta = self.tiers.meta(conversation_id)
-        record = meta["conversation"]
-        conv = Conversation(self.llm, record["system"], record["recipe"])
-        conv.id = conversation_id
-        conv.messages, conv.tokens, conv.text = record["messages"], record["tokens"], record["text"]
-        conv.turns = [Turn(t["start"], t["prompt_end"], t["end"], Reply(**t["reply"]), t["system_end"])
-                      for t in record["turns"]]
-        conv.last_reply = conv.turns[-1].reply if conv.turns else None
-        conv.method_state.frozen_upto = record["frozen_upto"]
-        return conv
+    def record(self, conversation_id: str) -> dict:
+        """The history stored beside a conversation's state (Conversation.to_record), e.g. on disk
+        before a restart; InvalidRequestError when none is stored under this id."""
+        if self.tiers.tier_of(conversation_id) is None:
+            raise InvalidRequestError(f"no stored conversation has the id {conversation_id!r}")
+        return self.tiers.meta(conversation_id)["conversation"]
 
     # ---- internals --------------------------------------------------------------------------
     def _disk_estimate(self, meta: dict) -> dict | None:
@@ -192,17 +182,6 @@ class StateManager:
                         f"KV pool full: this turn needs {need} pages per layer and the idle conversation "
                         f"{victim_id} cannot move down: {e}") from None
                 self.events.append({"conversation": victim_id, "event": "demoted", "tier": landed})
-
-
-def conversation_record(conv) -> dict:
-    """What it takes to rebuild a Conversation around a stored state (JSON)."""
-    return {
-        "system": conv.system, "recipe": str(conv.recipe), "messages": conv.messages, "tokens": conv.tokens,
-        "text": conv.text, "frozen_upto": conv.method_state.frozen_upto,
-        "turns": [{"start": t.start, "prompt_end": t.prompt_end, "end": t.end, "system_end": t.system_end,
-                   "reply": {f.name: getattr(t.reply, f.name) for f in fields(t.reply) if f.name != "logprobs"}}
-                  for t in conv.turns],
-    }
 
 
 def _params(strategy) -> dict:

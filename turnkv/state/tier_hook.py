@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from turnkv.engine.conversation import Conversation
 from turnkv.kv.tiers import StateTiersFullError
 
 log = logging.getLogger("turnkv.serve")
@@ -72,7 +73,7 @@ class StateTierHook:
         for key in self.manager.tiers.keys("disk"):
             try:
                 used = float(self.manager.tiers.meta(key).get("last_used", 0.0))
-                out.append((self.manager.resume(key), used))
+                out.append((Conversation.from_record(self.manager.llm, key, self.manager.record(key)), used))
             except Exception as e:  # left on disk as it is: nothing is deleted that could not be read
                 log.warning("stored conversation %s cannot be resumed: %s", key, e)
         return out

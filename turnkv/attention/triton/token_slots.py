@@ -6,7 +6,7 @@ tokens than it holds) map to the capacity, past every real one, so they stay las
 reads only the row's valid count.
 
 In torch this took about ten launches per layer (where, the page lookup, the slot arithmetic and a
-copy-where); the reference is turnkv/engine/graph_selection.py `commit_slots_reference`.
+copy-where); the reference is turnkv/engine/graph_progressive.py `commit_slots_reference`.
 """
 
 from __future__ import annotations

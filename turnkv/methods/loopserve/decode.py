@@ -117,6 +117,17 @@ class ProgressiveSelection:
         self.steps += 1
         self.reselect = self.reselects_at(self.steps)
 
+    def discard_step(self, seq, position: int) -> None:
+        """A decode step at `position` was launched and then dropped (its generation had already
+        stopped; engine/decode_loop.py): forget its queries, as if it never ran. A re-selection it
+        made stays counted in `selections`; the next turn's prefill starts the selection afresh."""
+        self.steps -= 1
+        self._pending = [p for p in self._pending if int(p[1][-1]) != position]
+        for layer, positions in enumerate(self._positions):
+            if positions is not None and bool((positions == position).any()):
+                keep = positions != position
+                self._queries[layer], self._positions[layer] = self._queries[layer][keep], positions[keep]
+
     def observe(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> None:
         """q [T, Hq, D] of this step; keeps the last `window` of them (the prompt's tail included)."""
         self._flush()

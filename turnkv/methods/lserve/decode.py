@@ -124,6 +124,14 @@ class PagedSelection:
         else:
             self.steps += 1
 
+    def discard_step(self, seq, position: int) -> None:
+        """A decode step at `position` was launched and then dropped (its generation had already
+        stopped; engine/decode_loop.py). Its key was folded into its page's statistics: rebuild them
+        from the kept keys at the next sync, and select afresh. A selection it made stays counted."""
+        self.steps -= 1
+        self._synced_ok[:] = False
+        self.state.invalidate()
+
     def observe(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> None:
         self.queries[layer] = q[-1]
 
