@@ -322,7 +322,8 @@ def main():
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--check-context", type=int, default=8192)
     p.add_argument("--check-steps", type=int, default=36)
-    p.add_argument("--kv-memory", default=None)
+    p.add_argument("--kv-memory", default=None, help="KV pool size; by default what the largest row needs "
+                   "(the rest of the GPU stays free for prefill's activations)")
     p.add_argument("--max-model-len", type=int, default=131072)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
@@ -340,7 +341,13 @@ def main():
     recipes = {n: recipes[n] for n in names}
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
-    llm = turnkv.LLM(args.shape, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory,
+    rows = max(int(c) * int(b) for c in args.contexts.split(",") for b in args.batches.split(","))
+    tokens = max(rows, args.check_context) + 8 * (args.warmup + args.steps + 64)
+
+    def kv_memory(config, dtype):  # the largest row and no more, as `turnkv bench speed` sizes it
+        return int(tokens * config.kv_bytes_per_token(dtype.itemsize) * 1.1) + (64 << 20)
+
+    llm = turnkv.LLM(args.shape, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory or kv_memory,
                      max_model_len=args.max_model_len)
     if args.smoke:  # the graphs' steps without graphs, as the CPU tests run them
         from turnkv.engine.cuda_graphs import GraphedDecode

@@ -75,7 +75,8 @@ def _kv_state(conv):
 
 SELECTING = ["loopserve-d decode=loopserve(budget=24,warmup=2,interval=3)",
              "decode=quest(budget=16,dense_layers=0)",
-             "lserve prefill=streaming_heads(pattern=random,sink=4,local=16) decode=lserve(budget=32,dense_layers=0)"]
+             "lserve prefill=streaming_heads(pattern=random,sink=4,local=16) "
+             "decode=lserve(budget=64,physical_page=16,logical_page=8)"]
 
 
 @pytest.mark.parametrize("recipe", [None, "snapkv budget=48 schedule=decode every=4", *SELECTING])
