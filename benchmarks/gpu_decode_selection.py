@@ -1,4 +1,4 @@
-"""Decode with a selection (Quest, LServe, LoopServe) replayed from CUDA graphs (issues #6/#7):
+"""Decode with a selection (Quest, LServe, LoopServe) replayed from CUDA graphs:
 ms per decode token of dense, quest, lserve (streaming heads, pattern=random), lserve-dynamic and
 loopserve-d, Llama-3.1-8B shape with random weights in bf16, batch 1 and 8, contexts 32768 / 65536 /
 129536 (rows whose KV does not fit the GPU are skipped). Also, at the longest context, LServe's
@@ -50,8 +50,8 @@ RECIPES = {
     "lserve-dynamic": "lserve-dynamic",
     "loopserve-d": "loopserve-d",
     "loopserve-d-eager": "loopserve-d",  # its re-selections run as eager steps (the fallback)
-    # The per-KV-head options (spec ambiguities: one selection serves the query group, a quarter of
-    # the reads for Llama-3.1-8B's groups of 4); not the papers' defaults.
+    # The per-KV-head options (choices the papers leave open: one selection serves the query group,
+    # a quarter of the reads for Llama-3.1-8B's groups of 4); not the papers' defaults.
     "loopserve-d-kv": "loopserve-d decode=loopserve(granularity=kv)",
     "lserve-kv": "lserve prefill=streaming_heads(pattern=random) decode=lserve(group=max)",
 }
