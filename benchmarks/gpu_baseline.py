@@ -1,6 +1,6 @@
-"""The foundation's GPU path before any custom kernel: PyTorch SDPA over gathered pages.
+"""The GPU path without custom kernels: PyTorch SDPA over gathered pages.
 
-A baseline for the fast-path issue to beat. Random weights at a real shape, bf16.
+A baseline for the custom kernels to beat. Random weights at a real shape, bf16.
 Usage: python benchmarks/gpu_baseline.py [--shape llama-3.1-8b] [--contexts 4096,16384] [--out FILE]
 """
 

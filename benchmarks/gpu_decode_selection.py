@@ -49,8 +49,8 @@ RECIPES = {
     "lserve-dynamic": "lserve-dynamic",
     "loopserve-d": "loopserve-d",
     "loopserve-d-eager": "loopserve-d",  # its re-selections run as eager steps (the fallback)
-    # The per-KV-head options (spec ambiguities: one selection serves the query group, a quarter of
-    # the reads for Llama-3.1-8B's groups of 4); not the papers' defaults.
+    # The per-KV-head options (choices the papers leave open: one selection serves the query group,
+    # a quarter of the reads for Llama-3.1-8B's groups of 4); not the papers' defaults.
     "loopserve-d-kv": "loopserve-d decode=loopserve(granularity=kv)",
     "lserve-kv": "lserve prefill=streaming_heads(pattern=random) decode=lserve(group=max)",
 }

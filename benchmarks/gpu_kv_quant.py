@@ -1,4 +1,4 @@
-"""Quantized KV on the GPU (issue #7): int8 / fp8 (e4m3) K/V with per-token, per-head fp32 scales.
+"""Quantized KV on the GPU: int8 / fp8 (e4m3) K/V with per-token, per-head fp32 scales.
 
 1. Correctness first: the indexed decode kernel over int8 / fp8 pages (each in-register dequantization:
    "cast", "fp32", and for int8 "f16asm") against the reference path (gather the codes, dequantize, attend in fp32), bf16
@@ -12,7 +12,7 @@
    KV dtype gets its own page pool and runner (the same weights). Each context is prefilled once per
    dtype (batch 8: one prompt prefilled, its KV copied to the 7 others).
    Floor = (weight bytes + the KV bytes a step reads, scales included) / copy bandwidth measured here.
-   Targets (issue #7): int8 decode within 1.25x of its own floor at 128K; at batch 8 x 32K at least
+   Targets: int8 decode within 1.25x of its own floor at 128K; at batch 8 x 32K at least
    1.35x faster than bf16 KV.
    Also, per dtype, how far its first decode step's logits are from bf16 KV's (random weights: a
    sanity check, not a quality figure; tests/ and benchmarks/kv_quant_fidelity.py measure fidelity).

@@ -1,4 +1,4 @@
-"""The int8 indexed decode kernel (issue #7) by programs per SM (choose_splits), launch setting and
+"""The int8 indexed decode kernel by programs per SM (choose_splits), launch setting and
 dequantization, at batch 8 x 32K and 1 x 128K keys (Llama-3.1-8B's attention shape, the pages and
 timing of benchmarks/gpu_kv_quant.py), beside bf16 at its default launch. That script times the
 chosen settings in the engine; this one shows why PROGRAMS_PER_SM is what it is.
@@ -43,7 +43,7 @@ def main():
         for dequant in ("cast", "f16asm"):
             for launch in LAUNCHES:
                 for stages in (2, 3):
-                    for per_sm in (4, 6, 8, 12, 16):  # 4: the bf16 kernel's, the default before
+                    for per_sm in (4, 6, 8, 12, 16):  # 4: the bf16 kernel's
                         splits = kernel.choose_splits(B * bench.H, S, sms, programs_per_sm=per_sm)
                         config = dict(launch, num_stages=stages)
                         seconds = bench.time_graphed(lambda: kernel.indexed_decode(

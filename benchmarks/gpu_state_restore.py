@@ -6,8 +6,8 @@ For each history length the script prefills the history, runs one more "turn" (a
 decode steps, with Krul's query recorder on, as a real turn end would have), packs the state with
 each strategy into the CPU tier, and times the returning turn: restore + prefill of the new prompt +
 the first token, synchronised, best of --repeats. For the split strategies it also times the
-recompute stream alone and the load stream alone (overlap = T_both / max(T_C, T_L), the issue's
-test: <= 1.15), and the host time to issue the restore (restore_issue_s: what the host spends before
+recompute stream alone and the load stream alone (overlap = T_both / max(T_C, T_L), target
+<= 1.15), and the host time to issue the restore (restore_issue_s: what the host spends before
 the streams run on their own).
 
 Per row: pack_s (turn-end work on the GPU: estimator, pairing, schedule, export, merge, split in
@@ -15,7 +15,7 @@ pack_timing) and copy_s (into the pinned CPU tier) apart; stored bytes and their
 KV; the bandwidth floor of the load stream (stored bytes / measured H2D). "krul_s50" is Krul with
 storage=0.5 (at most half of the full KV stored).
 
-Printed last: one table and the issue's targets. JSON goes to --out (or $OUT), rewritten after every
+Printed last: one table and the targets. JSON goes to --out (or $OUT), rewritten after every
 row. A failing row is recorded with its error and the others go on; but a CUDA error (a device-side
 assert, an illegal address) poisons the process's CUDA context, so after one the script stops: the
 rows so far are written, with "fatal" saying why, the table is printed, and it exits with status 1.
@@ -386,7 +386,7 @@ def table(result):
 
 
 def targets(result):
-    """The issue's targets at the longest history, printed and stored under result["targets"]."""
+    """The targets at the longest history, printed and stored under result["targets"]."""
     rows = [r for r in result["rows"] if "error" not in r]
     if not rows:
         return

@@ -1,4 +1,4 @@
-"""The decode step's own kernels on the GPU (issue #4): turnkv/model/triton against the torch ops.
+"""The decode step's own kernels on the GPU: turnkv/model/triton against the torch ops.
 
 1. Checks every kernel against torch on the GPU (max relative error).
 2. Skinny matmul for Llama-3.1-8B's projections at M = 1..16 rows, beside F.linear (cuBLAS) and

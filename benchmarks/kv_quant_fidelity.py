@@ -1,5 +1,5 @@
 """Fidelity of quantized KV (int8, fp8 e4m3; per token and head, fp32 scales) to full-precision KV on
-SmolLM2-135M-Instruct (CPU, fp32), turn by turn, with the KV bytes each holds (issue #7).
+SmolLM2-135M-Instruct (CPU, fp32), turn by turn, with the KV bytes each holds.
 
 The multi-turn conversations of the eviction and state benchmarks: two ~4K-token conversations of four
 turns, each turn a ~900-token passage and a question (benchmarks/eviction_multiturn.py, two passage

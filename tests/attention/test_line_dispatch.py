@@ -1,7 +1,6 @@
 """Which path lines.line_attention takes on a GPU: the kernel for every line set in the kernel's layout,
-a local window of slashes and scattered slashes alike (scattered slashes once took the reference path,
-until the kernel's GPU defect with several slash segments was fixed). Simulated on CPU by making
-uses_kernel answer as it does on CUDA."""
+a local window of slashes and scattered slashes alike. Simulated on CPU by making uses_kernel answer
+as it does on CUDA."""
 
 from __future__ import annotations
 

@@ -8,9 +8,13 @@ import re
 
 import pytest
 
-from turnkv.bench.datasets.loaders import (DatasetError, DatasetFileNotFoundError, is_scored, load,
-                                           load_longbench, load_loopserve, load_multi_if, load_prefeval,
-                                           load_scbench, read_records)
+from turnkv.bench.datasets.loaders import load
+from turnkv.bench.datasets.loaders.longbench import load_longbench
+from turnkv.bench.datasets.loaders.loopserve import load_loopserve
+from turnkv.bench.datasets.loaders.multi_if import load_multi_if
+from turnkv.bench.datasets.loaders.prefeval import load_prefeval
+from turnkv.bench.datasets.loaders.reading import DatasetError, DatasetFileNotFoundError, is_scored, read_records
+from turnkv.bench.datasets.loaders.scbench import load_scbench
 from turnkv.errors import InvalidRequestError
 
 

@@ -36,7 +36,7 @@ def test_a_preset_fills_defaults_and_explicit_flags_win():
         parse(["--preset", "nope"])
 
 
-def test_full_preset_covers_what_the_issue_asks():
+def test_full_preset_runs_the_core_recipes_under_both_policies_at_two_ratios():
     full = parse(["--preset", "full"])
     recipes = expand_recipes(full)
     for core in ("streaming-llm", "h2o", "snapkv", "ada-snapkv"):

@@ -39,8 +39,8 @@ def test_random_eviction_scores_clearly_below_snapkv_on_retrieval(smol_llm, tmp_
     records = run_quality(smol_llm, instances, config, tmp_path / "r.jsonl", progress=False)
     score = {name: mean(r["score"] for r in records if r["recipe"] == name and r["turn"] == 1)
              for name in ("full", "snapkv", "random")}
-    # Measured (16 instances): full 9/16, SnapKV 7/16, random 3/16. At 96 tokens per head SnapKV kept
-    # only 4 and random 1. The bounds leave one or two instances of slack each way.
+    # Full cache > SnapKV > random on this model and task; the bounds leave one or two of the 16
+    # instances of slack each way around the scores it gives.
     assert score["full"] >= 0.4, score  # the model can do the task at all
     assert score["snapkv"] >= score["full"] - 0.25, score
     assert score["random"] <= score["snapkv"] - 0.125, score

@@ -1,4 +1,4 @@
-"""answer=reprefill (LoopServe spec §3.4): the previous reply's decode-time KV is dropped and the reply
+"""answer=reprefill (LoopServe): the previous reply's decode-time KV is dropped and the reply
 is prefilled again with the next message, through the recipe's prefill pattern."""
 
 from __future__ import annotations

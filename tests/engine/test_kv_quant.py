@@ -12,8 +12,8 @@ import turnkv
 MESSAGES = ["The quick brown fox jumps over the lazy dog. " * 6 + "Tell me a story about a cat.",
             "And then what happened?", "Thanks! One more?"]
 # Teacher-forced along the full engine's greedy reply, per turn: top-1 agreement at least, and the
-# largest log-probability difference and mean KL(full || quantized) at most (measured on this model:
-# int8 0.0017 / 1.5e-7, fp8 0.0092 / 1.6e-6).
+# largest log-probability difference and mean KL(full || quantized) at most (bounds several times
+# what this model gives, fp8 looser than int8).
 TOLERANCE = {"int8": dict(agreement=0.9, logprob=0.01, kl=1e-5), "fp8": dict(agreement=0.85, logprob=0.05, kl=1e-4)}
 
 

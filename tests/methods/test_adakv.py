@@ -1,6 +1,6 @@
 """Ada-KV's head-wise budget allocation (turnkv.methods.adakv, base.fit_counts), checked against the
-paper's worked example (spec §2.6), naive re-implementations of the three safeguard rules (spec §3.4),
-and the L1 eviction-loss bound of Theorem 3.1 (spec §2.2-2.4) on random attention."""
+paper's worked example (its Fig. 2), naive re-implementations of the three safeguard rules, and the L1
+eviction-loss bound of Theorem 3.1 on random attention."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from turnkv.methods.uniform import Uniform
 
 INF = float("inf")
 
-# Spec §2.6 (paper Fig. 2): 3 heads x 6 entries, layer budget B = 6.
+# The paper's Fig. 2: 3 heads x 6 entries, layer budget B = 6.
 PAPER = torch.tensor([
     [0.32, 0.01, 0.18, 0.08, 0.22, 0.19],
     [0.89, 0.01, 0.05, 0.02, 0.01, 0.02],
@@ -309,7 +309,7 @@ def test_l1_eviction_loss_bound_and_adaptive_optimality():
 
 
 def test_masked_softmax_is_renormalised_kept_weights():
-    # Spec §2.2 step 1: masking logits to -inf then softmax equals renormalising the kept weights.
+    # Masking logits to -inf then softmax equals renormalising the kept weights.
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(4, 12, generator=gen, dtype=torch.float64)
     A = logits.softmax(dim=-1)

@@ -247,8 +247,8 @@ def test_decode_step_after_ada_eviction_attends_over_uneven_heads_exactly():
 
 # ---- PyramidKV's layer schedule ------------------------------------------------------------------
 
-def test_pyramid_schedule_matches_spec_example():
-    # Spec §3.6: B_avg=1024, win=32, L=32 -> b=992, min=49, max=1935, steps=60, b_0=1935 ... b_31=75
+def test_pyramid_schedule_matches_a_worked_example():
+    # B_avg=1024, win=32, L=32 -> b=992, min=49, max=1935, steps=60, b_0=1935 ... b_31=75
     p = PyramidKV(window=32)
     targets = [p.layer_target(1024, layer, 32, available=100_000) for layer in range(32)]
     assert [t - 32 for t in targets] == [1935 - 60 * layer for layer in range(32)]

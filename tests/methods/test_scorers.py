@@ -105,7 +105,7 @@ def naive_snapkv(view: LayerView, kernel: int = 7, pooling: str = "max") -> torc
         n = int(view.valid[h].sum())
         outside_window = [i for i in range(n) if int(view.positions[h, i]) < int(view.query_positions.min())]
         for j in range(n):
-            # The window's own columns take no part in the pooling (spec §3.2).
+            # The window's own columns take no part in the pooling, as in the official code.
             neighbours = a[[i for i in range(max(0, j - r), j + r + 1) if i in outside_window]]
             if len(neighbours):
                 out[h, j] = neighbours.max() if pooling == "max" else neighbours.mean()
@@ -147,8 +147,8 @@ def window_heavy_view(n: int = 40, W: int = 8, seed: int = 3) -> LayerView:
                      inv_freq=INV_FREQ, next_position=n, target=10)
 
 
-def spec_snapkv(view: LayerView, kernel: int = 7) -> torch.Tensor:
-    """Spec §3.2 (the official code): softmax over all n keys, keep the columns before the window
+def official_snapkv(view: LayerView, kernel: int = 7) -> torch.Tensor:
+    """SnapKV's official code: softmax over all n keys, keep the columns before the window
     (P[:, :, :n-win]), mean over queries, group mean, then max-pool over those n-win columns only."""
     W = view.queries.shape[0]
     n = view.keys.shape[1]
@@ -157,22 +157,22 @@ def spec_snapkv(view: LayerView, kernel: int = 7) -> torch.Tensor:
     return torch.nn.functional.max_pool1d(a[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
 
 
-def test_snapkv_matches_spec_away_from_the_window():
+def test_snapkv_matches_the_official_code_away_from_the_window():
     view = window_heavy_view()
     n, W = 40, 8
     scores = SnapKV(window=W).score(view)
-    spec = spec_snapkv(view)
-    torch.testing.assert_close(scores[:, : n - W - 3].double(), spec[:, : n - W - 3], **TOL)
+    official = official_snapkv(view)
+    torch.testing.assert_close(scores[:, : n - W - 3].double(), official[:, : n - W - 3], **TOL)
     assert torch.isposinf(scores[:, n - W :]).all()
 
 
-def test_snapkv_pooling_excludes_window_columns_as_in_spec():
+def test_snapkv_pooling_excludes_window_columns_as_in_the_official_code():
     view = window_heavy_view()
     n, W = 40, 8
     scores = SnapKV(window=W).score(view)
-    spec = spec_snapkv(view)
-    # The three tokens right before the window: the spec's score is their own neighbourhood's maximum.
-    torch.testing.assert_close(scores[:, n - W - 3 : n - W].double(), spec[:, n - W - 3 :], **TOL)
+    official = official_snapkv(view)
+    # The three tokens right before the window: the official score is their own neighbourhood's maximum.
+    torch.testing.assert_close(scores[:, n - W - 3 : n - W].double(), official[:, n - W - 3 :], **TOL)
 
 
 # ---- StreamingLLM, TOVA, Knorm, random -------------------------------------------------------------

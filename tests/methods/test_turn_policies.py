@@ -228,7 +228,7 @@ def test_flowkv_gives_each_segment_what_the_frozen_ones_left(open_conv, recipe, 
 
 
 def test_recompress_and_flowkv_hold_the_same_amount_under_a_keep_ratio(open_conv):
-    """Spec 2.5/App. E: at the end of any turn, FlowKV's cache equals the budget-matched baseline's size."""
+    """At the end of any turn, FlowKV's cache equals the budget-matched baseline's size."""
     sizes = []
     for recipe in ("snapkv keep_ratio=0.3", "flowkv keep_ratio=0.3 turns=flowkv(min_size=4)"):
         conv = open_conv(recipe)

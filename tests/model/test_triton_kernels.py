@@ -1,7 +1,7 @@
 """The decoder's Triton kernels (turnkv/model/triton) against the torch ops they replace: the skinny
 matmul, residual add + RMSNorm, in-place RoPE and SiLU * up; then the whole decoder with the kernels
-forced on against the torch path, and the torch path against the decoder as it was before the
-residual stream was carried beside the blocks. On CPU they run in Triton's interpreter at small shapes."""
+forced on against the torch path, and the torch path against textbook pre-norm blocks that add
+the residual inside each block. On CPU they run in Triton's interpreter at small shapes."""
 
 from __future__ import annotations
 
@@ -273,9 +273,9 @@ def _counting(kernels: dict, calls: list):
     return lambda: counted
 
 
-def test_torch_path_is_the_decoder_as_it_was():
-    """Off CUDA the restructured blocks (residual carried beside the output, added in the next norm)
-    give bit for bit the logits of the former block: x = attn(norm(x)) + x; x = mlp(norm(x)) + x."""
+def test_torch_path_matches_textbook_pre_norm_blocks():
+    """Off CUDA the blocks (residual carried beside the output, added in the next norm) give bit for
+    bit the logits of the textbook block: x = attn(norm(x)) + x; x = mlp(norm(x)) + x."""
     model = tiny_model("cpu")
     ids = torch.randint(0, TINY.vocab_size, (1, 13), generator=torch.Generator().manual_seed(2))
     positions = torch.arange(13)[None]

@@ -36,9 +36,9 @@ def test_smollm2_restore_fidelity(smol):
     tokens = [t for t, _ in ref]
     load, stored, full = replay(smol, "state=load", tokens)
     assert greedy_agreement(load[1][1], tokens[1]) == 1.0 and stored == full
-    # Stated fidelity (benchmarks/results/state_fidelity.md: SmolLM2's adjacent layers are nearly
-    # orthogonal, so merging is lossy; this conversation measured 0.19 agreement for Krul): at least
-    # 15% of the returning turn's greedy tokens, a mean KL under 4 nats, at most 85% of the full KV.
+    # Stated fidelity (SmolLM2's adjacent layers are nearly orthogonal, so merging is lossy;
+    # benchmarks/results/state_fidelity.md): at least 15% of the returning turn's greedy tokens, a
+    # mean KL under 4 nats, at most 85% of the full KV.
     for recipe in ("state=krul", "state=minicache"):
         got, stored, full = replay(smol, recipe, tokens)
         assert greedy_agreement(got[1][1], tokens[1]) >= 0.15

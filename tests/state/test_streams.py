@@ -1,8 +1,7 @@
 """The load stream's copies read device tensors made on the current stream (the slots rows go to);
 those must not be handed out again by the caching allocator before the copies have read them, even
-when the caller drops the LoadStream at once (benchmarks/gpu_state_restore.py did, and a 32K-token
-load on an H200 died in an out-of-bounds index_copy_: the slots had been overwritten by the next
-prefill's tensors)."""
+when the caller drops the LoadStream at once (otherwise the next prefill's tensors may overwrite the
+slots first, and the copies index out of bounds)."""
 
 from __future__ import annotations
 
@@ -59,8 +58,8 @@ def test_run_protects_device_sources_from_reuse_and_keeps_host_sources(monkeypat
 def test_dropped_load_stream_restores_exactly_while_its_memory_is_reused(tmp_path, monkeypatch):
     """On a GPU: the load stream is held back (a sleep before its copies), the returned LoadStream is
     dropped, and the current stream at once allocates and fills tensors the size of the freed slots.
-    Before the fix the copies read the overwritten slots (device-side assert in index_copy_, as
-    seen on an H200 with record_stream disabled)."""
+    Without record_stream the copies would read the overwritten slots (a device-side assert in
+    index_copy_)."""
     save_tiny(tmp_path, "llama")  # no tokenizer needed: nothing is tokenized
     llm = turnkv.LLM(str(tmp_path), device="cuda", kv_memory="1GiB", state_cpu_memory="512MiB")
     pool, ctx, tiers = llm.pool, llm.state.ctx, llm.state.tiers

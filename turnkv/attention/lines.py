@@ -1,12 +1,12 @@
 """Vertical and slash lines of a prefill attention matrix, shared by LoopServe, MInference-style
-vertical-slash and the A-shape/Tri-shape baselines (spec loopserve.md §3.2.2, §3.2.6).
+vertical-slash and the A-shape/Tri-shape baselines.
 
 A prefill chunk's rows are new tokens at absolute positions q_pos; its columns are the kept keys of a
 head, entries 0..S-1 of the head's list, at absolute positions k_pos (after eviction positions have
 holes, so everything is defined on positions, never on entry indices):
 - a vertical line is one key entry c: the cells (p, c) for every row p >= k_pos[c];
 - a slash line is a diagonal offset delta >= 0: the cells (p, c) with p - k_pos[c] == delta.
-Offsets are absolute, so a slash line keeps its meaning in later turns (§3.2.2).
+Offsets are absolute, so a slash line keeps its meaning in later turns.
 
 Shapes: "heads" N are the selection units flattened over the batch, (B * Hq) for per-query-head
 lines or (B * H) for per-KV-head lines; scores are [N, R, S] for R sampled rows.
@@ -96,7 +96,7 @@ def line_sums(weights: torch.Tensor, offsets: torch.Tensor | None, num_offsets: 
               row_positions: list[list[int]] | None = None):
     """Column and diagonal sums of sampled weights [N, R, S] and their largest single entries (w^max).
 
-    Returns w_v, v_max [N, S] and w_s, s_max [N, num_offsets] (Alg. 5 line 5; w^max per spec §3.2.4).
+    Returns w_v, v_max [N, S] and w_s, s_max [N, num_offsets] (LoopServe's Algorithm 5, line 5).
     The diagonals come from either
     - offsets [N, R, S], the cells' diagonal offsets: a scatter over them, for any key positions; or
     - row_positions [B][R] (N = B * units), the sampled rows' positions per sequence, when every valid
@@ -174,7 +174,7 @@ def _diagonals_kernel():
 
 def line_mask(keys: Keys, vertical: torch.Tensor, slash: torch.Tensor, per_query_head: bool,
               rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Cells of the selected lines, restricted to the causal region (spec §3.2.6).
+    """Cells of the selected lines, restricted to the causal region.
 
     vertical [N, S] bool over key entries; slash [N, num_offsets] bool over offsets. Returns
     [B, Hq or H, R, S]: per query head when per_query_head, else per KV head."""
@@ -302,7 +302,7 @@ def line_attention(keys: Keys, vertical: torch.Tensor, slash: torch.Tensor, per_
 
     The Triton kernel on CUDA (or anywhere with force_triton) when kernel_layout accepts the keys; the
     reference blockwise path otherwise, over mask_fn when given (a pattern's own mask of the same
-    cells, kept so the CPU path stays what it was) or line_mask."""
+    cells) or line_mask."""
     # Offsets past the flags would need line_mask's clamp (never the case: callers size slash to the
     # chunk's end position).
     if uses_kernel(keys.q.device, force_triton) and slash.shape[1] >= keys.end_position:

@@ -62,8 +62,7 @@ def causal_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 def causal_suffix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """q [B, Hq, T, D] are the last T of the S keys every head holds: query t sees keys j <= S - T + t.
     Same result as attention() with causal_mask, but no mask tensor, so SDPA can pick flash attention
-    (measured on an H100 at 4K new tokens over 32K: 5.8 ms against 6.6 ms with the mask; 14.4 ms
-    against 62 ms for 32K over 32K)."""
+    (faster than attention with a mask tensor, most of all for long chunks)."""
     T, S = q.shape[2], k.shape[2]
     if T == 1:
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)

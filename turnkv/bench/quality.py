@@ -134,8 +134,7 @@ def run_jobs(llm, jobs: list[tuple[Instance, str]], recipes: dict, config: Quali
 def _chunks(work: list[tuple[Instance, str]], recipes: dict, batch: int) -> list[list[tuple[Instance, str]]]:
     """The recipe jobs cut into chunks that run together: jobs whose decode steps are of one kind
     (plain, H2O's accumulation, decode selection) together, since each kind is its own forward per
-    step and a forward costs about as much for 1 row as for 4 (on a CPU: 62 ms at 1 row, 230 ms at 16
-    for SmolLM2), and each kind's jobs cut into as few chunks of at most `batch` as possible, of
+    step and a forward costs about as much for 1 row as for 4, and each kind's jobs cut into as few chunks of at most `batch` as possible, of
     about equal sizes (a chunk of 2 rows after two of 16 would pay the small-batch price alone).
     Within a kind, recipes that keep about as much KV go together: a batched decode step gathers
     every row's keys padded to the longest row's."""
@@ -222,8 +221,8 @@ def _records(llm, inst: Instance, name: str, recipe, free: list[dict], full: lis
 # ---- workers --------------------------------------------------------------------------------------
 def _cost(recipe) -> float:
     """Roughly what one recipe's conversation costs in lockstep, relative to an evicting recipe's (for
-    splitting work; measured on SmolLM2 on a CPU: selecting decode steps cost about twice a plain one,
-    and recipes that do not evict mostly reproduce the full cache's answers, so need no forced run)."""
+    splitting work): selecting decode steps cost about twice a plain one, and recipes that do not
+    evict mostly reproduce the full cache's answers, so need no forced run."""
     from turnkv.methods.recipe import Recipe
 
     r = recipe if isinstance(recipe, Recipe) else Recipe.parse(str(recipe))

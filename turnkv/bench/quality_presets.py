@@ -1,13 +1,13 @@
 """Named settings of `turnkv bench quality --preset NAME`: the subsets the project runs itself.
 
 - `smoke`: the subset CI runs (tests/bench/test_quality_smoke.py): every task and question position,
-  SnapKV under both turn policies against the full cache, short contexts and answers. About two
-  minutes on 2 CPU cores with the embedded SmolLM2; it checks the machinery, not the method ranking.
+  SnapKV under both turn policies against the full cache, short contexts and answers, with the
+  embedded SmolLM2; it checks the machinery, not the method ranking.
 - `full`: the committed SmolLM2-135M run (benchmarks/quality/smollm2-hour, made by
   benchmarks/quality/run_smollm2.sh): every task and position, 3 turns, the core recipes under
   recompress and flowkv at keep_ratio 0.2 and 0.5, the other evicting presets at both under
   recompress, and every preset that does not evict at two sizes scaled to the run's length (below),
-  in 2 worker processes. Under an hour on 2 CPU cores.
+  in 2 worker processes.
 
 A preset only fills in defaults: any flag given on the command line wins.
 """
@@ -25,7 +25,7 @@ DEFAULTS = {
 }
 
 CORE_RECIPES = "streaming-llm,h2o,snapkv,ada-snapkv"
-# The other evicting presets, under recompress only (the issue asks both policies of the core ones).
+# The other evicting presets, under recompress only (the core ones run under both policies).
 # flowkv and flowkv-ada-snapkv are absent: they are snapkv / ada-snapkv under the flowkv policy.
 OTHER_EVICTING = ("pyramidkv", "tova", "knorm", "expected-attention", "random", "ada-pyramidkv",
                   "ada-expected-attention")

@@ -11,8 +11,8 @@ it), so a tensors file found truncated or corrupt is not a lost conversation: it
 
 Checksums per chunk: a read fetches the chunks on a thread pool, each thread hashing the chunk it
 has just read (os.preadv and hashlib release the GIL), into one buffer whose tensors are views, not
-copies. On the H100 machine, for a 32K-token 8B state (4.3 GB), the whole-file read took 1.2 s, the
-checksums 0.16 s and safetensors' load from bytes, which copies every tensor out, another 1.2 s. The
+copies: hashing on the reading threads costs little beside the read, while safetensors' load from
+bytes, which copies every tensor out, costs about as much as the read itself. The
 store keeps the read rate it observes (`read_rate`, bytes/s, also in a small file beside the
 entries), so a returning conversation can be recomputed instead where that is faster (state/manager).
 Manifests written with one whole-file "sha256" (format 1) are still read.

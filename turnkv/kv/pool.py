@@ -53,7 +53,7 @@ class PagePool:
         self.attention_mass = torch.zeros(num_layers, num_pages, page_size, dtype=torch.float32, device=self.device)
         # Stacks of free page ids per layer, top at _top[layer]; popping from the end hands out low
         # ids first. Arrays, not lists: a 32K-token prefill of an 8B model takes 16K pages per layer,
-        # which Python ints made 40 ms of host time before the first kernel.
+        # too many to hand out as Python ints without delaying the first kernel.
         self._stack = np.tile(np.arange(num_pages - 1, -1, -1, dtype=np.int64), (num_layers, 1))
         self._top = np.full(num_layers, num_pages, dtype=np.int64)
 

@@ -150,8 +150,7 @@ class SequenceKV:
             n, first = needed[layer], self.num_pages[layer]
             if (n == n[0]).all() and (first == first[0]).all():
                 # Every head grows alike (no eviction yet): a block copy. A 32K prefill places 16K
-                # pages per layer, which the general scatter below took milliseconds of host time for
-                # before the first kernel.
+                # pages per layer, and the general scatter below would delay the first kernel.
                 self.table[layer, :, first[0] : first[0] + n[0]] = pages.reshape(H, n[0])
                 continue
             heads = np.repeat(np.arange(H), needed[layer])

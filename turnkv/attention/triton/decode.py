@@ -39,15 +39,14 @@ import triton.language as tl
 from turnkv.model.triton import pdl
 
 LOG2E = 1.4426950408889634
-# Chosen on an H100 (benchmarks/gpu_decode_kernel.py --sweep): 0.85-1.0 of the copy bandwidth from
-# batch 1 x 32K to batch 32 x 16K keys, the most even of 36 settings.
+# The setting of benchmarks/gpu_decode_kernel.py --sweep whose share of the copy bandwidth is the most
+# even from batch 1 x 32K to batch 32 x 16K keys.
 DEFAULT_CONFIG = dict(block_n=32, num_warps=2, num_stages=3)
 # Per storage dtype of quantized KV (benchmarks/gpu_kv_quant.py times the choices): the launch
 # settings (one-byte codes: 128-key tiles over 4 warps keep as many bytes in flight per stage as the
 # setting above), how the codes are dequantized in registers (module docstring), and how many
-# programs per SM choose_splits aims at (4 otherwise). On an H100 (2026-11-25,
-# benchmarks/results/h100_kv_quant_splits.json), 8 programs per SM instead of 4 took 8 x 32K int8 keys
-# from 255 to 210 us per layer (0.74 to 0.90 of the copy bandwidth); "cast" at its best launch 213.
+# programs per SM choose_splits aims at (4 otherwise: one-byte codes need more programs in flight to
+# come near the copy bandwidth; benchmarks/gpu_kv_quant_splits.py sweeps it).
 QUANT_CONFIG = {torch.int8: dict(block_n=128, num_warps=4, num_stages=3),
                 torch.float8_e4m3fn: dict(block_n=128, num_warps=4, num_stages=2)}
 DEQUANT = {torch.int8: "f16asm", torch.float8_e4m3fn: "cast"}
@@ -209,8 +208,7 @@ def _merge_chunks(part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, Hq: tl.const
 def choose_splits(batch_kv_heads: int, max_length: int, num_sms: int, min_chunk: int = 64,
                   programs_per_sm: int = 4) -> int:
     """Enough chunks to give every SM `programs_per_sm` programs, but none shorter than `min_chunk`
-    keys. Short lists (token selection) are latency-bound: on an H100, 1040 selected keys per head
-    for 8 KV heads took 14.0 us in 5 chunks of 256 and 8.5 us in 17 of 64 (cold pages, 2026-11-25).
+    keys. Short lists (token selection) are latency-bound, so more and shorter chunks finish sooner.
     One-byte codes want more programs (PROGRAMS_PER_SM)."""
     want = math.ceil(programs_per_sm * num_sms / max(batch_kv_heads, 1))
     return max(1, min(want, math.ceil(max_length / min_chunk), 128))

@@ -114,7 +114,7 @@ def _line_attention(
         # Skip the blocks the previous segment (the next larger offsets) already swept. Its range
         # is recomputed from its own bounds rather than carried in a loop variable: compiled for a
         # GPU (Triton 3.6), a scalar carried across this loop and updated after the inner loop kept
-        # its initial value, so blocks were read twice (measured on an H100; the interpreter was exact).
+        # its initial value, so blocks were read twice (on an H100; Triton's interpreter is exact).
         # Ranges ascend with the visiting order, so the previous segment's is the furthest one yet.
         has_prev = i > 0
         p0 = tl.load(seg_lo_ptr + seg + 1, mask=has_prev, other=0)

@@ -1,4 +1,4 @@
-"""Page selection kernels for decode inside a CUDA graph (Quest / LServe, spec lserve.md §3.3-3.5).
+"""Page selection kernels for decode inside a CUDA graph (Quest / LServe).
 
 `page_scores`: per (sequence, KV head) and physical page of its list, the query-centric upper bound
     S_p = max over the page's logical pages j of sum_d max(q_d kmax_jd, q_d kmin_jd),
@@ -59,8 +59,8 @@ def _page_scores(
             kmin = tl.load(kmin_ptr + row[:, None] * D + d[None, :], mask=valid[:, None] & d_ok[None, :],
                            other=0.0).to(tl.float32)
             # Products and a row sum per query head, in fp32 on the CUDA cores: a dot here pads the
-            # group (4 heads) to 16 rows and, in IEEE fp32, runs without tensor cores (measured on an
-            # H100 at 128K: 167 us per layer as two dots, against 11.5 us to read the statistics).
+            # group (4 heads) to 16 rows and, in IEEE fp32, runs without tensor cores: many times
+            # the time it takes to read the statistics.
             for gi in tl.static_range(G):
                 qg = tl.load(q_ptr + b * stride_qb + (h * G + gi) * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32)
                 s = tl.sum(tl.maximum(qg, 0.0)[None, :] * kmax + tl.minimum(qg, 0.0)[None, :] * kmin, axis=1)
@@ -84,8 +84,8 @@ def page_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, table: 
     """q [B, Hq, D]; kmax / kmin one layer's summaries [rows, D] (row = pool page * (page_size //
     logical_page) + sub-page); table [B, H, P] pool page ids (int32); lengths [B, H] (int32, the
     step's token included). -> fp32 scores [B, X, num_phys] (X = Hq for group "query", else H), -inf
-    at pages >= the head's newest. block_p: 16 physical pages per program beat 8, 32 and 64 on an H100
-    at 128K (graphed: 9.0 against 10.8, 10.8 and 16.1 us; benchmarks/BENCHMARKS.md, rerun5)."""
+    at pages >= the head's newest. block_p: physical pages per program (16 is the fastest of 8 to 64
+    at 128K on an H100; benchmarks/BENCHMARKS.md)."""
     B, Hq, D = q.shape
     H = table.shape[1]
     G = Hq // H

@@ -18,13 +18,7 @@ found four bits at a time, high digits first:
 Five full passes over the scores instead of nine for eight rounds over every key. The candidate list
 has room for a whole row, so many equal scores (a row that is mostly -inf) cost time, not correctness.
 Ties at the threshold go to the lowest indices, as in the short-row kernel (top_k.py) and a stable
-descending sort. Scores must not be NaN.
-
-H100, as CUDA-graph replays (benchmarks/gpu_top_k.py, results/h100_top_k.json), k = 1024: 32 rows
-x 128K 68.7 us against 127 for torch.topk and a sort of its indices; 8 rows x 128K 37 against 98;
-32 rows x 32K 35 against 93. Slower and dropped: eight rounds over every key (105 us at 32 x 128K),
-the digits counted as a one-hot sum ([chunk, 16] in registers, 330 us) or as 16 masked sums (235 us),
-and an earlier select in 11-bit digits whose 2048-bin tl.histogram took about 150 us per round.
+descending sort. Scores must not be NaN. benchmarks/gpu_top_k.py times it against torch.topk.
 """
 
 from __future__ import annotations
@@ -36,8 +30,7 @@ import triton.language as tl
 from turnkv.attention.triton.top_k import _ordered
 
 # Scores per program of the counting rounds, and of the compaction and the write (whose counts are
-# per chunk). H100, 32 x 128K: 68.7 us at 8192 / 2048, 73.8 at 4096 / 2048, 69.0 at 16384 / 2048,
-# 72.4 at 8192 / 1024, 74.1 at 8192 / 4096.
+# per chunk): the fastest pair on an H100 at 32 rows x 128K.
 CHUNK = 8192
 WRITE_CHUNK = 2048
 COUNT_ROUNDS = 3  # 4-bit digits found over every key before the compaction

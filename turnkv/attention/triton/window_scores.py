@@ -1,4 +1,4 @@
-"""LoopServe's re-selection score inside a CUDA graph (spec loopserve.md §3.3.3): per head, the softmax
+"""LoopServe's re-selection score inside a CUDA graph: per head, the softmax
 attention weights of the observation window's queries summed per key,
     score(c) = sum over window queries b of softmax_{c' visible to b}(q_b . k_c' / sqrt(D))[c],
 over every key the head holds, read through its page table (no gathered copy), in two passes over the keys:
@@ -172,10 +172,8 @@ def window_scores(q: torch.Tensor, qpos: torch.Tensor, k_pool: torch.Tensor, kpo
     int32 page ids, lengths [B, H] int32 (the current token included). -> fp32 [B, X, capacity]
     (X = H with per_kv, else Hq): summed window weights of the history keys, -inf elsewhere.
     k_scale: for int8 / fp8 key codes, the fp32 scale of each slot [pages, page_size].
-    block_n: keys per tile. 128 against 64: 309 against 380 us per call at 128K (H100, 16 window rows
-    x 32 query heads; 2 x 90 us to read the keys twice). Pass 2 reads each row's merged log-sum-exp
-    instead of merging pass 1's partials in every program: 270 against 311 us per call (H100, 2026-11-25;
-    running several key blocks per program to load the window once was slower, 274-297 us).
+    block_n: keys per tile (128 is faster than 64 at 128K on an H100). Pass 2 reads each row's merged
+    log-sum-exp, so no program merges pass 1's partials itself.
     config overrides the launch settings (LAUNCH's keys), for tuning."""
     launch = {**LAUNCH, **(config or {})}
     B, W, Hq, D = q.shape

@@ -3,8 +3,7 @@
 A decode step is a few hundred small kernels, one after another. With PDL a kernel is launched
 while its predecessor drains; each program first waits (griddepcontrol.wait, `gdc_wait`) until the
 predecessor has finished and its writes are visible, so nothing is read or written early. What it
-saves is the launch gap between the two: on an H100, inside a CUDA graph, 1.15 -> 0.69 us per tiny
-kernel and 0.16 ms on a 32-layer chain of 288 decode-sized kernels (benchmarks/BENCHMARKS.md).
+saves is the launch gap between the two, also inside a CUDA graph (benchmarks/BENCHMARKS.md).
 
 A kernel that takes part has a `GDC: tl.constexpr` argument and calls `enter(GDC, ...)` first
 thing, before any load or store, in every program: the chain's order then holds transitively (a
@@ -28,10 +27,9 @@ ENABLED = os.environ.get("TURNKV_PDL", "1") != "0"
 # Kernels launched with early=True (norms, RoPE, the K/V write, SiLU, decode attention and its merge)
 # also signal right after their wait that the next kernel may launch (gdc_launch_dependents). The
 # next kernel starts once every program has signalled, that is in the signalling kernel's last wave.
-# H100, 128K decode step (benchmarks/BENCHMARKS.md): dense 11.39 -> 11.28 ms, LServe 6.38 -> 6.27.
-# Not taken: the same on the selection kernels (page scores, top-k, window scores, radix select)
-# made LServe's selection 0.69 -> 0.99 ms, and an early signal in the skinny matmul gained nothing
-# measurable (dense 11.28 -> 11.24, within a run's spread).
+# The selection kernels (page scores, top-k, window scores, radix select) do not signal early, which
+# would slow LServe's selection down, nor does the skinny matmul, which gains nothing from it
+# (benchmarks/BENCHMARKS.md).
 EARLY_TRIGGER = os.environ.get("TURNKV_PDL_EARLY", "1") != "0"
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
