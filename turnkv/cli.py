@@ -8,7 +8,14 @@ import sys
 
 import numpy as np
 
+from turnkv.bench.cli import add_quality_parser, add_speed_parser
+from turnkv.engine.llm import LLM
 from turnkv.errors import TurnkvError
+from turnkv.methods.eviction import SCHEDULES
+from turnkv.methods.recipe import PRESET_DOCS, Recipe, presets
+from turnkv.methods.registry import describe
+from turnkv.serve.config import API_KEY_ENV, ServeConfig
+from turnkv.serve.server import serve
 
 MB = 1 << 20
 
@@ -42,7 +49,6 @@ def _sampling(args) -> dict:
 
 
 def _recipe(args):
-    from turnkv.methods.recipe import Recipe
 
     if args.recipe is None and args.budget is None and args.keep_ratio is None:
         return None
@@ -53,7 +59,6 @@ def _recipe(args):
 
 
 def _load(args):
-    from turnkv import LLM
 
     return LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory, tokenizer=args.tokenizer,
                recipe=_recipe(args), kv_dtype=args.kv_dtype)
@@ -139,8 +144,6 @@ def cmd_serve(args) -> int:
     import logging
     import os
 
-    from turnkv.serve.config import API_KEY_ENV, ServeConfig
-    from turnkv.serve.server import serve
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = ServeConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
@@ -148,7 +151,6 @@ def cmd_serve(args) -> int:
                          max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk,
                          max_body_bytes=args.max_body_bytes, default_max_tokens=args.max_tokens,
                          reuse=not args.no_reuse, drain_timeout_s=args.drain_timeout)
-    from turnkv import LLM
 
     # _load's engine plus the state tiers idle conversations move to when the KV pool fills.
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory, tokenizer=args.tokenizer,
@@ -171,8 +173,6 @@ def cmd_info(args) -> int:
 
 
 def cmd_methods(args) -> int:
-    from turnkv.methods.recipe import PRESET_DOCS, presets
-    from turnkv.methods.registry import describe
 
     if args.presets:
         rows = {name: {"recipe": str(recipe), "about": PRESET_DOCS.get(name, "")} for name, recipe in presets().items()}
@@ -193,7 +193,6 @@ def cmd_methods(args) -> int:
             print(f"\n[{axis}]")
         params = ", ".join(f"{k}={v!r}" for k, v in row["params"].items())
         print(f"  {row['name']:<20} {row['doc']}" + (f"\n  {'':<20} ({params})" if params else ""))
-    from turnkv.methods.eviction import SCHEDULES
 
     print("\n[evict options] budget=N (tokens per KV head) | keep_ratio=F | compression_ratio=F | every=N")
     for name, doc in SCHEDULES.items():
@@ -224,7 +223,6 @@ def build_parser() -> argparse.ArgumentParser:
     methods.set_defaults(func=cmd_methods)
 
     bench = sub.add_parser("bench", help="benchmarks: quality, speed")
-    from turnkv.bench.cli import add_quality_parser, add_speed_parser
 
     suites = bench.add_subparsers(dest="suite", required=True)
     add_quality_parser(suites)

@@ -9,6 +9,17 @@ import sys
 import time
 from pathlib import Path
 
+from turnkv.bench import speed_report
+from turnkv.bench.datasets.loaders import load
+from turnkv.bench.datasets.tasks import generate
+from turnkv.bench.quality import QualityConfig, load_results, run_quality
+from turnkv.bench.quality_presets import apply
+from turnkv.bench.report import write_report
+from turnkv.bench.speed import SpeedConfig, run_speed
+from turnkv.engine.llm import LLM
+from turnkv.kv.pool import PagePool
+from turnkv.methods.recipe import Recipe, preset
+
 
 def _split(text: str) -> list[str]:
     """Split on commas outside parentheses: recipe strings can hold their own."""
@@ -85,18 +96,12 @@ def add_speed_parser(sub) -> None:
 
 
 def cmd_speed(args) -> int:
-    from turnkv import LLM
-    from turnkv.bench import speed_report
-    from turnkv.bench.speed import SpeedConfig, run_speed
-    from turnkv.methods.recipe import Recipe
 
     contexts = [int(c) for c in _split(args.contexts)]
     batches = [int(b) for b in _split(args.batch)]
     need = max(contexts) + args.new_tokens + args.turns * args.turn_tokens
 
     def kv_memory(config, dtype):  # room for the largest batch at the largest context, and no more
-        from turnkv.kv.pool import PagePool
-
         tokens = max(need, (max(contexts) + args.new_tokens + 16) * max(batches))
         per_token = config.num_layers * config.num_kv_heads * PagePool.token_head_bytes(config.head_dim, dtype,
                                                                                          args.kv_dtype)
@@ -125,7 +130,6 @@ def _labelled(item: str) -> tuple[str | None, str]:
 
 
 def expand_recipes(args) -> dict[str, object]:
-    from turnkv.methods.recipe import Recipe, preset
 
     out = {}
     amounts = [("budget", str(args.budget))] if args.budget is not None else []
@@ -169,12 +173,6 @@ def _machine(llm) -> str:
 
 
 def cmd_quality(args) -> int:
-    from turnkv import LLM
-    from turnkv.bench.datasets.loaders import load
-    from turnkv.bench.datasets.tasks import generate
-    from turnkv.bench.quality import QualityConfig, load_results, run_quality
-    from turnkv.bench.quality_presets import apply
-    from turnkv.bench.report import write_report
 
     started = time.time()
     apply(args)

@@ -37,13 +37,17 @@ from __future__ import annotations
 
 import copy
 import time
+
 import torch
 
 from turnkv.engine import decode_loop
 from turnkv.engine.conversation import Conversation
 from turnkv.engine.observe import QueryWindow
 from turnkv.engine.turn import TurnRun
+from turnkv.kv.sequence import SequenceKV
 from turnkv.kv.snapshot import export_kv, import_kv
+from turnkv.methods.loopserve.decode import ProgressiveSelection
+from turnkv.methods.lserve.decode import PagedSelection
 from turnkv.methods.step_context import StepContext
 
 
@@ -65,9 +69,6 @@ def _decode_kind(state) -> str | None:
     copied KV keeps), "fresh" (a page selection made afresh at every step, Quest's: only statistics
     that a copy rebuilds from its own pages), or None (a selection reused across steps by page id:
     LServe's, which a copy of the KV in other pages would not find)."""
-    from turnkv.methods.loopserve.decode import ProgressiveSelection
-    from turnkv.methods.lserve.decode import PagedSelection
-
     if state is None:
         return "none"
     if type(state) is ProgressiveSelection and state.graph_record is None:
@@ -106,8 +107,6 @@ class SharedPrompt:
         key = (tuple(prompt), accumulate)
         entry = self._done.pop(key, None)
         if entry is None:
-            from turnkv.kv.sequence import SequenceKV
-
             seq = SequenceKV(self.llm.pool)
             window = QueryWindow(self.llm.config.num_layers, len(prompt))  # every query: each copy takes its tail
             try:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from turnkv.bench.hardware import median_time
+from turnkv.model.weights import hf_state_dict
 
 
 class PeerUnavailable(Exception):
@@ -19,7 +20,6 @@ def transformers_model(llm):
         import transformers
     except ImportError as e:
         raise PeerUnavailable(f"transformers is not installed: {e}") from None
-    from turnkv.model.weights import hf_state_dict
 
     c = llm.config
     families = {"llama": "LlamaConfig", "smollm2": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}

@@ -34,6 +34,8 @@ from turnkv.bench.datasets.schema import Instance
 from turnkv.bench.lockstep import PATTERN_FIGURES, SharedPrompt, Track, _pattern_figures, run_tracks
 from turnkv.bench.metrics import first_divergence, greedy_agreement, mean_kl
 from turnkv.bench.scoring import score_turn
+from turnkv.engine.llm import LLM
+from turnkv.methods.recipe import Recipe
 
 FULL = "full"
 
@@ -152,7 +154,6 @@ def _chunks(work: list[tuple[Instance, str]], recipes: dict, batch: int) -> list
 
 def _kv_share(recipe) -> float:
     """About what share of the history the recipe keeps: its keep_ratio, 1 when it does not evict."""
-    from turnkv.methods.recipe import Recipe
 
     r = recipe if isinstance(recipe, Recipe) else Recipe.parse(str(recipe))
     if r.evict is None:
@@ -161,7 +162,6 @@ def _kv_share(recipe) -> float:
 
 
 def _step_kind(recipe) -> tuple[bool, bool]:
-    from turnkv.methods.recipe import Recipe
 
     r = recipe if isinstance(recipe, Recipe) else Recipe.parse(str(recipe))
     return r.accumulates_attention, r.selects_decode
@@ -223,7 +223,6 @@ def _cost(recipe) -> float:
     """Roughly what one recipe's conversation costs in lockstep, relative to an evicting recipe's (for
     splitting work): selecting decode steps cost about twice a plain one, and recipes that do not
     evict mostly reproduce the full cache's answers, so need no forced run."""
-    from turnkv.methods.recipe import Recipe
 
     r = recipe if isinstance(recipe, Recipe) else Recipe.parse(str(recipe))
     if r.selects_decode:
@@ -296,7 +295,6 @@ def _worker(index: int, jobs, recipes, config: QualityConfig, threads: int, queu
 
     try:
         torch.set_num_threads(threads)
-        from turnkv import LLM
 
         llm = LLM(**(config.engine or {}))
         run_jobs(llm, jobs, recipes, config, lambda records: queue.put(("records", records)))

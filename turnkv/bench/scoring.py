@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from turnkv.bench.datasets.schema import Turn
+from turnkv.bench.instruction_checks import check
 from turnkv.bench.metrics import exact_match, f1_score, normalize_answer, rouge_l
 
 _OPTION = re.compile(r"\b([A-H])\b")
@@ -14,7 +15,6 @@ def score_turn(turn: Turn, response: str) -> float | None:
     """A score in [0, 1]: the best match over the reference answers, or the share of rule checks passed
     (None when no rule of the turn can be checked)."""
     if turn.metric == "instructions":
-        from turnkv.bench.instruction_checks import check
 
         results = []
         for rule in turn.instructions:

@@ -13,10 +13,12 @@ import statistics
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
 from turnkv.bench import hardware, peers
 from turnkv.errors import KVCacheFullError
 from turnkv.kv.sequence import SequenceKV
+from turnkv.methods.recipe import Recipe
 
 
 @dataclass
@@ -118,10 +120,6 @@ def measure_hardware(llm) -> dict:
 
 
 def run_speed(llm, cfg: SpeedConfig, progress: bool = True) -> dict:
-    from tqdm import tqdm
-
-    from turnkv.methods.recipe import Recipe
-
     recipes = cfg.recipes or {"full": Recipe()}
     hw = measure_hardware(llm)
     plan = [("turnkv", name, ctx, b) for name in recipes for ctx in cfg.contexts for b in cfg.batches]

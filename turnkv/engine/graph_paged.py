@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 
@@ -11,6 +10,7 @@ from turnkv.engine.cuda_graphs import GraphedDecode, _GraphStep
 from turnkv.engine.graph_handler import MAX_WHOLE_PAGES, Handler, Plan, Upload
 from turnkv.methods.lserve.decode import summaries_for
 from turnkv.methods.lserve.selector import graph_page_scores
+
 
 class PagedHandler(Handler):
     def __init__(self, graphs: GraphedDecode, config, num_query_heads: int):

@@ -3,7 +3,6 @@ engine/graph_selection.py)."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 

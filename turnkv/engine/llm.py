@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -11,14 +12,15 @@ from turnkv.engine import decode_loop
 from turnkv.engine.conversation import Conversation
 from turnkv.engine.generation import Generation, Reply
 from turnkv.engine.runner import ModelRunner
-from turnkv.engine.turn import TurnInput, TurnRun
 from turnkv.engine.sampling import SamplingParams
+from turnkv.engine.turn import TurnInput, TurnRun
 from turnkv.errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from turnkv.kv.pool import PagePool
 from turnkv.kv.quant import kv_dtype_name
 from turnkv.kv.sequence import SequenceKV
+from turnkv.methods.recipe import Recipe
 from turnkv.model.load import DEFAULT_MODEL, embedded_model_path, load_model
-from turnkv.model.tokenizer import load_gguf_tokenizer
+from turnkv.model.tokenizer import load_folder_tokenizer, load_gguf_tokenizer
 from turnkv.state.manager import StateManager
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
@@ -108,8 +110,6 @@ class LLM:
         return recipe
 
     def _parse_recipe(self, recipe):
-        from turnkv.methods.recipe import Recipe
-
         if recipe is None:
             return getattr(self, "recipe", None) or Recipe()
         if isinstance(recipe, Recipe):
@@ -227,10 +227,6 @@ class LLM:
 
 
 def _load_tokenizer(spec: str | None):
-    from pathlib import Path
-
-    from turnkv.model.tokenizer import load_folder_tokenizer
-
     if spec is None or spec == DEFAULT_MODEL:
         return load_gguf_tokenizer(embedded_model_path())
     path = Path(spec)

@@ -37,7 +37,8 @@ except ImportError as e:  # an optional extra: the rest of turnkv never imports 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from turnkv.serve.app import SESSION_HEADER
+from turnkv.engine.llm import LLM
+from turnkv.serve.app import SESSION_HEADER, create_app
 from turnkv.serve.config import ServeConfig
 
 ROUTING_KEY = "session_key"  # the keyword of Engine.forward that SessionAffinityRouter reads
@@ -100,15 +101,12 @@ class Engine:
     allows one per application, and that is the Router.)"""
 
     async def __init__(self, model: str | None = None, llm_options: dict | None = None, config: dict | None = None):
-        import turnkv
-        from turnkv.serve.app import create_app
-
         options = dict(llm_options or {})
         if options.get("state_disk_dir"):  # replicas must not share a directory
             rank = serve.get_replica_context().rank
             rank = getattr(rank, "rank", rank)
             options["state_disk_dir"] = os.path.join(options["state_disk_dir"], f"replica-{rank}")
-        self.llm = turnkv.LLM(model, **options)
+        self.llm = LLM(model, **options)
         self.app = create_app(self.llm, ServeConfig(**(config or {})))
         self.lifespan = self.app.router.lifespan_context(self.app)
         await self.lifespan.__aenter__()
