@@ -35,6 +35,7 @@ import torch
 import turnkv
 from turnkv.attention import decode as decode_module
 from turnkv.bench import hardware
+from turnkv.bench.floors import decode_kv_read_bytes
 from turnkv.engine import decode_loop, graph_progressive, graph_selection
 from turnkv.engine.conversation import Conversation
 from turnkv.engine.turn import TurnInput, TurnRun
@@ -180,33 +181,9 @@ def correctness(llm, recipes: dict, ctx: int, steps: int) -> list[dict]:
     return rows
 
 
-def floor_bytes(llm, name: str, recipe: Recipe, ctx: int, batch: int, weight_bytes: int) -> int:
-    c = llm.config
-    item = llm.dtype.itemsize
-    per_token_head = 2 * c.head_dim * item  # K and V of one token in one KV head
-    L, H, Hq = c.num_layers, c.num_kv_heads, c.num_heads
-    dense = ctx * H * L * per_token_head
-    if name == "dense" or not recipe.selects_decode:
-        return weight_bytes + batch * dense
-    d = recipe.decode
-    if name.startswith("loopserve-d"):
-        rows = Hq if d.granularity == "query" else H
-        selected = L * rows * min(ctx, d.budget + d.interval / 2) * per_token_head
-        rescoring = ctx * H * L * c.head_dim * item / d.interval  # every key read once per re-selection
-        return weight_bytes + batch * (selected + rescoring)
-    cfg = d.selector_config()
-    rows = Hq if cfg.group == "query" else H
-    streaming = 0.0
-    if recipe.static_sparsity is not None:
-        flags = recipe.static_sparsity.flags(L, H)
-        streaming = flags.mean()
-    sel_layers = L - cfg.dense_layers
-    budget = min(ctx, cfg.pages_budget * cfg.physical_page)
-    kept = recipe.static_sparsity.sink + recipe.static_sparsity.local if recipe.static_sparsity is not None else 0
-    selected = sel_layers * rows * ((1 - streaming) * budget + streaming * kept) * per_token_head
-    selected += cfg.dense_layers * H * ctx * per_token_head
-    stats = sel_layers * H * (1 - streaming) * (ctx / cfg.logical_page) * 2 * c.head_dim * item / cfg.reuse_interval
-    return int(weight_bytes + batch * (selected + stats))
+def floor_bytes(llm, recipe: Recipe, ctx: int, batch: int, weight_bytes: int) -> int:
+    kept = ctx * llm.config.kv_bytes_per_token(llm.dtype.itemsize)
+    return int(weight_bytes + batch * decode_kv_read_bytes(recipe, llm.config, llm.dtype.itemsize, ctx, kept))
 
 
 def run_turns(llm, recipe: Recipe, prompts: list[list[int]], new_tokens: int):
@@ -240,7 +217,7 @@ def time_recipe(llm, name, recipe_text, ctx, batch, args, hw) -> dict:
     try:
         times = replies[0].token_times
         ms = 1000 * (times[-1] - times[args.warmup]) / (len(times) - 1 - args.warmup)
-        floor = floor_bytes(llm, name, recipe, ctx, batch, hw["weight_bytes"]) / hw["copy_bandwidth"] * 1000
+        floor = floor_bytes(llm, recipe, ctx, batch, hw["weight_bytes"]) / hw["copy_bandwidth"] * 1000
         stats = [c.method_state.decode for c in convs if c.method_state.decode is not None]
         row = {"recipe": name, "context": ctx, "batch": batch, "ms_per_token": ms, "floor_ms": floor,
                "floor_share": floor / ms, "ttft_s": replies[0].ttft_s, "eager_steps": len(calls),

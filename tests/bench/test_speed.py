@@ -150,3 +150,19 @@ def test_batched_rows_count_what_a_quantized_pool_reads(chat_model_dir):
     row = measure(llm, Recipe(), 48, 2, cfg, hw)
     assert row["kv_read_bytes"] == 2 * (48 + 3) * 2 * 2 * (2 * 16 + 2 * 4)
     assert row["tpot_floor_s"] == pytest.approx((1000 + row["kv_read_bytes"]) / 1e9)
+
+
+def test_decode_floor_counts_what_a_selection_reads(tiny):
+    """The floor's KV read: every kept byte without a selection; with LoopServe's, the budget plus
+    half an interval per query-head row, and every key once per re-selection (by hand, tiny shape:
+    2 layers, 4 query heads, 2 KV heads, head dim 16, fp32)."""
+    from turnkv.bench.floors import decode_kv_read_bytes
+
+    c = tiny.config
+    assert decode_kv_read_bytes(Recipe.parse("snapkv budget=16"), c, 4, 1000, 12345) == 12345
+    loop = Recipe.parse("loopserve-d decode=loopserve(budget=64,interval=16)")
+    selected = 2 * 4 * (64 + 8) * (2 * 16 * 4)
+    rescoring = 1000 * 2 * 2 * 16 * 4 / 16
+    assert decode_kv_read_bytes(loop, c, 4, 1000, 10**9) == pytest.approx(selected + rescoring)
+    quest = Recipe.parse("decode=quest(budget=64,dense_layers=0)")
+    assert decode_kv_read_bytes(quest, c, 4, 4096, 10**9) < 4096 * c.kv_bytes_per_token(4)

@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from turnkv.bench import hardware, peers
+from turnkv.bench.floors import decode_kv_read_bytes
 from turnkv.errors import KVCacheFullError
 from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.recipe import Recipe
@@ -72,7 +73,10 @@ def measure(llm, recipe, ctx: int, batch: int, cfg: SpeedConfig, hw: dict) -> di
     tpot = statistics.median(steady_time_per_token(replies[0], cfg.skip_tokens) for replies in runs)
     replies = runs[0]
     kv_bytes = sum(r.kv_bytes for r in replies)  # pages held at the end
-    kv_read = sum(r.kv_tokens for r in replies) * llm.pool.token_bytes  # what a last step reads (scales included)
+    # What a last step reads (a quantized pool's scales included), or what its decode selection reads.
+    element_size = llm.pool.token_bytes / (2 * llm.config.head_dim)
+    kv_read = sum(decode_kv_read_bytes(recipe, llm.config, element_size, ctx, r.kv_tokens * llm.pool.token_bytes)
+                  for r in replies)
     decode_floor = hardware.decode_bytes(hw["weight_bytes"], kv_read) / hw["copy_bandwidth"]
     row = {"tpot_s": tpot, "tpot_floor_s": decode_floor, "tpot_of_floor": decode_floor / tpot,
            "tokens_per_s": batch / tpot, "kv_bytes": kv_bytes, "kv_read_bytes": kv_read,
