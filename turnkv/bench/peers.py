@@ -3,6 +3,9 @@ and PyTorch SDPA alone as the attention floor of prefill. A peer that cannot run
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -53,25 +56,45 @@ def transformers_model(llm):
     return model
 
 
+class _TokenClock:
+    """A transformers streamer (put() once for the prompt, then once per generated step) that keeps
+    the time of each call."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 def transformers_generate(model, prompts: torch.Tensor, new_tokens: int, device, repeat: int = 3,
                           prefill_chunk: int | None = None) -> dict:
-    """TTFT (generate of 1 token) and time per output token ((T(n) - T(1)) / (n - 1)) of greedy
-    generate on a [B, T] batch of prompts. prefill_chunk uses transformers' own chunked prefill, so a
-    large batch of long prompts fits (its activations scale with B x chunk instead of B x T)."""
+    """TTFT (generate of 1 token) and time per output token (between the first and the last token of
+    an n-token generate, from the times they reach the host) of greedy generate on a [B, T] batch of
+    prompts. prefill_chunk uses transformers' own chunked prefill, so a large batch of long prompts
+    fits (its activations scale with B x chunk instead of B x T)."""
     options = {"prefill_chunk_size": prefill_chunk} if prefill_chunk and prefill_chunk < prompts.shape[1] else {}
 
-    def run(n):
+    def run(n, streamer=None):
         with torch.inference_mode():
             model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0, **options)
+                           do_sample=False, pad_token_id=0, streamer=streamer, **options)
+
+    def per_token() -> float:
+        clock = _TokenClock()
+        run(new_tokens, clock)
+        steps = clock.times[1:]  # after the prompt's put
+        return (steps[-1] - steps[0]) / max(1, len(steps) - 1)
 
     try:
         first = median_time(lambda: run(1), device, repeat=repeat)
-        total = median_time(lambda: run(new_tokens), device, repeat=repeat, warmup=0)
+        tpot = statistics.median(per_token() for _ in range(repeat))
     except torch.OutOfMemoryError as e:
         torch.cuda.empty_cache()
         raise PeerUnavailable(f"out of memory: {str(e).splitlines()[0]}") from None
-    tpot = (total - first) / max(1, new_tokens - 1)
     out = {"ttft_s": first, "tpot_s": tpot, "tokens_per_s": prompts.shape[0] / tpot}
     if options:
         out["note"] = f"transformers chunked prefill, {prefill_chunk} tokens per chunk"
