@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from turnkv.attention import reference
-from turnkv.engine.observe import QueryWindow
 from turnkv.engine.step import Step
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
@@ -25,6 +24,7 @@ from turnkv.methods.recompress import Recompress
 from turnkv.methods.snapkv import SnapKV
 from turnkv.methods.streaming_llm import StreamingLLM
 from turnkv.methods.uniform import Uniform
+from turnkv.methods.window import QueryWindow
 
 L, H, HQ, D, PS = 2, 2, 4, 8, 4
 G = HQ // H

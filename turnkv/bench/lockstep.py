@@ -41,8 +41,8 @@ import time
 import torch
 
 from turnkv.engine.conversation import Conversation, Turn
-from turnkv.engine.observe import QueryWindow
 from turnkv.kv.snapshot import export_kv, import_kv
+from turnkv.methods.window import QueryWindow
 
 
 def chunkable(recipe) -> bool:

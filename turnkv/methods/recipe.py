@@ -21,7 +21,6 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from turnkv.engine.observe import QueryWindow
 from turnkv.errors import InvalidRequestError
 from turnkv.kv.quant import kv_dtype_name
 from turnkv.methods.all_tokens import AllTokens
@@ -31,6 +30,7 @@ from turnkv.methods.pattern_hook import PatternHook, summarise
 from turnkv.methods.recompress import Recompress
 from turnkv.methods.registry import build
 from turnkv.methods.resident import Resident
+from turnkv.methods.window import QueryWindow
 
 EVICTION_KEYS = {"budget", "keep_ratio", "compression_ratio", "schedule", "every"}
 DEFAULT_BUDGET = 1024

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from turnkv.engine.observe import QueryWindow
+from turnkv.methods.window import QueryWindow
 
 
 @dataclass

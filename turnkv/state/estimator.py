@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from turnkv.attention.reference import gather_pages
-from turnkv.engine.observe import QueryWindow
+from turnkv.methods.window import QueryWindow
 
 # fp32 attention rows per chunk over all layers and heads (the peak extra memory): large on a GPU
 # (fewer, larger GEMMs), small on a CPU (cache-friendly).
