@@ -21,6 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from turnkv.attention import reference
+from turnkv.state.prefix import recompute_prefix
+
 
 @dataclass
 class CostModel:
@@ -132,12 +135,8 @@ def measure_compute(model, device: torch.device, lengths=(512, 2048)) -> tuple[f
     """(a, b) of the recompute cost, fitted on prefix recomputes of two lengths over every layer.
     Lengths of 512 and 2048: the prefixes Krul recomputes are thousands of tokens (a 256-token GEMM
     runs far below peak and made the linear term too large)."""
-    from turnkv.state.prefix import recompute_prefix
-
     class Discard:
         def attention(self, layer, q, k, v):
-            from turnkv.attention import reference
-
             return reference.causal_prefill(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
     N = len(model.layers)
