@@ -186,14 +186,14 @@ def cmd_methods(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
         return 0
-    axis = None
+    kind = None
     for row in rows:
-        if row["axis"] != axis:
-            axis = row["axis"]
-            print(f"\n[{axis}]")
+        if row["kind"] != kind:
+            kind = row["kind"]
+            print(f"\n[{kind}]" if kind == row["axis"] else f"\n[{row['axis']}: {kind}]")
         params = ", ".join(f"{k}={v!r}" for k, v in row["params"].items())
         print(f"  {row['name']:<20} {row['doc']}" + (f"\n  {'':<20} ({params})" if params else ""))
-    from turnkv.methods.eviction import SCHEDULES
+    from turnkv.methods.evict.eviction import SCHEDULES
 
     print("\n[evict options] budget=N (tokens per KV head) | keep_ratio=F | compression_ratio=F | every=N")
     for name, doc in SCHEDULES.items():

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from turnkv.methods.protocols import StateStrategy
 from turnkv.methods.registry import register
 from turnkv.state import pairing, schedule
-from turnkv.state.base import StateStrategy, Stored
+from turnkv.state.base import Stored
 from turnkv.state.estimator import TurnQueries, attention_statistics
 from turnkv.state.split import pack_split, restore_split
 
@@ -79,7 +80,7 @@ class SharedLayers(StateStrategy):
 
 @register("state", "krul")
 @dataclass
-class Krul(SharedLayers):
+class KrulStrategy(SharedLayers):
     """Krul: I-R layers paired per conversation by attention similarity, merged MiniCache-style, and
     a pyramid recompute/load split calibrated to leave no bubble.
 
@@ -141,7 +142,7 @@ class Krul(SharedLayers):
 
 @register("state", "minicache")
 @dataclass
-class MiniCache(SharedLayers):
+class MiniCacheStrategy(SharedLayers):
     """MiniCache as a restoration baseline (FKC): adjacent pairs of the latter half merged for every
     conversation, everything loaded (recompute_ratio 0, no pyramid)."""
 
@@ -154,7 +155,7 @@ class MiniCache(SharedLayers):
 
 @register("state", "krul_fix")
 @dataclass
-class KrulFix(SharedLayers):
+class KrulFixStrategy(SharedLayers):
     """Krul (Fix): fixed adjacent pairs in layers 9-24 (of 32, scaled to the depth) with Krul's
     calibrated pyramid restore."""
 

@@ -20,12 +20,13 @@ import torch
 
 from turnkv.attention import reference, top_k
 from turnkv.kv.quant import dequantize
+from turnkv.methods.protocols import Decode, DecodeSelection
 from turnkv.methods.registry import register
 
 
 @register("decode", "loopserve")
 @dataclass
-class LoopServeDecode:
+class LoopServeDecode(Decode):
     """LoopServe progressive decode: per-head top-B re-selected every n_d steps (Alg. 6).
 
     budget: tokens each head keeps from the history (B, 1024). interval: n_d, steps between
@@ -68,7 +69,7 @@ class _Picked:
     step: int
 
 
-class ProgressiveSelection:
+class ProgressiveSelection(DecodeSelection):
     """One conversation's selection state; the engine calls begin() once per forward step, observe()
     per layer with the step's queries, and entries() per layer of a decode step.
 

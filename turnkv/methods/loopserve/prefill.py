@@ -10,7 +10,8 @@ import torch
 
 from turnkv.attention import lines
 from turnkv.methods.loopserve.greedy import chosen, greedy
-from turnkv.methods.pattern_hook import clock as _clock
+from turnkv.methods.prefill.pattern_hook import clock as _clock
+from turnkv.methods.protocols import Prefill
 from turnkv.methods.registry import register
 
 _FORCED = 1e9  # added to a forced line's sort key so it sorts first; sums never come near it
@@ -18,7 +19,7 @@ _FORCED = 1e9  # added to a forced line's sort key so it sorts first; sums never
 
 @register("prefill", "loopserve")
 @dataclass
-class LoopServePrefill:
+class LoopServePrefill(Prefill):
     """LoopServe adaptive vertical/slash prefill lines (Alg. 5).
 
     alpha: sampled attention mass the lines must recover (0.955 in the paper's main table).

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from turnkv.methods.protocols import Turns
 from turnkv.methods.registry import register
 
 
 @register("turns", "flowkv")
 @dataclass
-class FlowKV:
+class FlowKVTurns(Turns):
     """FlowKV multi-turn isolation: compress each segment once, then freeze it."""
 
     min_size: int = 32

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from turnkv.methods.base import LayerView, Scorer
+from turnkv.methods.evict.layer_view import LayerView
+from turnkv.methods.protocols import Scorer
 from turnkv.methods.registry import register
 
 
@@ -42,7 +43,7 @@ def pool_along_keys(scores: torch.Tensor, kernel: int, pooling: str, include: to
 
 @register("scorer", "snapkv")
 @dataclass
-class SnapKV(Scorer):
+class SnapKVScorer(Scorer):
     """SnapKV: attention of the observation window, pooled along the keys; the window stays."""
 
     window: int = 32

@@ -40,17 +40,19 @@ from turnkv.attention import lines, reference
 from turnkv.attention.lines import Keys
 from turnkv.attention.reference import gather_pages
 from turnkv.errors import InvalidRequestError
-from turnkv.methods.a_shape import a_shape_lines, a_shape_mask
 from turnkv.methods.lserve.pattern import DUO_FILE, HeadPattern, PatternFileError, load_duo_attention
-from turnkv.methods.pattern_hook import clock, fixed_pattern
-from turnkv.methods.registry import register
+from turnkv.methods.prefill.a_shape import a_shape_lines, a_shape_mask
+from turnkv.methods.prefill.pattern_hook import clock, fixed_pattern
+from turnkv.methods.protocols import Prefill, StaticSparsity
+from turnkv.methods.registry import build, register
+from turnkv.methods.terms import parse_term
 
 DEFAULT_PATTERN = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "lserve_pattern_smollm2.json"
 
 
 @register("prefill", "streaming_heads")
 @dataclass
-class StreamingHeads:
+class StreamingHeadsPrefill(Prefill, StaticSparsity):
     """DuoAttention/LServe streaming heads: sink + local for the pattern's streaming KV heads, dense elsewhere.
 
     pattern: a pattern file, "random", or None (calibrated SmolLM2 gates). ratio: streaming fraction
@@ -80,10 +82,7 @@ class StreamingHeads:
         if self.ratio is not None and not 0 <= self.ratio <= 1:
             raise ValueError(f"ratio is the streaming fraction in [0, 1], got {self.ratio}")
         if self.dense is not None:
-            from turnkv.methods.recipe import _parse_term
-            from turnkv.methods.registry import build
-
-            name, params = _parse_term(self.dense)
+            name, params = parse_term(self.dense)
             if name == "streaming_heads":
                 raise ValueError("dense names the dense heads' pattern; streaming_heads cannot nest")
             self._dense_method = build("prefill", name, params)

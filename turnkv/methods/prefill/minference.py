@@ -12,13 +12,14 @@ from dataclasses import dataclass
 import torch
 
 from turnkv.attention import lines
-from turnkv.methods.pattern_hook import clock
+from turnkv.methods.prefill.pattern_hook import clock
+from turnkv.methods.protocols import Prefill
 from turnkv.methods.registry import register
 
 
 @register("prefill", "minference")
 @dataclass
-class MInference:
+class MInferencePrefill(Prefill):
     """MInference vertical-slash: top-`vertical` columns + top-`slash` diagonals per query head.
 
     last: the chunk's last queries that estimate the pattern (64). force_sink: key positions below it

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from turnkv.methods.protocols import Turns
 from turnkv.methods.registry import register
 
 
 @register("turns", "recompress")
 @dataclass
-class Recompress:
+class RecompressTurns(Turns):
     """Re-score and re-compress the whole carried cache at every compression (the baseline)."""
 
     budget_rule: str = "matched"
