@@ -24,6 +24,8 @@ import functools
 
 import torch
 
+from turnkv.attention.triton import available
+
 CHECK_EVERY = 32  # iterations between the host reads that stop the torch loop once every unit is done
 BACKENDS = ("auto", "triton", "torch", "python")
 
@@ -51,8 +53,6 @@ def start(w_s, s_max, w_v, v_max, forced_s, forced_v, max_forced: int | None = N
 
 @functools.cache
 def _kernel():
-    from turnkv.attention.triton import available
-
     if not available():
         return None
     from turnkv.attention.triton import greedy as kernel

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from turnkv.attention import top_k
+from turnkv.attention import decode, top_k
 
 GROUPS = ("query", "max", "sum")
 
@@ -99,8 +99,6 @@ def graph_page_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, t
 
     The Triton kernel on CUDA (it skips the pages past each head's live length); the reference below
     elsewhere."""
-    from turnkv.attention import decode
-
     if decode.uses_kernel(q.device):
         from turnkv.attention.triton import page_select
 

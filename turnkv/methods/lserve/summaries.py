@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from turnkv.attention import decode
 from turnkv.kv.pool import PagePool
 
 
@@ -60,8 +61,6 @@ class PageSummaries:
         launch, capturable in a CUDA graph), fold_reference elsewhere. A selection reads no page
         from the newest on, so folding at the end of the step instead of at each layer's write gives
         the scores the same statistics."""
-        from turnkv.attention import decode
-
         if decode.uses_kernel(self.pool.device) and not self.pool.quantized:  # the kernel reads raw keys
             from turnkv.attention.triton import page_select
 
