@@ -59,6 +59,6 @@ class SnapKVScorer(Scorer):
     def score(self, view: LayerView) -> torch.Tensor:
         attention = view.window_attention().mean(dim=1)  # [Hq, S]
         in_window = view.positions >= view.query_positions.min()
-        # As the spec and the reference code: the window's own columns take no part in the pooling.
+        # As in the paper's code: the window's own columns take no part in the pooling.
         scores = pool_along_keys(view.group_mean(attention), self.kernel, self.pooling, view.valid & ~in_window)
         return scores.masked_fill(in_window, float("inf"))

@@ -1,4 +1,4 @@
-"""LoopServe's decode axis: progressive KV selection (Algorithm 6, spec loopserve.md §3.3).
+"""LoopServe's decode axis: progressive KV selection (Algorithm 6 of the paper).
 
 Per turn: the first `warmup` decode steps read the full KV. At decode step n_o = warmup, and every
 `interval` steps after it, each head keeps the top-`budget` of its kept tokens, scored by the summed
@@ -8,7 +8,7 @@ because a re-selection may pick any token. The decode step reads the selection t
 decode kernel (engine/selection.py).
 
 Counting: decode step n feeds the n-th generated token, so at n_o = 16 the window of 16 holds the
-queries of exactly the 16 generated tokens (the current one included), as §3.3.3 reads the listing.
+queries of exactly the 16 generated tokens (the current one included), as the listing reads.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class ProgressiveSelection(DecodeSelection):
 
     def begin(self, decoding: bool) -> None:
         self.ticks += 1
-        if not decoding:  # a prefill: a new turn starts from warm-up (§3.4: selections are per turn)
+        if not decoding:  # a prefill: a new turn starts from warm-up (selections are per turn)
             self.steps, self.reselect, self.selections = 0, False, 0
             self.picked = [None] * len(self.picked)
             return

@@ -1,4 +1,5 @@
-"""The decode axis `quest` and `lserve`: page selection by per-page key min/max (Quest, LServe §3.5).
+"""The decode axis `lserve` (and the selection `quest` shares, decode/quest.py): page selection by
+per-page key min/max.
 
 Each conversation gets a PagedSelection (its SelectionState, so batched conversations keep their own
 reuse timers). The engine's Step hands it every K write (`written`), which folds the keys into the

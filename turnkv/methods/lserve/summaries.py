@@ -1,5 +1,5 @@
 """Per logical page (16 tokens) and channel, the min and max of the post-RoPE keys, kept beside the
-pool's pages: what the page selector scores instead of reading the keys (Quest / LServe §3.5).
+pool's pages: what the page selector scores instead of reading the keys (Quest, LServe).
 
 Stats live per pool page ([layers, pool pages, page_size // logical_page, D]), so they follow a
 page wherever the sequence tables put it and cost nothing to look up per conversation. Pool pages

@@ -2,8 +2,8 @@
 lines, chosen from the attention of the chunk's last queries (the LoopServe paper's baseline).
 
 Unlike LoopServe's greedy, the budgets do not adapt to how concentrated a head is. One budget serves
-every head here: MInference's official per-head patterns come from an offline search per model
-(spec loopserve.md §10.18), which turnkv does not ship."""
+every head here: MInference's official per-head patterns come from an offline search per model,
+which turnkv does not ship."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The multi-turn baseline: every compression re-scores the whole carried cache.
 
-Early turns are compressed again and again (FlowKV's eq. 9). Two budget readings (FlowKV spec, A4):
+Early turns are compressed again and again (the FlowKV paper's eq. 9). Two budget readings:
 "matched" keeps the recipe's target over everything kept so far (the paper's fairness claim), and
 "naive" keeps the target ratio of whatever the cache holds now (kvpress applied turn after turn), so
 the cache shrinks geometrically.
