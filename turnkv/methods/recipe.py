@@ -70,9 +70,9 @@ class Recipe:
     turns: Turns = field(default_factory=RecompressTurns)
     decode: Decode = field(default_factory=AllDecode)
     state: StateStrategy = field(default_factory=_resident)
-    # What becomes of the previous reply's KV at the next turn: "keep" it as
-    # decoded (cheaper), or "reprefill" it: drop it and prefill the reply again with the new message,
-    # so that it goes through the prefill pattern like the rest of the new block (the faithful reading).
+    # What becomes of the previous reply's KV at the next turn: "keep" it as decoded (cheaper), or
+    # "reprefill" it: drop it and prefill the reply again with the new message, so that it goes
+    # through the prefill pattern like the rest of the new block (the paper's faithful reading).
     answer: str = "keep"
     # The KV storage dtype the recipe needs ("int8", "fp8", "none" = the compute dtype), or None: any.
     kv_dtype: str | None = None

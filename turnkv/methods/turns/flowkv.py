@@ -12,8 +12,9 @@ Parameters
 min_size : int, default 32
     Per-head floor of a new segment's budget (the paper's unspecified Min_Size).
 reading : str, default "segment"
-    "segment" (a turn's query and reply are compressed together when the next turn starts) or "query" (Algorithm 1 literally: the query is compressed right after its
-    prefill; its reply is compressed with the next query).
+    "segment" (a turn's query and reply are compressed together when the next turn starts) or
+    "query" (Algorithm 1 literally: the query is compressed right after its prefill; its reply is
+    compressed with the next query).
 """
 
 from __future__ import annotations
