@@ -147,7 +147,8 @@ class Allocator(ABC):
             [H, S] float on the CPU: +inf for a token that must stay, -inf for one that is not a
             candidate, finite scores for the candidates.
         total : int
-            Tokens the layer keeps among its candidates.
+            Tokens the layer keeps, at least its +inf tokens (the eviction driver lets surplus
+            protected tokens compete by score instead).
 
         Returns
         -------
