@@ -8,8 +8,9 @@ against the eager ones, fed the same tokens.
 
 Each row runs the engine's own turn (engine/turn.py and the step loop of engine/decode_loop.py, as
 LLM.generate runs it): prefill with the recipe, then `--warmup` + `--steps` greedy tokens; the time
-per token is taken over the last `--steps` (from the times the tokens were read), after the graph
-captures and LoopServe's warm-up.
+per token is taken over the steps that made the last `--steps` tokens (from the times the tokens
+were read), after the graph captures and LoopServe's warm-up; 48 steps hold whole re-selection
+periods of LoopServe (16) and LServe (4).
 
 Floors (bytes a step must read / copy bandwidth measured here): weights + what the step reads of
 the KV: dense every token; quest / lserve the selected pages per row (query heads) plus the page
@@ -216,7 +217,7 @@ def time_recipe(llm, name, recipe_text, ctx, batch, args, hw) -> dict:
         undo()
     try:
         times = replies[0].token_times
-        ms = 1000 * (times[-1] - times[args.warmup]) / (len(times) - 1 - args.warmup)
+        ms = 1000 * (times[-1] - times[args.warmup - 1]) / args.steps  # the steps making the last `steps` tokens
         floor = floor_bytes(llm, recipe, ctx, batch, hw["weight_bytes"]) / hw["copy_bandwidth"] * 1000
         stats = [c.method_state.decode for c in convs if c.method_state.decode is not None]
         row = {"recipe": name, "context": ctx, "batch": batch, "ms_per_token": ms, "floor_ms": floor,

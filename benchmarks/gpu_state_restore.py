@@ -41,6 +41,7 @@ import turnkv
 from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.recipe import Recipe
 from turnkv.methods.registry import build
+from turnkv.methods.step_context import StepContext
 from turnkv.state import schedule
 from turnkv.state.estimator import TurnQueries
 from turnkv.state.split import restore_split
@@ -218,6 +219,7 @@ import json, sys, time, torch, turnkv
 from turnkv.kv.sequence import SequenceKV
 from turnkv.kv.tiers import TieredStore
 from turnkv.methods.registry import build
+from turnkv.methods.step_context import StepContext
 from turnkv.methods.step_context import StepContext
 t0 = time.perf_counter()
 llm = turnkv.LLM(sys.argv[3], dtype="bfloat16", device=sys.argv[4], kv_memory=sys.argv[2], state_cpu_memory=0)

@@ -73,7 +73,7 @@ def test_errors_exit_with_a_message(monkeypatch, capsys, tmp_path):
 def test_methods_lists_components_and_presets(monkeypatch, capsys):
     code, out, _ = run_cli(monkeypatch, capsys, ["methods", "--json"])
     rows = json.loads(out)
-    names = {(r["axis"], r["name"]) for r in rows}
+    names = {(r["kind"], r["name"]) for r in rows}
     for scorer in ("streaming_llm", "h2o", "snapkv", "pyramidkv", "tova", "knorm", "expected_attention", "random"):
         assert ("scorer", scorer) in names
     assert ("allocator", "adakv") in names and ("turns", "flowkv") in names and ("turns", "recompress") in names

@@ -11,7 +11,7 @@ import numpy as np
 from turnkv.bench.cli import add_quality_parser, add_speed_parser
 from turnkv.engine.llm import LLM
 from turnkv.errors import TurnkvError
-from turnkv.methods.eviction import SCHEDULES
+from turnkv.methods.evict.eviction import SCHEDULES
 from turnkv.methods.recipe import PRESET_DOCS, Recipe, presets
 from turnkv.methods.registry import describe
 from turnkv.serve.config import API_KEY_ENV, ServeConfig
@@ -186,11 +186,11 @@ def cmd_methods(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
         return 0
-    axis = None
+    kind = None
     for row in rows:
-        if row["axis"] != axis:
-            axis = row["axis"]
-            print(f"\n[{axis}]")
+        if row["kind"] != kind:
+            kind = row["kind"]
+            print(f"\n[{kind}]" if kind == row["axis"] else f"\n[{row['axis']}: {kind}]")
         params = ", ".join(f"{k}={v!r}" for k, v in row["params"].items())
         print(f"  {row['name']:<20} {row['doc']}" + (f"\n  {'':<20} ({params})" if params else ""))
 

@@ -182,17 +182,18 @@ def test_dispatch(monkeypatch):
 def test_patterns_take_the_kernel_where_it_runs(monkeypatch):
     """A-shape, Tri-shape, streaming heads and MInference with the kernel path switched on equal their
     reference path (the CPU behaviour)."""
-    from turnkv.methods.a_shape import AShape
-    from turnkv.methods.lserve.streaming import StreamingHeads
-    from turnkv.methods.minference import MInference
-    from turnkv.methods.tri_shape import TriShape
+    from turnkv.methods.prefill.a_shape import AShapePrefill
+    from turnkv.methods.lserve.streaming_heads import StreamingHeadsPrefill
+    from turnkv.methods.prefill.minference import MInferencePrefill
+    from turnkv.methods.prefill.tri_shape import TriShapePrefill
 
     keys = make_keys(H=2, G=2, T=40, history=24)
-    streaming = StreamingHeads(pattern="random", ratio=0.5, sink=3, local=5, prefill_local=7)
+    streaming = StreamingHeadsPrefill(pattern="random", ratio=0.5, sink=3, local=5, prefill_local=7)
     streaming.bind(2)
     streaming._flags[(2, 2)] = torch.tensor([[True, False], [False, True]]).numpy()
-    methods = [AShape(sink=3, local=9), TriShape(sink=3, local=9, last=10), TriShape(sink=2, local=5, last=100),
-               streaming, MInference(vertical=5, slash=9, last=8, force_sink=2, force_local=3)]
+    methods = [AShapePrefill(sink=3, local=9), TriShapePrefill(sink=3, local=9, last=10),
+               TriShapePrefill(sink=2, local=5, last=100), streaming,
+               MInferencePrefill(vertical=5, slash=9, last=8, force_sink=2, force_local=3)]
     monkeypatch.setattr(lines, "uses_kernel", lambda device, force_triton=False: False)
     expected = [m.attend(0, keys) for m in methods]
     monkeypatch.setattr(lines, "uses_kernel", lambda device, force_triton=False: True)

@@ -166,3 +166,15 @@ def test_decode_floor_counts_what_a_selection_reads(tiny):
     assert decode_kv_read_bytes(loop, c, 4, 1000, 10**9) == pytest.approx(selected + rescoring)
     quest = Recipe.parse("decode=quest(budget=64,dense_layers=0)")
     assert decode_kv_read_bytes(quest, c, 4, 4096, 10**9) < 4096 * c.kv_bytes_per_token(4)
+
+
+def test_steady_time_per_token_spans_the_steps_after_the_skipped_tokens():
+    from types import SimpleNamespace
+
+    from turnkv.bench.speed import steady_time_per_token
+
+    # Token k read at 0.1 * k seconds, except a slow first decode step (a graph capture).
+    times = [0.0, 5.0] + [5.0 + 0.1 * k for k in range(1, 63)]
+    reply = SimpleNamespace(token_times=times, time_per_token_s=-1.0)
+    assert steady_time_per_token(reply, 16) == pytest.approx(0.1)  # steps 16..63: 48 steps
+    assert steady_time_per_token(reply, 0) == -1.0 and steady_time_per_token(reply, 64) == -1.0

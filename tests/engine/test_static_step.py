@@ -49,13 +49,13 @@ class TestStaticStepOnCPU:
 
         from turnkv.kv.sequence import SequenceKV
         from turnkv.methods.lserve.pattern import HeadPattern
-        from turnkv.methods.lserve.streaming import StreamingHeads
+        from turnkv.methods.lserve.streaming_heads import StreamingHeadsPrefill
 
         eager, static = pair
         graphs = static.runner.graphs
         path = tmp_path / "pattern.json"
         HeadPattern(np.array([[True, False], [False, True]])).save_json(path)
-        method = StreamingHeads(pattern=str(path), sink=8, local=8)  # 2 + 2 pages of 4 tokens
+        method = StreamingHeadsPrefill(pattern=str(path), sink=8, local=8)  # 2 + 2 pages of 4 tokens
         method.bind(2)
         seqs = [SequenceKV(llm.pool) for llm in pair]
         rewritten = []

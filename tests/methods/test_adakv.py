@@ -1,6 +1,6 @@
-"""Ada-KV's head-wise budget allocation (turnkv.methods.adakv, base.fit_counts), checked against the
-paper's worked example (its Fig. 2), naive re-implementations of the three safeguard rules, and the L1
-eviction-loss bound of Theorem 3.1 on random attention."""
+"""Ada-KV's head-wise budget allocation (turnkv.methods.evict.adakv, evict.counts.fit_counts), checked
+against the paper's worked example (its Fig. 2), naive re-implementations of the three safeguard
+rules, and the L1 eviction-loss bound of Theorem 3.1 on random attention."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from turnkv.methods.adakv import AdaKV
-from turnkv.methods.base import fit_counts, protected_and_capacity
-from turnkv.methods.uniform import Uniform
+from turnkv.methods.evict.adakv import AdaKVAllocator
+from turnkv.methods.evict.counts import fit_counts, protected_and_capacity
+from turnkv.methods.evict.uniform import UniformAllocator
 
 INF = float("inf")
 
@@ -61,10 +61,10 @@ def random_scores(gen: torch.Generator, H: int, S: int) -> torch.Tensor:
 # ---- the paper's worked example ---------------------------------------------------------------
 
 def test_worked_example_pure_adaptive_budgets_and_retained_mass():
-    counts = AdaKV(alpha=0.0, rule="code").allocate(PAPER, 6)
+    counts = AdaKVAllocator(alpha=0.0, rule="code").allocate(PAPER, 6)
     assert counts.tolist() == [4, 1, 1]
-    assert AdaKV.global_share(PAPER, 6).tolist() == [4, 1, 1]
-    uniform = Uniform().allocate(PAPER, 6)
+    assert AdaKVAllocator.global_share(PAPER, 6).tolist() == [4, 1, 1]
+    uniform = UniformAllocator().allocate(PAPER, 6)
     assert uniform.tolist() == [2, 2, 2]
     adaptive_mass = per_head_topk_mass(PAPER, counts)
     uniform_mass = per_head_topk_mass(PAPER, uniform)
@@ -76,29 +76,29 @@ def test_worked_example_pure_adaptive_budgets_and_retained_mass():
 
 def test_worked_example_under_each_safeguard_rule():
     # code, alpha=0.2: 0.8*(4,1,1) + 0.2*2 = (3.6, 1.2, 1.2) -> largest remainder (4, 1, 1)
-    assert AdaKV().allocate(PAPER, 6).tolist() == [4, 1, 1]
+    assert AdaKVAllocator().allocate(PAPER, 6).tolist() == [4, 1, 1]
     # paper, alpha=0.2: 0.2*(4,1,1) + 0.8*2 = (2.4, 1.8, 1.8) -> (2, 2, 2)
-    assert AdaKV(rule="paper").allocate(PAPER, 6).tolist() == [2, 2, 2]
+    assert AdaKVAllocator(rule="paper").allocate(PAPER, 6).tolist() == [2, 2, 2]
     # code, alpha=0.5: 0.5*(4,1,1) + 0.5*2 = (3, 1.5, 1.5) -> floors (3,1,1); the one slot left goes to
     # one of the two tied remainders
-    half = AdaKV(alpha=0.5).allocate(PAPER, 6)
+    half = AdaKVAllocator(alpha=0.5).allocate(PAPER, 6)
     assert half.sum() == 6 and half[0] == 3 and sorted(half[1:].tolist()) == [1, 2]
     # kvpress, alpha=0.5: every head forces its top floor(0.5*2)=1 (0.32, 0.89, 0.68); the global top-3
     # of the rest is (0.22, 0.19, 0.18), all in head 0 -> (4, 1, 1)
-    assert AdaKV(rule="kvpress", alpha=0.5).allocate(PAPER, 6).tolist() == [4, 1, 1]
+    assert AdaKVAllocator(rule="kvpress", alpha=0.5).allocate(PAPER, 6).tolist() == [4, 1, 1]
     # alpha = 1 in the code rule is uniform allocation
-    assert AdaKV(alpha=1.0).allocate(PAPER, 6).tolist() == [2, 2, 2]
+    assert AdaKVAllocator(alpha=1.0).allocate(PAPER, 6).tolist() == [2, 2, 2]
     # B = 9: global top-9 adds 0.10, 0.09, 0.08 (0.08 ties between heads 0 and 2) -> share is (5,1,3) or (4,1,4)
-    assert AdaKV.global_share(PAPER, 9).tolist() in ([5, 1, 3], [4, 1, 4])
+    assert AdaKVAllocator.global_share(PAPER, 9).tolist() in ([5, 1, 3], [4, 1, 4])
 
 
 def test_invalid_parameters_are_rejected():
     with pytest.raises(ValueError):
-        AdaKV(alpha=1.5)
+        AdaKVAllocator(alpha=1.5)
     with pytest.raises(ValueError):
-        AdaKV(alpha=-0.1)
+        AdaKVAllocator(alpha=-0.1)
     with pytest.raises(ValueError):
-        AdaKV(rule="fancy")
+        AdaKVAllocator(rule="fancy")
 
 
 # ---- the safeguard rules on random layers -------------------------------------------------------
@@ -111,9 +111,9 @@ def test_code_rule_is_largest_remainder_of_mixed_share(alpha):
         H, S = rng.randint(2, 8), rng.randint(4, 24)
         scores = random_scores(gen, H, S)
         total = rng.randint(1, H * S - 1)
-        counts = AdaKV(alpha=alpha).allocate(scores, total)
+        counts = AdaKVAllocator(alpha=alpha).allocate(scores, total)
         f = naive_global_share(scores, total)
-        assert AdaKV.global_share(scores, total).tolist() == f
+        assert AdaKVAllocator.global_share(scores, total).tolist() == f
         assert sum(f) == total
         b = total / H
         desired = [(1 - alpha) * fi + alpha * b for fi in f]
@@ -129,7 +129,7 @@ def test_paper_rule_is_largest_remainder_of_mostly_uniform_share():
         H, S = rng.randint(2, 8), rng.randint(4, 24)
         scores = random_scores(gen, H, S)
         total = rng.randint(1, H * S - 1)
-        counts = AdaKV(alpha=0.2, rule="paper").allocate(scores, total)
+        counts = AdaKVAllocator(alpha=0.2, rule="paper").allocate(scores, total)
         f = naive_global_share(scores, total)
         desired = [0.2 * fi + 0.8 * total / H for fi in f]
         assert counts.tolist() == hamilton(desired, total)
@@ -144,7 +144,7 @@ def test_kvpress_rule_forces_each_heads_own_top_then_one_global_topk(alpha):
         H, S = rng.randint(2, 8), rng.randint(4, 24)
         scores = random_scores(gen, H, S)
         total = rng.randint(H, H * S - 1)
-        counts = AdaKV(alpha=alpha, rule="kvpress").allocate(scores, total)
+        counts = AdaKVAllocator(alpha=alpha, rule="kvpress").allocate(scores, total)
         forced = min(int(alpha * total / H), S)
         # Naive: take each head's top `forced`, then the global top of what is left.
         rest = scores.clone()
@@ -173,7 +173,7 @@ def test_protected_entries_are_counted_per_head_and_do_not_compete():
         total = int(protected.sum()) + rng.randint(1, int(free.sum()) // 2)
         budget = total - int(protected.sum())
         for alpha in (0.0, 0.2):
-            counts = AdaKV(alpha=alpha).allocate(scores, total)
+            counts = AdaKVAllocator(alpha=alpha).allocate(scores, total)
             assert int(counts.sum()) == total
             assert (counts >= protected).all() and (counts <= protected + free).all()
             # The competition sees only the finite scores: +inf entries are not part of the global top-k.
@@ -189,7 +189,7 @@ def test_protected_entries_change_the_result_exactly_as_removed_entries_would():
     scores = PAPER.clone()
     scores[0, 1] = INF
     scores[0, 3] = INF
-    counts = AdaKV(alpha=0.0).allocate(scores, 8)
+    counts = AdaKVAllocator(alpha=0.0).allocate(scores, 8)
     # the 6 free slots go to the global top-6 of the finite scores: 0.89 0.68 0.32 0.22 0.19 0.18 -> (4,1,1)
     assert counts.tolist() == [2 + 4, 1, 1]
 
@@ -199,14 +199,15 @@ def test_non_candidates_never_receive_budget():
     scores[0, :2] = torch.tensor([0.9, 0.8])  # head 0: only two candidates, the layer's best scores
     scores[1, :] = torch.linspace(0.5, 0.05, 10)
     scores[2, :7] = torch.linspace(0.45, 0.01, 7)
-    for alloc in (AdaKV(alpha=0.0), AdaKV(), AdaKV(rule="paper"), AdaKV(rule="kvpress"), Uniform()):
+    for alloc in (AdaKVAllocator(alpha=0.0), AdaKVAllocator(), AdaKVAllocator(rule="paper"),
+                  AdaKVAllocator(rule="kvpress"), UniformAllocator()):
         for total in (3, 9, 15, 19):
             counts = alloc.allocate(scores, total)
             assert int(counts.sum()) == total, (alloc, total)
             assert counts.tolist()[0] <= 2 and counts.tolist()[2] <= 7, (alloc, total)
     # asking for more than there are candidates gives every candidate, and nothing else
-    assert AdaKV().allocate(scores, 30).tolist() == [2, 10, 7]
-    assert Uniform().allocate(scores, 30).tolist() == [2, 10, 7]
+    assert AdaKVAllocator().allocate(scores, 30).tolist() == [2, 10, 7]
+    assert UniformAllocator().allocate(scores, 30).tolist() == [2, 10, 7]
 
 
 def test_capacity_clamping_redistributes_to_heads_with_room():
@@ -215,18 +216,18 @@ def test_capacity_clamping_redistributes_to_heads_with_room():
     scores[1] = torch.tensor([0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05])
     scores[2] = torch.tensor([0.65, 0.55, 0.45, 0.35, 0.25, 0.15, 0.08, 0.01])
     # Uniform wants 4 each; head 0 holds 2, its 2 extra go one each to heads 1 and 2.
-    assert Uniform().allocate(scores, 12).tolist() == [2, 5, 5]
-    assert AdaKV(alpha=1.0).allocate(scores, 12).tolist() == [2, 5, 5]
+    assert UniformAllocator().allocate(scores, 12).tolist() == [2, 5, 5]
+    assert AdaKVAllocator(alpha=1.0).allocate(scores, 12).tolist() == [2, 5, 5]
     # 13: the 3 extra tokens spread as evenly as possible
-    c = Uniform().allocate(scores, 13).tolist()
+    c = UniformAllocator().allocate(scores, 13).tolist()
     assert c[0] == 2 and sorted(c[1:]) == [5, 6]
     # Pure adaptive, B=12: global top-12 = head0 {0.9,0.8}, head1 five, head2 five.
-    assert AdaKV(alpha=0.0).allocate(scores, 12).tolist() == [2, 5, 5]
+    assert AdaKVAllocator(alpha=0.0).allocate(scores, 12).tolist() == [2, 5, 5]
     # code rule alpha=0.5 at B=6: f = (2, 2, 2)? global top-6 = 0.9 0.8 0.7 0.65 0.6 0.55 -> (2, 2, 2)
-    assert AdaKV(alpha=0.5).allocate(scores, 6).tolist() == [2, 2, 2]
+    assert AdaKVAllocator(alpha=0.5).allocate(scores, 6).tolist() == [2, 2, 2]
     # alpha=0.5, B=15: f = (2, 7, 6) [0.9 0.8 | 0.7 .6 .5 .4 .3 .2 .1 | .65 .55 .45 .35 .25 .15]
     # desired 0.5*f + 2.5 = (3.5, 6, 5.5); head 0 is clamped to 2, the 1.5 it cannot hold goes to the others
-    c = AdaKV(alpha=0.5).allocate(scores, 15).tolist()
+    c = AdaKVAllocator(alpha=0.5).allocate(scores, 15).tolist()
     assert c[0] == 2 and sum(c) == 15 and c[1] >= 6 and c[2] >= 5 and c[1] <= 8 and c[2] <= 8
 
 
@@ -285,8 +286,8 @@ def test_l1_eviction_loss_bound_and_adaptive_optimality():
         WO = torch.randn(h, dh, d, generator=gen, dtype=torch.float64)
         M = V @ WO
         B = rng.randint(h, h * n - 1)
-        ada = AdaKV(alpha=0.0).allocate(A, B)
-        uni = Uniform().allocate(A, B)
+        ada = AdaKVAllocator(alpha=0.0).allocate(A, B)
+        uni = UniformAllocator().allocate(A, B)
         assert int(ada.sum()) == B and int(uni.sum()) == B
         loss_a, bound_a, kept_a = l1_loss_and_bound(A, M, ada.tolist())
         loss_u, bound_u, kept_u = l1_loss_and_bound(A, M, uni.tolist())
@@ -313,7 +314,7 @@ def test_masked_softmax_is_renormalised_kept_weights():
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(4, 12, generator=gen, dtype=torch.float64)
     A = logits.softmax(dim=-1)
-    counts = AdaKV(alpha=0.0).allocate(A, 15)
+    counts = AdaKVAllocator(alpha=0.0).allocate(A, 15)
     for i, c in enumerate(counts.tolist()):
         keep = A[i].argsort(descending=True)[:c]
         masked = torch.full_like(logits[i], -INF)

@@ -12,19 +12,19 @@ import pytest
 import torch
 
 from turnkv.attention import reference
-from turnkv.engine.observe import QueryWindow
 from turnkv.engine.step import Step
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
-from turnkv.methods.adakv import AdaKV
-from turnkv.methods.base import LayerView
-from turnkv.methods.eviction import Eviction
-from turnkv.methods.knorm import Knorm
-from turnkv.methods.pyramidkv import PyramidKV
-from turnkv.methods.recompress import Recompress
-from turnkv.methods.snapkv import SnapKV
-from turnkv.methods.streaming_llm import StreamingLLM
-from turnkv.methods.uniform import Uniform
+from turnkv.methods.evict.adakv import AdaKVAllocator
+from turnkv.methods.evict.eviction import Eviction
+from turnkv.methods.evict.knorm import KnormScorer
+from turnkv.methods.evict.layer_view import LayerView
+from turnkv.methods.evict.pyramidkv import PyramidKVScorer
+from turnkv.methods.evict.snapkv import SnapKVScorer
+from turnkv.methods.evict.streaming_llm import StreamingLLMScorer
+from turnkv.methods.evict.uniform import UniformAllocator
+from turnkv.methods.turns.recompress import RecompressTurns
+from turnkv.methods.window import QueryWindow
 
 L, H, HQ, D, PS = 2, 2, 4, 8, 4
 G = HQ // H
@@ -100,8 +100,9 @@ def test_ada_snapkv_frees_pages_and_keeps_exactly_the_layer_budget():
     before_bytes = seq.bytes()
     assert before_bytes == L * H * (n // PS) * pool.page_bytes
     # Scores and counts the compression must act on, computed from the untouched copies.
-    expected_scores = [SnapKV(window=W).score(full_view(k, v, layer, window, n, B)) for layer in range(L)]
-    entry = Eviction(SnapKV(window=W), AdaKV(), budget=B).compress(seq, Recompress(), 0, n, window, INV_FREQ)
+    expected_scores = [SnapKVScorer(window=W).score(full_view(k, v, layer, window, n, B)) for layer in range(L)]
+    entry = Eviction(SnapKVScorer(window=W), AdaKVAllocator(), budget=B).compress(
+        seq, RecompressTurns(), 0, n, window, INV_FREQ)
 
     assert entry["budget_per_layer"] == [H * B] * L
     assert entry["kept_per_head"] == seq.lengths.tolist()
@@ -115,7 +116,7 @@ def test_ada_snapkv_frees_pages_and_keeps_exactly_the_layer_budget():
 
     for layer in range(L):
         scores = expected_scores[layer]
-        assert seq.lengths[layer].tolist() == AdaKV().allocate(scores, H * B).tolist()
+        assert seq.lengths[layer].tolist() == AdaKVAllocator().allocate(scores, H * B).tolist()
         for h, kept in enumerate(kept_positions(seq, layer)):
             assert kept == sorted(kept)  # ascending original positions
             assert set(range(n - W, n)) <= set(kept)  # the window always stays
@@ -131,7 +132,8 @@ def test_ada_snapkv_frees_pages_and_keeps_exactly_the_layer_budget():
 def test_uniform_snapkv_keeps_the_budget_in_every_head():
     n, W, B = 40, 4, 10
     pool, seq, _k, _v = filled_store(n, seed=3)
-    Eviction(SnapKV(window=W), Uniform(), budget=B).compress(seq, Recompress(), 0, n, window_for(n, W), INV_FREQ)
+    Eviction(SnapKVScorer(window=W), UniformAllocator(), budget=B).compress(
+        seq, RecompressTurns(), 0, n, window_for(n, W), INV_FREQ)
     assert (seq.lengths == B).all()
     page_accounting_holds(pool, seq)
     assert seq.bytes() == L * H * math.ceil(B / PS) * pool.page_bytes  # 3 pages per head instead of 10
@@ -140,31 +142,32 @@ def test_uniform_snapkv_keeps_the_budget_in_every_head():
 def test_streaming_llm_keeps_sinks_and_the_most_recent_tokens():
     n, B = 30, 9
     pool, seq, _k, _v = filled_store(n, seed=4)
-    Eviction(StreamingLLM(), AdaKV(), budget=B).compress(seq, Recompress(), 0, n, None, INV_FREQ)
+    Eviction(StreamingLLMScorer(), AdaKVAllocator(), budget=B).compress(seq, RecompressTurns(), 0, n, None, INV_FREQ)
     for layer in range(L):
         assert kept_positions(seq, layer) == [[0, 1, 2, 3, *range(n - 5, n)]] * H
     page_accounting_holds(pool, seq)
 
 
-@pytest.mark.parametrize("allocator", [Uniform(), AdaKV()])
+@pytest.mark.parametrize("allocator", [UniformAllocator(), AdaKVAllocator()])
 def test_keep_ratio_budget_is_a_fraction_of_the_positions(allocator):
     n, W = 41, 4
     pool, seq, _k, _v = filled_store(n, seed=5, extra_pages=2)
-    entry = Eviction(SnapKV(window=W), allocator, keep_ratio=0.37).compress(seq, Recompress(), 0, n, window_for(n, W),
-                                                                            INV_FREQ)
+    entry = Eviction(SnapKVScorer(window=W), allocator, keep_ratio=0.37).compress(
+        seq, RecompressTurns(), 0, n, window_for(n, W), INV_FREQ)
     assert entry["budget_per_layer"] == [H * 15] * L  # floor(0.37 * 41) = 15 per head
     assert (seq.lengths.sum(axis=1) == H * 15).all()
     page_accounting_holds(pool, seq)
     # a second compression at the same number of positions is a no-op: the cache is at its budget
     before = seq.lengths.copy()
-    Eviction(SnapKV(window=W), allocator, keep_ratio=0.37).compress(seq, Recompress(), 0, n, window_for(n, W), INV_FREQ)
+    Eviction(SnapKVScorer(window=W), allocator, keep_ratio=0.37).compress(
+        seq, RecompressTurns(), 0, n, window_for(n, W), INV_FREQ)
     assert (seq.lengths == before).all()
 
 
 def test_knorm_eviction_keeps_the_smallest_key_norms_per_head():
     n, B = 24, 7
     _pool, seq, k, _v = filled_store(n, seed=6)
-    Eviction(Knorm(), Uniform(), budget=B).compress(seq, Recompress(), 0, n, None, INV_FREQ)
+    Eviction(KnormScorer(), UniformAllocator(), budget=B).compress(seq, RecompressTurns(), 0, n, None, INV_FREQ)
     for layer in range(L):
         for h, kept in enumerate(kept_positions(seq, layer)):
             assert kept == sorted(k[layer, h].norm(dim=-1).argsort()[:B].tolist())
@@ -174,7 +177,8 @@ def test_more_protected_tokens_than_budget_keeps_the_budget():
     # window 8 > budget 5: the window's tokens compete among themselves; the count is still exact
     n, W, B = 24, 8, 5
     _pool, seq, _k, _v = filled_store(n, seed=7)
-    Eviction(SnapKV(window=W), Uniform(), budget=B).compress(seq, Recompress(), 0, n, window_for(n, W), INV_FREQ)
+    Eviction(SnapKVScorer(window=W), UniformAllocator(), budget=B).compress(
+        seq, RecompressTurns(), 0, n, window_for(n, W), INV_FREQ)
     assert (seq.lengths == B).all()
     for layer in range(L):
         for kept in kept_positions(seq, layer):
@@ -190,7 +194,8 @@ def test_compression_span_leaves_tokens_outside_it_alone():
     g = torch.Generator().manual_seed(0)
     for layer in range(L):
         window.record(layer, torch.randn(W, HQ, D, generator=g), torch.arange(28, 32))
-    Eviction(SnapKV(window=W), AdaKV(), budget=B).compress(seq, Recompress(), 8, 32, window, INV_FREQ)
+    Eviction(SnapKVScorer(window=W), AdaKVAllocator(), budget=B).compress(
+        seq, RecompressTurns(), 8, 32, window, INV_FREQ)
     for layer in range(L):
         assert (seq.count_positions(layer, 0, 8) == 8).all()
         assert (seq.count_positions(layer, 32, 40) == 8).all()
@@ -200,11 +205,12 @@ def test_compression_span_leaves_tokens_outside_it_alone():
 
 # ---- exactness ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("allocator", [Uniform(), AdaKV(), AdaKV(alpha=0.0)])
+@pytest.mark.parametrize("allocator", [UniformAllocator(), AdaKVAllocator(), AdaKVAllocator(alpha=0.0)])
 def test_attention_over_compacted_cache_equals_masked_dense_attention(allocator):
     n, W, B = 40, 4, 9
     _pool, seq, k, v = filled_store(n, seed=9)
-    Eviction(SnapKV(window=W), allocator, budget=B).compress(seq, Recompress(), 0, n, window_for(n, W), INV_FREQ)
+    Eviction(SnapKVScorer(window=W), allocator, budget=B).compress(
+        seq, RecompressTurns(), 0, n, window_for(n, W), INV_FREQ)
     g = torch.Generator().manual_seed(10)
     for layer in range(L):
         kept = kept_positions(seq, layer)
@@ -227,7 +233,8 @@ def test_attention_over_compacted_cache_equals_masked_dense_attention(allocator)
 def test_decode_step_after_ada_eviction_attends_over_uneven_heads_exactly():
     n, W, B = 36, 4, 8
     pool, seq, k, v = filled_store(n, seed=11)
-    Eviction(SnapKV(window=W), AdaKV(alpha=0.0), budget=B).compress(seq, Recompress(), 0, n, window_for(n, W), INV_FREQ)
+    Eviction(SnapKVScorer(window=W), AdaKVAllocator(alpha=0.0), budget=B).compress(
+        seq, RecompressTurns(), 0, n, window_for(n, W), INV_FREQ)
     assert len(set(seq.lengths.flatten().tolist())) > 1
     kept = [kept_positions(seq, layer) for layer in range(L)]
     g = torch.Generator().manual_seed(12)
@@ -249,7 +256,7 @@ def test_decode_step_after_ada_eviction_attends_over_uneven_heads_exactly():
 
 def test_pyramid_schedule_matches_a_worked_example():
     # B_avg=1024, win=32, L=32 -> b=992, min=49, max=1935, steps=60, b_0=1935 ... b_31=75
-    p = PyramidKV(window=32)
+    p = PyramidKVScorer(window=32)
     targets = [p.layer_target(1024, layer, 32, available=100_000) for layer in range(32)]
     assert [t - 32 for t in targets] == [1935 - 60 * layer for layer in range(32)]
     assert targets[0] - 32 == 1935 and targets[-1] - 32 == 75
@@ -258,7 +265,7 @@ def test_pyramid_schedule_matches_a_worked_example():
 
 
 def test_pyramid_schedule_clamps_to_what_the_layer_holds():
-    p = PyramidKV(window=8)
+    p = PyramidKVScorer(window=8)
     # b = 56: min 2, max 110 >= 80 - 8 -> max = 72, min = 40, steps = 32 // 3 = 10
     assert [p.layer_target(64, layer, 4, available=80) for layer in range(4)] == [80, 70, 60, 50]
     # a budget at or under the window, or a single layer, is left as it is
@@ -266,12 +273,12 @@ def test_pyramid_schedule_clamps_to_what_the_layer_holds():
     assert p.layer_target(64, 0, 1, available=80) == 64
 
 
-@pytest.mark.parametrize("allocator", [Uniform(), AdaKV()])
+@pytest.mark.parametrize("allocator", [UniformAllocator(), AdaKVAllocator()])
 def test_pyramid_eviction_keeps_its_per_layer_targets(allocator):
     layers, n, W, B = 4, 40, 4, 12
     pool, seq, _k, _v = filled_store(n, layers=layers, seed=13)
     # b = 8: min 0, max 16, steps 5 -> per-head targets 20, 15, 10, 5 (average 12.5)
-    entry = Eviction(PyramidKV(window=W), allocator, budget=B).compress(seq, Recompress(), 0, n,
+    entry = Eviction(PyramidKVScorer(window=W), allocator, budget=B).compress(seq, RecompressTurns(), 0, n,
                                                                         window_for(n, W, layers), INV_FREQ)
     assert entry["budget_per_layer"] == [H * 20, H * 15, H * 10, H * 5]
     assert seq.lengths.sum(axis=1).tolist() == [H * 20, H * 15, H * 10, H * 5]
@@ -308,7 +315,7 @@ def test_ada_snapkv_preset_is_snapkv_scores_with_adakv_budgets():
     from turnkv.methods.recipe import Recipe
 
     evict = Recipe.parse("ada-snapkv budget=64").evict
-    assert isinstance(evict.scorer, SnapKV) and isinstance(evict.allocator, AdaKV)
+    assert isinstance(evict.scorer, SnapKVScorer) and isinstance(evict.allocator, AdaKVAllocator)
     assert (evict.scorer.window, evict.scorer.kernel, evict.scorer.pooling) == (32, 7, "max")
     assert (evict.allocator.alpha, evict.allocator.rule, evict.budget, evict.schedule) == (0.2, "code", 64, "prefill")
 

@@ -14,9 +14,9 @@ from turnkv.attention import decode as decode_module
 from turnkv.attention import lines
 from turnkv.errors import InvalidRequestError
 from turnkv.kv.sequence import SequenceKV
-from turnkv.methods.loopserve.decode import LoopServeDecode
 from turnkv.methods.loopserve import greedy as greedy_module
 from turnkv.methods.loopserve import prefill as prefill_module
+from turnkv.methods.loopserve.decode import LoopServeDecode
 from turnkv.methods.loopserve.prefill import LoopServePrefill
 from turnkv.methods.recipe import Recipe
 
@@ -250,11 +250,11 @@ def test_line_mask_and_blockwise_attention_equal_brute_force(per_q):
 
 
 def test_a_shape_and_tri_shape_equal_brute_force_masks():
-    from turnkv.methods.a_shape import AShape
-    from turnkv.methods.tri_shape import TriShape
+    from turnkv.methods.prefill.a_shape import AShapePrefill
+    from turnkv.methods.prefill.tri_shape import TriShapePrefill
 
     keys = random_keys(T=20, hist=30)
-    for method in (AShape(sink=3, local=5), TriShape(sink=3, local=5, last=4)):
+    for method in (AShapePrefill(sink=3, local=5), TriShapePrefill(sink=3, local=5, last=4)):
         out, stats = method.attend(0, keys)
         mask = torch.zeros(1, 2, 20, keys.k.shape[2], dtype=torch.bool)
         for h in range(2):
@@ -263,7 +263,7 @@ def test_a_shape_and_tri_shape_equal_brute_force_masks():
                 for c in range(keys.k.shape[2]):
                     kp = int(keys.k_pos[0, h, c])
                     if keys.valid[0, h, c] and kp <= p:
-                        dense_row = isinstance(method, TriShape) and p >= 50 - 4
+                        dense_row = isinstance(method, TriShapePrefill) and p >= 50 - 4
                         mask[0, h, r, c] = kp < 3 or p - kp < 5 or dense_row
         torch.testing.assert_close(out, brute_attention(keys, mask), rtol=1e-5, atol=1e-5)
         assert stats["computed"].sum().item() == mask.sum().item()

@@ -12,7 +12,8 @@ from turnkv.attention import decode as decode_module
 from turnkv.engine.step import Step
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
-from turnkv.methods.lserve.decode import LServeDecode, QuestDecode, summaries_for
+from turnkv.methods.decode.quest import QuestDecode
+from turnkv.methods.lserve.decode import LServeDecode, summaries_for
 from turnkv.methods.lserve.summaries import PageSummaries
 from turnkv.methods.step_context import StepContext
 
@@ -200,13 +201,14 @@ def test_lserve_streaming_heads_read_their_window_and_dense_heads_select(chat_ll
 
 
 def test_presets():
-    from turnkv.methods.lserve.streaming import StreamingHeads
+    from turnkv.methods.lserve.streaming_heads import StreamingHeadsPrefill
     from turnkv.methods.recipe import preset
 
     assert isinstance(preset("quest").decode, QuestDecode)
-    assert isinstance(preset("duo-attention").prefill, StreamingHeads) and not preset("duo-attention").selects_decode
+    assert isinstance(preset("duo-attention").prefill, StreamingHeadsPrefill)
+    assert not preset("duo-attention").selects_decode
     lserve = preset("lserve")
-    assert isinstance(lserve.prefill, StreamingHeads) and isinstance(lserve.decode, LServeDecode)
+    assert isinstance(lserve.prefill, StreamingHeadsPrefill) and isinstance(lserve.decode, LServeDecode)
     assert lserve.decode.budget == 4096 and lserve.prefill.sink == 128 and lserve.prefill.local == 256
     assert isinstance(preset("lserve-dynamic").decode, LServeDecode)
-    assert isinstance(preset("lserve-static").prefill, StreamingHeads)
+    assert isinstance(preset("lserve-static").prefill, StreamingHeadsPrefill)

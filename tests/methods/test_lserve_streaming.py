@@ -13,7 +13,7 @@ from turnkv.attention.lines import Keys
 from turnkv.errors import InvalidRequestError
 from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.lserve.pattern import HeadPattern
-from turnkv.methods.lserve.streaming import StreamingHeads
+from turnkv.methods.lserve.streaming_heads import StreamingHeadsPrefill
 from turnkv.methods.recipe import Recipe
 from turnkv.methods.step_context import StepContext
 
@@ -53,7 +53,7 @@ def brute_force(q, k, v, q_pos, k_pos, streaming, sink, local, dense_window=None
 def test_prefill_mask_equals_brute_force(pattern_file, history):
     torch.manual_seed(0)
     Hq, H, D, T, sink, local = 4, 2, 8, 40, 3, 7
-    method = StreamingHeads(pattern=pattern_file, sink=sink, local=local, prefill_local=local)
+    method = StreamingHeadsPrefill(pattern=pattern_file, sink=sink, local=local, prefill_local=local)
     method.bind(2)
     # With history: kept keys with holes (a sink and a ring of the previous turn), then the new rows.
     k_pos = torch.cat([torch.tensor([0, 1, 2]), torch.arange(50, 60), torch.arange(60, 60 + T)]) if history \
@@ -79,7 +79,7 @@ def test_split_prefill_dense_heads_by_sdpa_equals_brute_force(pattern_file, S, T
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel's device (CPU: the interpreter)
     torch.manual_seed(1)
     Hq, H, D, sink, local = 4, 2, 16, 3, 9
-    method = StreamingHeads(pattern=pattern_file, sink=sink, local=local, prefill_local=local)
+    method = StreamingHeadsPrefill(pattern=pattern_file, sink=sink, local=local, prefill_local=local)
     method.bind(2)
     k_pos = torch.arange(S)
     q_pos = k_pos[-T:]
@@ -146,7 +146,7 @@ class KeptOracle:
                         self.allowed[layer, head, q] = row
 
     def attend(self, layer, keys):
-        from turnkv.methods.pattern_hook import fixed_pattern
+        from turnkv.methods.prefill.pattern_hook import fixed_pattern
 
         def mask(rows):
             q_pos, k_pos = keys.q_pos[0, rows], keys.k_pos[0]  # one sequence
@@ -210,7 +210,7 @@ def test_multi_turn_decode_equals_attention_over_exactly_the_kept_positions(chat
     oracle = KeptOracle(STREAMING, sink, prefill_local, forwards, len(tokens))
     seq = SequenceKV(chat_llm.pool)
     try:
-        from turnkv.methods.pattern_hook import PatternHook
+        from turnkv.methods.prefill.pattern_hook import PatternHook
 
         logits = chat_llm.runner.prefill(seq, tokens, all_logits=True,
                                            context=StepContext(pattern=PatternHook(oracle, [])))
@@ -277,7 +277,7 @@ def _ring_kv(pool, method, prompt):
 
 def _host_only(monkeypatch, kv):
     """Within the context: any device read or data move of the store raises."""
-    import turnkv.methods.lserve.streaming as streaming_module
+    import turnkv.methods.lserve.streaming_heads as streaming_module
 
     def fail(*args, **kwargs):
         raise AssertionError("trim touched the device")
@@ -294,7 +294,7 @@ def test_trim_is_host_only_and_drops_a_page_every_page_of_steps(pattern_file, mo
 
     sink, local, page = 8, 12, 4
     pool = PagePool(2, 2, 8, 64, page)
-    method = StreamingHeads(pattern=pattern_file, sink=sink, local=local)
+    method = StreamingHeadsPrefill(pattern=pattern_file, sink=sink, local=local)
     method.bind(2)
     kv = _ring_kv(pool, method, 50)
     drops = []
@@ -331,12 +331,12 @@ def test_trim_checks_heads_that_something_else_moved(pattern_file, monkeypatch):
     """A rollback (truncate) moves heads: the next trim reads their positions once, then it is host
     only again. A head with a hole (another method evicted from its ring) is trimmed exactly to the
     last `local` positions and checked at every trim."""
-    import turnkv.methods.lserve.streaming as streaming_module
+    import turnkv.methods.lserve.streaming_heads as streaming_module
     from turnkv.kv.pool import PagePool
 
     sink, local, page = 8, 12, 4
     pool = PagePool(2, 2, 8, 64, page)
-    method = StreamingHeads(pattern=pattern_file, sink=sink, local=local)
+    method = StreamingHeadsPrefill(pattern=pattern_file, sink=sink, local=local)
     method.bind(2)
     kv = _ring_kv(pool, method, 50)
     reads = []
@@ -380,19 +380,19 @@ def test_trim_checks_heads_that_something_else_moved(pattern_file, monkeypatch):
 
 
 def test_pattern_sources_and_errors(tmp_path, pattern_file):
-    method = StreamingHeads(pattern="random", ratio=0.5)
+    method = StreamingHeadsPrefill(pattern="random", ratio=0.5)
     flags = method.flags(6, 4)
     assert flags.shape == (6, 4) and flags.sum() == 12
-    default = StreamingHeads()  # the calibrated SmolLM2 gates, thresholded at 0.5
+    default = StreamingHeadsPrefill()  # the calibrated SmolLM2 gates, thresholded at 0.5
     assert default.flags(30, 3).mean() == pytest.approx(0.5, abs=0.02)
-    assert StreamingHeads(ratio=0.25).flags(30, 3).mean() == pytest.approx(0.25, abs=0.02)
+    assert StreamingHeadsPrefill(ratio=0.25).flags(30, 3).mean() == pytest.approx(0.25, abs=0.02)
     with pytest.raises(InvalidRequestError, match="pattern="):
-        StreamingHeads(pattern=pattern_file).flags(3, 2)  # a pattern for another model
+        StreamingHeadsPrefill(pattern=pattern_file).flags(3, 2)  # a pattern for another model
     with pytest.raises(InvalidRequestError):
-        StreamingHeads(pattern=str(tmp_path / "missing.json")).flags(2, 2)
+        StreamingHeadsPrefill(pattern=str(tmp_path / "missing.json")).flags(2, 2)
     duo = tmp_path / "full_attention_heads.tsv"
     duo.write_text("0.1\t0.9\n0.8\t0.2\n")  # gate near 1: dense
-    assert StreamingHeads(pattern=str(duo)).flags(2, 2).tolist() == STREAMING
+    assert StreamingHeadsPrefill(pattern=str(duo)).flags(2, 2).tolist() == STREAMING
     for bad in ("prefill=streaming_heads(local=0)", "prefill=streaming_heads(ratio=2)"):
         with pytest.raises(InvalidRequestError):
             Recipe.parse(bad)

@@ -10,13 +10,13 @@ import pytest
 
 from turnkv.errors import InvalidRequestError
 from turnkv.methods import registry
-from turnkv.methods.adakv import AdaKV
-from turnkv.methods.eviction import SCHEDULES, Eviction
-from turnkv.methods.flowkv import FlowKV
+from turnkv.methods.evict.adakv import AdaKVAllocator
+from turnkv.methods.evict.eviction import SCHEDULES, Eviction
+from turnkv.methods.evict.snapkv import SnapKVScorer
+from turnkv.methods.evict.uniform import UniformAllocator
 from turnkv.methods.recipe import DEFAULT_BUDGET, PRESET_DOCS, Recipe, preset, presets
-from turnkv.methods.recompress import Recompress
-from turnkv.methods.snapkv import SnapKV
-from turnkv.methods.uniform import Uniform
+from turnkv.methods.turns.flowkv import FlowKVTurns
+from turnkv.methods.turns.recompress import RecompressTurns
 
 SCORERS = ["expected_attention", "h2o", "knorm", "pyramidkv", "random", "snapkv", "streaming_llm", "tova"]
 ALLOCATORS = ["adakv", "uniform"]
@@ -25,7 +25,8 @@ TURNS = ["flowkv", "recompress"]
 
 # ---- construction -----------------------------------------------------------------------------------
 def test_dataclass_recipe_equals_the_string_recipe():
-    built = Recipe(evict=Eviction(scorer=SnapKV(window=16), allocator=AdaKV(alpha=0.3), budget=256), turns=FlowKV())
+    built = Recipe(evict=Eviction(scorer=SnapKVScorer(window=16), allocator=AdaKVAllocator(alpha=0.3), budget=256),
+                   turns=FlowKVTurns())
     parsed = Recipe.parse("evict=snapkv(window=16)+adakv(alpha=0.3) budget=256 turns=flowkv")
     assert parsed == built
     e = parsed.evict
@@ -35,7 +36,7 @@ def test_dataclass_recipe_equals_the_string_recipe():
     assert (parsed.turns.min_size, parsed.turns.reading) == (32, "segment")
     # The default recipe is the full cache, and so is the empty string.
     assert Recipe() == Recipe.parse("") == Recipe.parse("   ") == preset("full")
-    assert Recipe().evict is None and Recipe().turns == Recompress()
+    assert Recipe().evict is None and Recipe().turns == RecompressTurns()
 
 
 def test_eviction_parameters_may_sit_inside_the_terms_and_separators_vary():
@@ -44,24 +45,24 @@ def test_eviction_parameters_may_sit_inside_the_terms_and_separators_vary():
     assert a == b
     e = a.evict
     assert (e.budget, e.schedule, e.scorer.window, e.allocator.alpha) == (12, "turn_end", 8, 0.5)
-    assert a.turns == FlowKV(min_size=4)
+    assert a.turns == FlowKVTurns(min_size=4)
     # Names take dashes or underscores.
     assert Recipe.parse("evict=streaming-llm budget=5").evict.scorer.name == "streaming_llm"
 
 
 def test_preset_then_overrides():
     r = Recipe.parse("ada-snapkv budget=64")
-    assert r.evict == Eviction(scorer=SnapKV(), allocator=AdaKV(), budget=64)
-    assert r.turns == Recompress()
+    assert r.evict == Eviction(scorer=SnapKVScorer(), allocator=AdaKVAllocator(), budget=64)
+    assert r.turns == RecompressTurns()
     # A preset alone gets the default budget.
     assert preset("ada-snapkv").evict.budget == DEFAULT_BUDGET == 1024
     # keep_ratio replaces the preset's budget (exactly one of the two stays).
     r = Recipe.parse("flowkv-ada-snapkv keep_ratio=0.4 schedule=turn_end")
     assert (r.evict.budget, r.evict.keep_ratio, r.evict.schedule) == (None, 0.4, "turn_end")
-    assert r.turns == FlowKV() and isinstance(r.evict.allocator, AdaKV)
+    assert r.turns == FlowKVTurns() and isinstance(r.evict.allocator, AdaKVAllocator)
     # A later evict= replaces the preset's eviction, and the amount applies to the new one.
     r = Recipe.parse("ada-snapkv evict=knorm budget=8")
-    assert (r.evict.scorer.name, type(r.evict.allocator), r.evict.budget) == ("knorm", Uniform, 8)
+    assert (r.evict.scorer.name, type(r.evict.allocator), r.evict.budget) == ("knorm", UniformAllocator, 8)
     # A later preset replaces an earlier one.
     assert Recipe.parse("snapkv ada-snapkv") == preset("ada-snapkv")
 
@@ -213,7 +214,7 @@ def test_every_preset_builds():
         assert (recipe.prefill.name, recipe.decode.name) == ("dense", "all")
         e = recipe.evict
         assert e.scorer.name == scorers[name]
-        assert type(e.allocator) is (AdaKV if "ada-" in name else Uniform)
+        assert type(e.allocator) is (AdaKVAllocator if "ada-" in name else UniformAllocator)
         assert (e.budget, e.keep_ratio, e.schedule) == (DEFAULT_BUDGET, None, "prefill")
         assert recipe.turns.name == ("flowkv" if name.startswith("flowkv") else "recompress")
         # Any preset takes a budget override.
@@ -290,7 +291,7 @@ def test_decode_schedule_with_flowkv_is_rejected():
         with pytest.raises(InvalidRequestError, match=message):
             Recipe.parse(text)
     with pytest.raises(InvalidRequestError, match=message):
-        Recipe(evict=Eviction(scorer=SnapKV(), budget=8, schedule="decode"), turns=FlowKV())
+        Recipe(evict=Eviction(scorer=SnapKVScorer(), budget=8, schedule="decode"), turns=FlowKVTurns())
     with pytest.raises(InvalidRequestError, match=message):
         Recipe.from_dict({"evict": {"scorer": "snapkv", "schedule": "decode"}, "turns": "flowkv"})
     # The other schedules go with flowkv, and decode goes with recompress.
@@ -302,14 +303,16 @@ def test_decode_schedule_with_flowkv_is_rejected():
 # ---- the registry -----------------------------------------------------------------------------------
 def test_describe_lists_every_component_with_its_defaults():
     rows = registry.describe()
-    by_axis = {}
+    by_kind = {}
     for row in rows:
-        by_axis.setdefault(row["axis"], []).append(row["name"])
+        by_kind.setdefault(row["kind"], []).append(row["name"])
         assert row["doc"], row
-    assert list(by_axis) == list(registry.AXES)
-    assert by_axis == {"prefill": ["a_shape", "dense", "loopserve", "minference", "streaming_heads", "tri_shape"], "scorer": SCORERS,
+        assert row["axis"] == registry.KINDS[row["kind"]][0]
+    assert list(by_kind) == list(registry.KINDS)
+    assert list(dict.fromkeys(row["axis"] for row in rows)) == list(registry.AXES)
+    assert by_kind == {"prefill": ["a_shape", "dense", "loopserve", "minference", "streaming_heads", "tri_shape"], "scorer": SCORERS,
                        "allocator": ALLOCATORS, "turns": TURNS, "decode": ["all", "loopserve", "lserve", "quest"], "state": ["gpu", "krul", "krul_fix", "load", "minicache", "partial", "recompute"]}
-    params = {(r["axis"], r["name"]): r["params"] for r in rows}
+    params = {(r["kind"], r["name"]): r["params"] for r in rows}
     assert params[("decode", "loopserve")] == {"budget": 1024, "interval": 16, "warmup": 16, "window": None,
                                                "granularity": "query", "sinks": 0}
     assert params[("prefill", "a_shape")] == {"sink": 128, "local": 4096}
@@ -333,11 +336,11 @@ def test_describe_lists_every_component_with_its_defaults():
     assert params[("turns", "recompress")] == {"budget_rule": "matched"}
     # Each described component builds with no arguments, and its fields default to what describe says.
     for row in rows:
-        component = registry.build(row["axis"], row["name"], {})
+        component = registry.build(row["kind"], row["name"], {})
         assert component.name == row["name"]
         assert {f.name: getattr(component, f.name) for f in dataclasses.fields(component) if f.init} == row["params"]
         # ...and with every parameter given explicitly at its default.
-        assert registry.build(row["axis"], row["name"], dict(row["params"])) == component
+        assert registry.build(row["kind"], row["name"], dict(row["params"])) == component
 
 
 def test_build_errors_list_the_options():

@@ -13,19 +13,19 @@ import torch
 from turnkv.engine.step import Step
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
-from turnkv.methods.adakv import AdaKV
-from turnkv.methods.base import LayerView
-from turnkv.methods.eviction import Eviction
-from turnkv.methods.expected_attention import ExpectedAttention
-from turnkv.methods.h2o import H2O
-from turnkv.methods.knorm import Knorm
-from turnkv.methods.random_scorer import RandomScorer
-from turnkv.methods.recompress import Recompress
-from turnkv.methods.snapkv import SnapKV
-from turnkv.methods.streaming_llm import StreamingLLM
-from turnkv.methods.tova import TOVA
-from turnkv.methods.uniform import Uniform
+from turnkv.methods.evict.adakv import AdaKVAllocator
+from turnkv.methods.evict.eviction import Eviction
+from turnkv.methods.evict.expected_attention import ExpectedAttentionScorer
+from turnkv.methods.evict.h2o import H2OScorer
+from turnkv.methods.evict.knorm import KnormScorer
+from turnkv.methods.evict.layer_view import LayerView
+from turnkv.methods.evict.random import RandomScorer
+from turnkv.methods.evict.snapkv import SnapKVScorer
+from turnkv.methods.evict.streaming_llm import StreamingLLMScorer
+from turnkv.methods.evict.tova import TOVAScorer
+from turnkv.methods.evict.uniform import UniformAllocator
 from turnkv.methods.step_context import StepContext
+from turnkv.methods.turns.recompress import RecompressTurns
 
 H, HQ, G, D = 2, 4, 2, 16
 INV_FREQ = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
@@ -117,7 +117,7 @@ def naive_snapkv(view: LayerView, kernel: int = 7, pooling: str = "max") -> torc
 @pytest.mark.parametrize("seed", [0, 1])
 def test_snapkv_scores_equal_naive_definition(seed):
     view, _ = random_view(seed)
-    scores = SnapKV(window=6).score(view)
+    scores = SnapKVScorer(window=6).score(view)
     expected = naive_snapkv(view)
     assert_scores_equal_on_valid(scores, expected, view.valid)
     # exactly the window's 6 tokens are protected in each head
@@ -126,13 +126,13 @@ def test_snapkv_scores_equal_naive_definition(seed):
 
 def test_snapkv_avg_pooling_and_no_pooling():
     view, _ = random_view(2)
-    assert_scores_equal_on_valid(SnapKV(window=6, kernel=5, pooling="avg").score(view),
+    assert_scores_equal_on_valid(SnapKVScorer(window=6, kernel=5, pooling="avg").score(view),
                                  naive_snapkv(view, 5, "avg"), view.valid)
-    assert_scores_equal_on_valid(SnapKV(window=6, kernel=1).score(view), naive_snapkv(view, 1), view.valid)
+    assert_scores_equal_on_valid(SnapKVScorer(window=6, kernel=1).score(view), naive_snapkv(view, 1), view.valid)
     with pytest.raises(ValueError):
-        SnapKV(kernel=4)
+        SnapKVScorer(kernel=4)
     with pytest.raises(ValueError):
-        SnapKV(pooling="median")
+        SnapKVScorer(pooling="median")
 
 
 def window_heavy_view(n: int = 40, W: int = 8, seed: int = 3) -> LayerView:
@@ -160,7 +160,7 @@ def official_snapkv(view: LayerView, kernel: int = 7) -> torch.Tensor:
 def test_snapkv_matches_the_official_code_away_from_the_window():
     view = window_heavy_view()
     n, W = 40, 8
-    scores = SnapKV(window=W).score(view)
+    scores = SnapKVScorer(window=W).score(view)
     official = official_snapkv(view)
     torch.testing.assert_close(scores[:, : n - W - 3].double(), official[:, : n - W - 3], **TOL)
     assert torch.isposinf(scores[:, n - W :]).all()
@@ -169,7 +169,7 @@ def test_snapkv_matches_the_official_code_away_from_the_window():
 def test_snapkv_pooling_excludes_window_columns_as_in_the_official_code():
     view = window_heavy_view()
     n, W = 40, 8
-    scores = SnapKV(window=W).score(view)
+    scores = SnapKVScorer(window=W).score(view)
     official = official_snapkv(view)
     # The three tokens right before the window: the official score is their own neighbourhood's maximum.
     torch.testing.assert_close(scores[:, n - W - 3 : n - W].double(), official[:, n - W - 3 :], **TOL)
@@ -179,12 +179,12 @@ def test_snapkv_pooling_excludes_window_columns_as_in_the_official_code():
 
 def test_streaming_llm_sinks_then_recency():
     view, _ = random_view(4)
-    scores = StreamingLLM().score(view)
+    scores = StreamingLLMScorer().score(view)
     for h in range(H):
         for j in range(int(view.valid[h].sum())):
             p = int(view.positions[h, j])
             assert scores[h, j] == (INF if p < 4 else float(p))
-    protected = torch.isposinf(StreamingLLM(sinks=2).score(view)) & view.valid
+    protected = torch.isposinf(StreamingLLMScorer(sinks=2).score(view)) & view.valid
     assert torch.equal(protected, (view.positions < 2) & view.valid)
 
 
@@ -193,7 +193,7 @@ def test_tova_is_last_query_attention_averaged_over_the_group():
     W = view.queries.shape[0]
     last = [naive_window_attention(view, W - 1, qh) for qh in range(HQ)]
     expected = torch.stack([(last[2 * h] + last[2 * h + 1]) / 2 for h in range(H)])
-    scores = TOVA().score(view)
+    scores = TOVAScorer().score(view)
     assert_scores_equal_on_valid(scores, expected, view.valid)
     for h in range(H):  # a distribution over the head's valid keys
         assert float(scores[h, : int(view.valid[h].sum())].sum()) == pytest.approx(1.0, abs=1e-5)
@@ -204,7 +204,7 @@ def test_knorm_is_minus_key_norm():
     S = view.keys.shape[1]
     expected = torch.tensor([[-math.sqrt(sum(float(x) ** 2 for x in view.keys[h, j])) for j in range(S)]
                              for h in range(H)])
-    torch.testing.assert_close(Knorm().score(view), expected.float(), **TOL)
+    torch.testing.assert_close(KnormScorer().score(view), expected.float(), **TOL)
 
 
 def test_random_scores_reproducible_and_seed_dependent():
@@ -256,7 +256,7 @@ def naive_expected_attention(view: LayerView, q_pre: torch.Tensor, future: int, 
 def test_expected_attention_without_covariance_one_future_position():
     # future=1, no covariance: softmax over keys of k . R(p) mean(pre-rope q) / sqrt(d), times ||v||
     view, q_pre = random_view(8, next_position=57)
-    scores = ExpectedAttention(window=6, future=1, use_covariance=False).score(view)
+    scores = ExpectedAttentionScorer(window=6, future=1, use_covariance=False).score(view)
     p = 57
     expected = torch.full((H, view.keys.shape[1]), float("nan"), dtype=torch.float64)
     for h in range(H):
@@ -272,7 +272,7 @@ def test_expected_attention_without_covariance_one_future_position():
 @pytest.mark.parametrize("future", [1, 37, 512])
 def test_expected_attention_with_covariance_equals_naive(future):
     view, q_pre = random_view(9, next_position=61)
-    scores = ExpectedAttention(window=6, future=future).score(view)
+    scores = ExpectedAttentionScorer(window=6, future=future).score(view)
     assert_scores_equal_on_valid(scores, naive_expected_attention(view, q_pre, future, True), view.valid)
     for h in range(H):
         n = int(view.valid[h].sum())
@@ -283,11 +283,11 @@ def test_expected_attention_with_covariance_equals_naive(future):
 
 def test_expected_attention_options():
     view, q_pre = random_view(10, next_position=50)
-    plain = ExpectedAttention(window=6, future=16, use_vnorm=False, epsilon=0.01, sinks=0).score(view)
+    plain = ExpectedAttentionScorer(window=6, future=16, use_vnorm=False, epsilon=0.01, sinks=0).score(view)
     assert_scores_equal_on_valid(plain, naive_expected_attention(view, q_pre, 16, True, vnorm=False, sinks=0,
                                                                  epsilon=0.01), view.valid)
     # without the value norm and the epsilon, a head's scores are a distribution over its valid keys
-    dist = ExpectedAttention(window=6, future=16, use_vnorm=False, sinks=0).score(view)
+    dist = ExpectedAttentionScorer(window=6, future=16, use_vnorm=False, sinks=0).score(view)
     for h in range(H):
         assert float(dist[h, : int(view.valid[h].sum())].sum()) == pytest.approx(1.0, abs=1e-5)
 
@@ -371,7 +371,8 @@ def test_h2o_attention_mass_is_the_attention_received_and_moves_with_eviction():
         older = [(m, p) for p, m in zip(naive.pos[h], naive.mass[h]) if p not in recent]
         heavy = [p for _, p in sorted(older, reverse=True)[:3]]
         expected.append(sorted(recent + heavy))
-    Eviction(H2O(), Uniform(), budget=B).compress(seq, Recompress(), 0, seq.next_position, None, INV_FREQ)
+    Eviction(H2OScorer(), UniformAllocator(), budget=B).compress(
+        seq, RecompressTurns(), 0, seq.next_position, None, INV_FREQ)
     _, _, pos = seq.gather(0)
     assert [pos[h, : seq.lengths[0, h]].tolist() for h in range(H)] == expected
     naive.keep(expected)
@@ -391,7 +392,8 @@ def test_h2o_with_ada_allocation_keeps_the_layer_budget():
     g = torch.Generator().manual_seed(12)
     for T in (12, 1, 1, 1, 1):
         run_step(pool, seq, naive, g, T)
-    Eviction(H2O(recent_ratio=0.25), AdaKV(alpha=0.0), budget=8).compress(seq, Recompress(), 0, 16, None, INV_FREQ)
+    Eviction(H2OScorer(recent_ratio=0.25), AdaKVAllocator(alpha=0.0), budget=8).compress(
+        seq, RecompressTurns(), 0, 16, None, INV_FREQ)
     assert int(seq.lengths.sum()) == H * 8
     _, _, pos = seq.gather(0)
     mass = seq.gather_attention_mass(0)

@@ -14,7 +14,7 @@ import turnkv
 from conftest import save_tiny
 from turnkv.kv.sequence import SequenceKV
 from turnkv.state import streams
-from turnkv.state.load import Load
+from turnkv.state.load import LoadStrategy
 
 
 class _FakeStream:
@@ -68,7 +68,7 @@ def test_dropped_load_stream_restores_exactly_while_its_memory_is_reused(tmp_pat
     seq.reserve(n)
     pool.k.normal_()
     pool.v.normal_()
-    stored = Load().pack(ctx, seq, None, "cpu")
+    stored = LoadStrategy().pack(ctx, seq, None, "cpu")
     tiers.put("t", {"state": stored.meta}, stored.tensors, "cpu")
     _, meta, host = tiers.get("t")
     reference = [seq.gather(layer)[0].clone() for layer in range(pool.num_layers)]
@@ -82,7 +82,7 @@ def test_dropped_load_stream_restores_exactly_while_its_memory_is_reused(tmp_pat
     monkeypatch.setattr(streams.LoadStream, "start", slow_start)
     restored = SequenceKV(pool)
     torch.cuda.synchronize()
-    Load().restore(ctx, restored, list(range(n)), meta["state"], host)  # the stream is dropped here
+    LoadStrategy().restore(ctx, restored, list(range(n)), meta["state"], host)  # the stream is dropped here
     # Take every cached block the slots' size would fit in (the freed slots among them) and fill it
     # with an out-of-range index, while the load stream still sleeps.
     size = pool.num_layers * pool.num_kv_heads * n

@@ -8,12 +8,11 @@ import functools
 import torch
 
 from turnkv.attention import reference
+from turnkv.attention.triton import available
 
 
 @functools.cache
 def _kernel():
-    from turnkv.attention.triton import available
-
     if not available():
         return None
     from turnkv.attention.triton import decode

@@ -20,6 +20,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from turnkv.attention.triton import available
+
 
 @dataclass
 class Keys:
@@ -163,8 +165,6 @@ def diagonal_sums(weights: torch.Tensor, row_positions: list[list[int]], num_off
 
 @functools.cache
 def _diagonals_kernel():
-    from turnkv.attention.triton import available
-
     if not available():
         return None
     from turnkv.attention.triton import diagonals as kernel
@@ -224,8 +224,6 @@ def blockwise_attention(keys: Keys, mask_fn, scale: float | None = None, block_r
 
 @functools.cache
 def _kernel():
-    from turnkv.attention.triton import available
-
     if not available():
         return None
     from turnkv.attention.triton import lines as kernel

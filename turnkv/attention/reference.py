@@ -20,6 +20,12 @@ def gather_pages(pool: torch.Tensor, tables: torch.Tensor, length: int) -> torch
     return rows.view(B, H, pages * pool.shape[1], *pool.shape[2:])[:, :, :length]
 
 
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Stored int8/fp8 codes [..., D] and their fp32 scales [...] -> rows in `dtype` (codes * scale,
+    in fp32): how every attention path reads a quantized pool (turnkv.kv.quant writes it)."""
+    return (codes.float() * scale[..., None].float()).to(dtype)
+
+
 def causal_mask(lengths: torch.Tensor, num_new: int, num_keys: int) -> torch.Tensor:
     """Visibility [B, H, T, S] when the T new tokens are the last T entries of each head.
 
@@ -94,8 +100,6 @@ def indexed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     keys = gather_pages(k_cache, table, S)
     values = gather_pages(v_cache, table, S)
     if k_scale is not None:
-        from turnkv.kv.quant import dequantize
-
         keys = dequantize(keys, gather_pages(k_scale, table, S), q.dtype)
         values = dequantize(values, gather_pages(v_scale, table, S), q.dtype)
     mask = torch.arange(S, device=q.device) < lengths[:, :, None].long()  # [B, H, S]

@@ -42,13 +42,13 @@ import torch
 
 from turnkv.engine import decode_loop
 from turnkv.engine.conversation import Conversation
-from turnkv.engine.observe import QueryWindow
 from turnkv.engine.turn import TurnRun
 from turnkv.kv.sequence import SequenceKV
 from turnkv.kv.snapshot import export_kv, import_kv
 from turnkv.methods.loopserve.decode import ProgressiveSelection
 from turnkv.methods.lserve.decode import PagedSelection
 from turnkv.methods.step_context import StepContext
+from turnkv.methods.window import QueryWindow
 
 
 def chunkable(recipe) -> bool:

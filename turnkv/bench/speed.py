@@ -52,13 +52,14 @@ def _peak_gb(device) -> float | None:
 
 
 def steady_time_per_token(reply, skip: int) -> float:
-    """Seconds per decode step after the first `skip` tokens (a decode selection's warm-up, graph
-    captures), from the times the tokens were read; the whole decode when the reply is too short."""
+    """Seconds per decode step over the steps that made tokens skip .. n-1 (the first `skip` tokens
+    left out: a decode selection's warm-up, graph captures), from the times the tokens were read;
+    the whole decode when the reply is too short. With n - skip a multiple of a selection's period
+    (LoopServe re-selects every 16 steps from step 16, LServe every 4), the span holds whole periods."""
     times = reply.token_times
-    skip = min(skip, len(times) - 2)
-    if skip < 0:
+    if not 1 <= skip < len(times):
         return reply.time_per_token_s
-    return (times[-1] - times[skip]) / (len(times) - 1 - skip)
+    return (times[-1] - times[skip - 1]) / (len(times) - skip)
 
 
 def measure(llm, recipe, ctx: int, batch: int, cfg: SpeedConfig, hw: dict) -> dict:

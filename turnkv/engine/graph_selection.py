@@ -76,7 +76,7 @@ class SelectionGraphs:
         self.handlers: dict = {}
 
     def handler(self, selectors):
-        if not selectors or any(s is None or not hasattr(s, "graph_config") for s in selectors):
+        if not selectors or any(s is None or s.graph_config() is None for s in selectors):
             return None
         keys = set()
         for s in selectors:

@@ -10,6 +10,7 @@ from turnkv.attention import decode, lines, reference
 from turnkv.engine import selection
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
+from turnkv.methods.protocols import WriteWatcher
 from turnkv.methods.step_context import PLAIN, StepContext
 
 
@@ -39,7 +40,7 @@ class Step:
         self.observers = self.selectors
         # Selectors that keep statistics beside the pages (LServe's per-page key min/max) see every K
         # write of their sequence, prefill and decode: `written(layer, seq, slots, k)`.
-        self.writers = [(b, s) for b, s in enumerate(self.observers or []) if hasattr(s, "written")]
+        self.writers = [(b, s) for b, s in enumerate(self.observers or []) if isinstance(s, WriteWatcher)]
         self.seqs = seqs
         # Per sequence a QueryWindow (or None) that records each layer's queries for the scorers.
         windows = [c.window for c in contexts]

@@ -17,6 +17,7 @@ import torch
 from turnkv.attention.reference import gather_pages
 from turnkv.errors import KVCacheFullError
 from turnkv.kv import quant
+from turnkv.model import ops
 
 
 class PagePool:
@@ -233,6 +234,4 @@ class PagePool:
 def _fused_quantize(rows: torch.Tensor) -> bool:
     """Whether a write takes a one-launch Triton kernel (turnkv/kv/quant_write.py, head_write.py): where
     the decoder's fused ops run (CUDA, or forced for tests; see turnkv/model/ops.py)."""
-    from turnkv.model import ops
-
     return ops.use_kernels(rows)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from turnkv.attention.reference import dequantize  # noqa: F401  (readers dequantize as attention does)
 from turnkv.errors import InvalidRequestError
 
 FP8 = torch.float8_e4m3fn
@@ -68,11 +69,6 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     y = (xf / safe[..., None]).clamp_(-q, q)
     codes = y.round_().to(torch.int8) if dtype == torch.int8 else y.to(dtype)
     return codes, scale
-
-
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """codes [..., D] and scales [...] -> rows in `dtype`."""
-    return (codes.float() * scale[..., None].float()).to(dtype)
 
 
 def round_trip(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

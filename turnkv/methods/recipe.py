@@ -1,5 +1,7 @@
-"""A recipe picks one component per axis: prefill pattern, eviction, turn policy, decode selection and
-state between turns. The engine calls it at fixed points of a turn and never the other way round.
+"""A recipe picks one component per axis (turnkv.methods.protocols): the prefill pattern; eviction,
+which is a scorer + allocator + budget + schedule (`evict`) and a turn policy (`turns`); the decode
+selection; and the state between turns. The engine calls it at fixed points of a turn and never the
+other way round.
 
 Recipes are dataclasses, or strings such as
     "evict=snapkv(window=32)+adakv(alpha=0.2) budget=1024 turns=flowkv"
@@ -19,19 +21,21 @@ import json
 import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
 
-from turnkv.engine.observe import QueryWindow
+import yaml
+
 from turnkv.errors import InvalidRequestError
 from turnkv.kv.quant import kv_dtype_name
-from turnkv.methods.all_tokens import AllTokens
-from turnkv.methods.dense import Dense
-from turnkv.methods.eviction import Eviction
-from turnkv.methods.pattern_hook import PatternHook, summarise
-from turnkv.methods.recompress import Recompress
+from turnkv.methods.decode.all import AllDecode
+from turnkv.methods.evict.eviction import Eviction
+from turnkv.methods.prefill.dense import DensePrefill
+from turnkv.methods.prefill.pattern_hook import PatternHook, summarise
+from turnkv.methods.protocols import Decode, DecodeSelection, Prefill, StateStrategy, StaticSparsity, Turns
 from turnkv.methods.registry import build
-from turnkv.methods.resident import Resident
+from turnkv.methods.terms import format_term, parse_term, parse_value, split_top_level
 from turnkv.methods.step_context import StepContext
+from turnkv.methods.turns.recompress import RecompressTurns
+from turnkv.methods.window import QueryWindow
 
 EVICTION_KEYS = {"budget", "keep_ratio", "compression_ratio", "schedule", "every"}
 DEFAULT_BUDGET = 1024
@@ -46,11 +50,11 @@ class MethodState:
     frozen_upto: int = 0  # FlowKV: positions below this were compressed once and are final
     since_compression: int = 0  # decode schedule: tokens generated since the last compression
     log: list[dict] = field(default_factory=list)
-    decode: Any = None  # the decode axis' selection state (LoopServe), None when decode reads everything
+    decode: DecodeSelection | None = None  # the decode selection's state, None when decode reads everything
     pattern_stats: list[dict] = field(default_factory=list)  # the running turn's per-layer prefill entries
     stats: list[dict] = field(default_factory=list)  # per turn: what the prefill pattern / decode selection did
     accumulate: bool = False  # the scorer adds up attention mass (H2O)
-    sparse_prefill: Any = None  # the recipe's prefill pattern component, or None (dense prefill)
+    sparse_prefill: Prefill | None = None  # the recipe's prefill pattern component, or None (dense prefill)
 
     @property
     def context(self) -> StepContext:
@@ -59,16 +63,25 @@ class MethodState:
         return StepContext(self.window, self.accumulate, pattern, self.decode)
 
 
+def _resident() -> StateStrategy:
+    # The state strategies live in turnkv.state, above this layer; they are registered by the time
+    # a recipe is made (importing turnkv imports the engine, which imports them).
+    return build("state", "gpu")
+
+
 @dataclass
 class Recipe:
-    prefill: Any = field(default_factory=Dense)
+    """One component per axis; `evict` and `turns` together are the eviction axis (no eviction: evict
+    is None, and the turn policy has nothing to do)."""
+
+    prefill: Prefill = field(default_factory=DensePrefill)
     evict: Eviction | None = None
-    turns: Any = field(default_factory=Recompress)
-    decode: Any = field(default_factory=AllTokens)
-    state: Any = field(default_factory=Resident)
-    # What becomes of the previous reply's KV at the next turn (LoopServe spec §3.4): "keep" it as
-    # decoded (cheaper), or "reprefill" it: drop it and prefill the reply again with the new message,
-    # so that it goes through the prefill pattern like the rest of the new block (the faithful reading).
+    turns: Turns = field(default_factory=RecompressTurns)
+    decode: Decode = field(default_factory=AllDecode)
+    state: StateStrategy = field(default_factory=_resident)
+    # What becomes of the previous reply's KV at the next turn: "keep" it as decoded (cheaper), or
+    # "reprefill" it: drop it and prefill the reply again with the new message, so that it goes
+    # through the prefill pattern like the rest of the new block (the paper's faithful reading).
     answer: str = "keep"
     # The KV storage dtype the recipe needs ("int8", "fp8", "none" = the compute dtype), or None: any.
     kv_dtype: str | None = None
@@ -88,7 +101,7 @@ class Recipe:
     @classmethod
     def parse(cls, text: str) -> Recipe:
         """Parse "preset key=value ..."; see the module docstring."""
-        tokens = _split_top_level(text.strip())
+        tokens = split_top_level(text.strip())
         if not tokens:
             return cls()
         recipe, overrides = cls(), {}
@@ -108,8 +121,6 @@ class Recipe:
         except OSError as e:
             raise InvalidRequestError(f"cannot read the recipe file {path}: {e}") from None
         if path.suffix in (".yaml", ".yml"):
-            import yaml
-
             try:
                 data = yaml.safe_load(text)
             except yaml.YAMLError as e:
@@ -132,20 +143,20 @@ class Recipe:
 
     def with_overrides(self, overrides: dict[str, str]) -> Recipe:
         recipe = self
-        evict_params = {k: _value(overrides.pop(k)) for k in list(overrides) if k in EVICTION_KEYS}
-        for axis, spec in overrides.items():
-            if axis == "evict":
+        evict_params = {k: parse_value(overrides.pop(k)) for k in list(overrides) if k in EVICTION_KEYS}
+        for key, spec in overrides.items():
+            if key == "evict":
                 recipe = replace(recipe, evict=_parse_eviction(spec) if spec not in ("none", "full") else None)
-            elif axis in ("prefill", "turns", "decode", "state"):
-                name, params = _parse_term(spec)
-                recipe = replace(recipe, **{axis: build(axis, name, params)})
-            elif axis == "answer":
+            elif key in ("prefill", "turns", "decode", "state"):  # a field named as its registry kind
+                name, params = parse_term(spec)
+                recipe = replace(recipe, **{key: build(key, name, params)})
+            elif key == "answer":
                 recipe = replace(recipe, answer=spec)
-            elif axis == "kv_dtype":
+            elif key == "kv_dtype":
                 recipe = replace(recipe, kv_dtype=kv_dtype_name(spec))
             else:
                 raise InvalidRequestError(
-                    f"unknown recipe key {axis!r}; use prefill, evict, turns, decode, state, answer, kv_dtype, or "
+                    f"unknown recipe key {key!r}; use prefill, evict, turns, decode, state, answer, kv_dtype, or "
                     f"{', '.join(sorted(EVICTION_KEYS))}"
                 )
         if evict_params:
@@ -155,15 +166,16 @@ class Recipe:
         return recipe
 
     def __str__(self) -> str:
-        parts = [f"prefill={_term(self.prefill)}"]
+        parts = [f"prefill={format_term(self.prefill)}"]
         if self.evict is not None:
             e = self.evict
             amount = f"budget={e.budget}" if e.budget is not None else f"keep_ratio={e.keep_ratio}"
-            parts.append(f"evict={_term(e.scorer)}+{_term(e.allocator)} {amount} schedule={e.schedule}"
+            parts.append(f"evict={format_term(e.scorer)}+{format_term(e.allocator)} {amount} schedule={e.schedule}"
                          + (f" every={e.every}" if e.schedule == "decode" or e.every != DEFAULT_EVERY else ""))
         else:
             parts.append("evict=none")
-        parts += [f"turns={_term(self.turns)}", f"decode={_term(self.decode)}", f"state={_term(self.state)}"]
+        parts += [f"turns={format_term(self.turns)}", f"decode={format_term(self.decode)}",
+                  f"state={format_term(self.state)}"]
         if self.answer != "keep":
             parts.append(f"answer={self.answer}")
         if self.kv_dtype is not None:
@@ -173,11 +185,10 @@ class Recipe:
     # ---- engine hooks -----------------------------------------------------------------------------
     def new_state(self, num_layers: int) -> MethodState:
         window = self.evict.scorer.window if self.evict is not None else 0
-        if hasattr(self.prefill, "bind"):
-            self.prefill.bind(num_layers)
+        self.prefill.bind(num_layers)
         decode = self.decode.new_state(num_layers) if self.selects_decode else None
-        if decode is not None and hasattr(decode, "static") and self.static_sparsity is not None:
-            decode.static = self.static_sparsity  # LServe: streaming heads never select
+        if decode is not None and self.static_sparsity is not None:
+            decode.exclude_static(self.static_sparsity)  # LServe: streaming heads never select
         return MethodState(self.state.query_window(num_layers, window), decode=decode,
                            accumulate=self.accumulates_attention,
                            sparse_prefill=self.prefill if self.sparse_prefill else None)
@@ -189,17 +200,18 @@ class Recipe:
     @property
     def sparse_prefill(self) -> bool:
         """The prefill axis computes attention itself (a pattern) rather than densely."""
-        return hasattr(self.prefill, "attend")
+        return self.prefill.sparse
 
     @property
     def selects_decode(self) -> bool:
         """The decode axis reads a selection of the kept tokens rather than all of them."""
-        return hasattr(self.decode, "new_state")
+        return self.decode.selects
 
     @property
-    def static_sparsity(self):
-        """The streaming-heads component (its `trim` keeps their sink + local), or None."""
-        return self.prefill if hasattr(self.prefill, "trim") else None
+    def static_sparsity(self) -> StaticSparsity | None:
+        """The prefill component when it also keeps a static pattern in the store (streaming heads,
+        whose `trim` keeps their sink + local), or None."""
+        return self.prefill if isinstance(self.prefill, StaticSparsity) else None
 
     def _trim(self, kv) -> None:
         if self.static_sparsity is not None:
@@ -326,63 +338,12 @@ def presets() -> dict[str, Recipe]:
 
 
 # ---- parsing helpers --------------------------------------------------------------------------------
-def _split_top_level(text: str) -> list[str]:
-    tokens, depth, current = [], 0, ""
-    for ch in text:
-        depth += ch == "("
-        depth -= ch == ")"
-        if depth == 0 and (ch.isspace() or ch in ";,"):
-            if current:
-                tokens.append(current)
-            current = ""
-        else:
-            current += ch
-    if depth != 0:
-        raise InvalidRequestError(f"unbalanced parentheses in recipe {text!r}")
-    if current:
-        tokens.append(current)
-    return tokens
-
-
-_TERM = re.compile(r"^\s*([A-Za-z0-9_\-]+)\s*(?:\((.*)\))?\s*$", re.S)
-
-
-def _parse_term(spec: str) -> tuple[str, dict]:
-    match = _TERM.match(spec)
-    if not match:
-        raise InvalidRequestError(f"cannot read {spec!r}; write name or name(key=value, ...)")
-    name, args = match.group(1).replace("-", "_"), match.group(2)
-    params = {}
-    for item in _split_top_level(args or ""):
-        if "=" not in item:
-            raise InvalidRequestError(f"parameter {item!r} of {name} needs the form key=value")
-        k, v = item.split("=", 1)
-        params[k.strip()] = _value(v.strip())
-    return name, params
-
-
-def _value(text: str):
-    if not isinstance(text, str):
-        return text
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered in ("none", "null"):
-        return None
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text.strip("'\"")
-
-
 def _parse_eviction(spec: str) -> Eviction:
     terms = [t for t in re.split(r"\+(?![^(]*\))", spec) if t.strip()]
     if not 1 <= len(terms) <= 2:
         raise InvalidRequestError(f"evict={spec!r}: write scorer(...) or scorer(...)+allocator(...)")
-    scorer_name, scorer_params = _parse_term(terms[0])
-    allocator_name, allocator_params = _parse_term(terms[1]) if len(terms) == 2 else ("uniform", {})
+    scorer_name, scorer_params = parse_term(terms[0])
+    allocator_name, allocator_params = parse_term(terms[1]) if len(terms) == 2 else ("uniform", {})
     eviction_params = {}
     for params in (scorer_params, allocator_params):
         for k in list(params):
@@ -410,13 +371,6 @@ def _make_eviction(scorer, allocator, params: dict) -> Eviction:
         return Eviction(scorer=scorer, allocator=allocator, **params)
     except (TypeError, ValueError) as e:
         raise InvalidRequestError(f"eviction: {e}") from None
-
-
-def _term(component) -> str:
-    values = {f.name: getattr(component, f.name) for f in fields(component) if f.init}
-    defaults = {f.name: f.default for f in fields(component) if f.init}
-    changed = [f"{k}={v}" for k, v in values.items() if v != defaults[k]]
-    return component.name + (f"({','.join(changed)})" if changed else "")
 
 
 def _component_string(spec: dict) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 
@@ -31,8 +32,6 @@ _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
 
 
 def open_reader(path: Path):
-    import gguf
-
     if not path.is_file():
         raise ModelLoadError(f"model file not found: {path}")
     try:
@@ -85,8 +84,6 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def read_tensors(reader, config: ModelConfig) -> dict[str, torch.Tensor]:
-    import gguf
-
     permuted = _field(reader, "general.architecture") == "llama"
     tensors = {}
     for t in reader.tensors:

@@ -1,21 +1,19 @@
-"""Krul's token-wise heterogeneous attention similarity estimator, with the spec's deviation.
+"""Krul's token-wise heterogeneous attention similarity estimator, from recorded queries.
 
 Krul needs, per conversation, each layer's I-R score (attention mass on the first and last 10% of
 the tokens) and the Euclidean distance between every two layers' attention maps, per head. The paper
 copies each prefill map to the CPU while the GPU decodes, and folds each decode row in on the GPU.
-Full maps are O(s^2) per head (~33 GB for 4K tokens on a 7B model), so turnkv follows the spec's
-proposed deviation (krul.md §6.3 (ii)), and it is the default: the engine records the turn's post-RoPE
-queries (TurnQueries), and at turn end the attention rows are recomputed from them in query chunks,
-against the keys the conversation holds. Memory stays O(layers x heads x chunk x s).
+Full maps are O(s^2) per head, so turnkv deviates from the paper here: the engine records the
+turn's post-RoPE queries (TurnQueries), and at turn end the attention rows are recomputed from them in
+query chunks, against the keys the conversation holds. Memory stays O(layers x heads x chunk x s).
 
 Where the rows are computed (`where`):
   "device": every row on the pool's device, in chunks (the default on a GPU). The paper moves the
     prefill maps to the CPU because full maps do not fit in GPU memory; with chunked recomputation
-    they never exist in full, so that reason is gone, and the CPU path was the whole cost: ~275 s at
-    32K tokens of an 8B model, against ~0.1-0.2 s on the GPU (see BENCHMARKS / gpu_state_restore).
+    they never exist in full, so that reason is gone, and the CPU rows would dominate the pack.
   "cpu": the paper's split, kept as an option (and the default on a CPU device): prefill rows on a
     CPU worker thread, decode rows on the device at the same time. The two row blocks are disjoint
-    rows of one causal map, so their squared distances add up to the exact distance (spec A3).
+    rows of one causal map, so their squared distances add up to the exact distance.
 Either way a chunk is one [Hq, N, rows*P] block of maps and one batched GEMM gives every layer
 pair's Gram ||a||^2 + ||b||^2 - 2ab for every head; only the per-layer score GEMM loops over layers.
 
@@ -23,10 +21,8 @@ Row sampling (`max_rows`, a deviation from the paper): when the turn has more qu
 max_rows, max_rows of them are used, evenly spaced from a seeded offset, and the squared distances
 are scaled by rows/max_rows (an estimate of the full sum); the I-R score is the mean over the
 sampled rows. This bounds the cost at O(N * Hq * max_rows * P) whatever the turn length. It is an
-approximation: measured on SmolLM2-135M (3 texts x 1K/2K histories, turns of 160/300 rows, 3 seeds),
-128 sampled rows kept 94% of the exact pairs and the identical pair set in 14 of 18 cases, 64 rows
-86% and 8 of 18. Krul samples only turns longer than its `estimator_rows` (512), so ordinary turns
-are exact.
+approximation (its agreement with the exact pairs: benchmarks/BENCHMARKS.md). Krul samples only turns
+longer than its `estimator_rows` (512), so ordinary turns are exact.
 
 Columns are key positions, so layers that evicted different tokens are still comparable.
 """
@@ -38,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from turnkv.attention.reference import gather_pages
-from turnkv.engine.observe import QueryWindow
+from turnkv.methods.window import QueryWindow
 
 # fp32 attention rows per chunk over all layers and heads (the peak extra memory): large on a GPU
 # (fewer, larger GEMMs), small on a CPU (cache-friendly).
@@ -187,7 +183,7 @@ def _mask_future(scores: torch.Tensor, first: int, q_pos: torch.Tensor) -> None:
 
 
 def ir_regions(num_positions: int, share: float = 0.1) -> tuple[tuple[int, int], tuple[int, int]]:
-    """The first and last `share` of positions, disjoint even for short sequences (spec A2)."""
+    """The first and last `share` of positions, disjoint even for short sequences."""
     n = max(1, int(round(share * num_positions)))
     n = min(n, num_positions // 2) or 1
     return (0, n), (max(n, num_positions - n), num_positions)

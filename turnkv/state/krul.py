@@ -2,8 +2,8 @@
 restore; and its baselines MiniCache (fixed latter-half pairs) and Krul (Fix).
 
 At turn end Krul
-  1. recomputes the turn's attention rows from the recorded queries (estimator.py: the spec's
-     deviation, the default) and scores each layer's I-R pattern;
+  1. recomputes the turn's attention rows from the recorded queries (estimator.py, a deviation
+     from the paper, which copies whole maps) and scores each layer's I-R pattern;
   2. pairs I-R layers greedily by attention distance until N * layer_ratio layers are paired;
   3. picks per-layer recompute lengths, a non-increasing pyramid within the storage budget, from
      the costs calibrated on this machine (schedule.py);
@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from turnkv.methods.protocols import StateStrategy
 from turnkv.methods.registry import register
 from turnkv.state import pairing, schedule
-from turnkv.state.base import StateStrategy, Stored
+from turnkv.state.base import Stored
 from turnkv.state.estimator import TurnQueries, attention_statistics
 from turnkv.state.split import pack_split, restore_split
 
@@ -79,14 +80,14 @@ class SharedLayers(StateStrategy):
 
 @register("state", "krul")
 @dataclass
-class Krul(SharedLayers):
+class KrulStrategy(SharedLayers):
     """Krul: I-R layers paired per conversation by attention similarity, merged MiniCache-style, and
     a pyramid recompute/load split calibrated to leave no bubble.
 
     ir_threshold : float, default 0.3
         gamma: a layer is I-R when at least this share of its attention falls on the first and last
         10% of the tokens. The paper gives no value; 0.3 makes about three quarters of SmolLM2's layers
-        I-R (scores 0.14-0.43 in layers 0-11, 0.45-0.83 deeper), the paper's Table 3 share.
+        I-R, the paper's Table 3 share.
     layer_ratio : float, default 0.5
         r_l: pair layers until N * r_l of them are paired.
     recompute_ratio : float or None, default None
@@ -102,7 +103,7 @@ class Krul(SharedLayers):
         "cpu" is the paper's split (prefill rows on a CPU worker).
     estimator_rows : int or None, default 512
         Turns with more query rows are sampled down to this many (a bounded cost; estimator.py
-        documents the deviation and its measured agreement); None: always exact.
+        documents the approximation); None: always exact.
     tau, retain_threshold, max_retained : MiniCache's SLERP weight and token-retention threshold, and
         the cap on the retained share (merge.py says why)."""
 
@@ -141,7 +142,7 @@ class Krul(SharedLayers):
 
 @register("state", "minicache")
 @dataclass
-class MiniCache(SharedLayers):
+class MiniCacheStrategy(SharedLayers):
     """MiniCache as a restoration baseline (FKC): adjacent pairs of the latter half merged for every
     conversation, everything loaded (recompute_ratio 0, no pyramid)."""
 
@@ -154,7 +155,7 @@ class MiniCache(SharedLayers):
 
 @register("state", "krul_fix")
 @dataclass
-class KrulFix(SharedLayers):
+class KrulFixStrategy(SharedLayers):
     """Krul (Fix): fixed adjacent pairs in layers 9-24 (of 32, scaled to the depth) with Krul's
     calibrated pyramid restore."""
 

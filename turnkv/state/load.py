@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from turnkv.methods.protocols import StateStrategy
 from turnkv.methods.registry import register
-from turnkv.state.base import StateStrategy, Stored
+from turnkv.state.base import Stored
 from turnkv.state.split import pack_split, restore_split
 
 
 @register("state", "load")
 @dataclass
-class Load(StateStrategy):
+class LoadStrategy(StateStrategy):
     """Full KV to the CPU or disk tier; on return it is copied back layer by layer on a side CUDA
     stream, and the next turn's layer l starts as soon as layer l has arrived.
 

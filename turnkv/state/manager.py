@@ -23,10 +23,11 @@ import numpy as np
 from turnkv.errors import InvalidRequestError
 from turnkv.kv.disk import CorruptStateError
 from turnkv.kv.tiers import StateTiersFullError, TieredStore
+from turnkv.methods.protocols import StateStrategy
 from turnkv.methods.registry import build
-from turnkv.state.base import StateStrategy
 from turnkv.state.context import RestoreContext
-from turnkv.state.recompute import Recompute, full_layout_meta
+from turnkv.state.recompute import RecomputeStrategy as Recompute
+from turnkv.state.recompute import full_layout_meta
 
 
 class StateManager:

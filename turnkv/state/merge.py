@@ -9,10 +9,9 @@ Retention follows MiniCache: with angular distance d = Omega / pi between the tw
 d > d_min + (d_max - d_min) * retain_threshold keep their originals. Krul's own `gamma` (the I-R
 threshold) is a different thing; the two are named apart on purpose.
 
-That rule alone keeps almost every row when the two layers' rows are far apart everywhere: measured
-on SmolLM2-135M, adjacent layers' keys sit at d = 0.42-0.55 (median; near-orthogonal), and the rule
-retained 93-99% of the rows, so a "merged" pair stored more than two plain layers. Random weights
-behave the same. `max_retained` therefore caps the retained share, keeping the farthest rows:
+That rule alone keeps almost every row when the two layers' rows are far apart everywhere (as
+adjacent layers' keys are on SmolLM2-135M, and on random weights), and a "merged" pair then stores
+more than two plain layers. `max_retained` therefore caps the retained share, keeping the farthest rows:
 outliers stay few, and storage stays what the method promises. max_retained=1 is the literal rule.
 """
 

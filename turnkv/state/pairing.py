@@ -7,8 +7,8 @@ import torch
 
 def select_pairs(ir_score: torch.Tensor, distance: torch.Tensor, ir_threshold: float, layer_ratio: float) -> list[tuple[int, int]]:
     """Greedy disjoint pairs (i, j), i > j, among the I-R layers (ir_score >= ir_threshold), closest
-    attention maps first, until the paired layers reach N * layer_ratio (the code's reading of r_l,
-    spec A5). Ties go to the closer layers, then the shallower. May stop short when I-R layers run out."""
+    attention maps first, until the paired layers reach N * layer_ratio (the paper's code's reading of
+    r_l). Ties go to the closer layers, then the shallower. May stop short when I-R layers run out."""
     N = len(ir_score)
     ir_layers = [layer for layer in range(N) if float(ir_score[layer]) >= ir_threshold]
     candidates = sorted(((float(distance[i, j]), i - j, j, i) for i in ir_layers for j in ir_layers if i > j))

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from turnkv.methods.protocols import StateStrategy
 from turnkv.methods.registry import register
-from turnkv.state.base import StateStrategy, Stored
+from turnkv.state.base import Stored
 from turnkv.state.split import pack_split, restore_split
 
 
 @register("state", "partial")
 @dataclass
-class Partial(StateStrategy):
+class PartialStrategy(StateStrategy):
     """Every layer recomputes the first r_c of the history and loads the rest.
 
     recompute_ratio : float or None, default None

@@ -1,7 +1,7 @@
 """Recompute the KV of a history prefix whose length may shrink with depth (Krul's pyramid).
 
 Layer l recomputes the tokens at positions [0, R[l]) with R non-increasing, so the hidden states it
-needs are the first R[l] rows of layer l-1's output, which always exist (Krul §6.2, Eq. 4-5). Under
+needs are the first R[l] rows of layer l-1's output, which always exist (the Krul paper's Eq. 4-5). Under
 causal attention the prefix needs no key from outside itself, so this never waits for the load
 stream. The forward drives the decoder's blocks one at a time with its own attention step: a plain
 causal attention over the layer's prefix that writes the K/V rows the conversation holds into the

@@ -8,13 +8,14 @@ import numpy as np
 import torch
 
 from turnkv.kv.snapshot import Layout, layout_of, slots_of
+from turnkv.methods.protocols import StateStrategy
 from turnkv.methods.registry import register
-from turnkv.state.base import StateStrategy, Stored
+from turnkv.state.base import Stored
 
 
 @register("state", "recompute")
 @dataclass
-class Recompute(StateStrategy):
+class RecomputeStrategy(StateStrategy):
     """Store only the token history; re-prefill it on return (exact without eviction).
 
     After eviction the heads keep the positions they held (from a full-cache recompute, so their

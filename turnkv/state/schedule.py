@@ -1,13 +1,13 @@
 """Krul's bubble-free restoration scheduler: the calibrated recompute/load split r_c and the
 per-layer recompute lengths (the "pyramid").
 
-Costs are modelled and calibrated on the machine (spec §3.5.1): recomputing R[l] tokens at layer l
+Costs are modelled and calibrated on the machine: recomputing R[l] tokens at layer l
 costs a * R[l] + b * R[l]^2 (dense layers, then attention), and loading costs bytes / bandwidth of
 the tier. r_c is the uniform split minimising max(T_C, T_L) (= min |T_C - T_L| where they cross).
 The pyramid keeps R non-increasing with depth (the hidden states layer l needs exist only for
 tokens layer l-1 recomputed) and searches a linear ramp R[l] = R0 + k ((N-1)/2 - l), cut to
 [0, n] and made non-increasing, for the least max(T_C, T_L) whose stored bytes stay within Krul's
-budget C = c (1 - r_c) N (spec §3.5.2, "budget" mode). Shared layers free load time and budget,
+budget C = c (1 - r_c) N ("budget" mode). Shared layers free load time and budget,
 which the ramp hands to deeper layers; "min_storage" keeps the uniform split and banks the savings.
 A `storage` share replaces the budget by that share of the full KV: the ramp then recomputes what it
 must to fit (tokens recomputed are not stored), fastest first.
@@ -20,6 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from turnkv.attention import reference
+from turnkv.state.prefix import recompute_prefix
 
 
 @dataclass
@@ -132,12 +135,8 @@ def measure_compute(model, device: torch.device, lengths=(512, 2048)) -> tuple[f
     """(a, b) of the recompute cost, fitted on prefix recomputes of two lengths over every layer.
     Lengths of 512 and 2048: the prefixes Krul recomputes are thousands of tokens (a 256-token GEMM
     runs far below peak and made the linear term too large)."""
-    from turnkv.state.prefix import recompute_prefix
-
     class Discard:
         def attention(self, layer, q, k, v):
-            from turnkv.attention import reference
-
             return reference.causal_prefill(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
     N = len(model.layers)

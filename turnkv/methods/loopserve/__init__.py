@@ -1,4 +1,2 @@
-"""LoopServe (spec loopserve.md): adaptive vertical/slash prefill lines (Algorithm 5) and progressive
-decode selection (Algorithm 6)."""
-
-from turnkv.methods.loopserve import decode, prefill  # noqa: F401
+"""LoopServe: adaptive vertical/slash prefill lines (prefill.py, Algorithm 5 of the paper) and
+progressive decode selection (decode.py, Algorithm 6)."""

@@ -1,4 +1,4 @@
-"""LoopServe's decode axis: progressive KV selection (Algorithm 6, spec loopserve.md §3.3).
+"""LoopServe's decode axis: progressive KV selection (Algorithm 6 of the paper).
 
 Per turn: the first `warmup` decode steps read the full KV. At decode step n_o = warmup, and every
 `interval` steps after it, each head keeps the top-`budget` of its kept tokens, scored by the summed
@@ -8,7 +8,7 @@ because a re-selection may pick any token. The decode step reads the selection t
 decode kernel (engine/selection.py).
 
 Counting: decode step n feeds the n-th generated token, so at n_o = 16 the window of 16 holds the
-queries of exactly the 16 generated tokens (the current one included), as §3.3.3 reads the listing.
+queries of exactly the 16 generated tokens (the current one included), as the listing reads.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ import torch
 
 from turnkv.attention import reference, top_k
 from turnkv.kv.quant import dequantize
+from turnkv.methods.protocols import Decode, DecodeSelection
 from turnkv.methods.registry import register
 
 
 @register("decode", "loopserve")
 @dataclass
-class LoopServeDecode:
+class LoopServeDecode(Decode):
     """LoopServe progressive decode: per-head top-B re-selected every n_d steps (Alg. 6).
 
     budget: tokens each head keeps from the history (B, 1024). interval: n_d, steps between
@@ -68,7 +69,7 @@ class _Picked:
     step: int
 
 
-class ProgressiveSelection:
+class ProgressiveSelection(DecodeSelection):
     """One conversation's selection state; the engine calls begin() once per forward step, observe()
     per layer with the step's queries, and entries() per layer of a decode step.
 
@@ -110,7 +111,7 @@ class ProgressiveSelection:
 
     def begin(self, decoding: bool) -> None:
         self.ticks += 1
-        if not decoding:  # a prefill: a new turn starts from warm-up (§3.4: selections are per turn)
+        if not decoding:  # a prefill: a new turn starts from warm-up (selections are per turn)
             self.steps, self.reselect, self.selections = 0, False, 0
             self.picked = [None] * len(self.picked)
             return

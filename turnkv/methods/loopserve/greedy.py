@@ -1,4 +1,4 @@
-"""The greedy of Algorithm 5 (spec loopserve.md §3.2.3-§3.2.4), batched over selection units.
+"""The greedy of LoopServe's Algorithm 5, batched over selection units.
 
 Each unit (a head) holds its slash and vertical lines sorted by descending sum. The greedy always takes
 the head of one list, so after it stops the selected lines are the first `i` slash and the first `j`
@@ -13,8 +13,8 @@ Three implementations of the same loop, equal to the bit (same fp32 operations i
   line, and a host read every CHECK_EVERY iterations to stop).
 - the scalar Python loop per unit (greedy_python), the CPU path: on a CPU a torch op costs microseconds
   whatever its size, so the unit-by-unit loop on Python floats (fp32 results emulated by rounding each
-  operation, exact: see there) was measured 2-40x faster than the torch loop (2x at 32 units x 2048
-  lines, 40x at 9 units x 1700 lines: the torch loop runs until the slowest unit is done).
+  operation, exact: see there) is faster than the torch loop, which also runs until the slowest unit
+  is done.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import array
 import functools
 
 import torch
+
+from turnkv.attention.triton import available
 
 CHECK_EVERY = 32  # iterations between the host reads that stop the torch loop once every unit is done
 BACKENDS = ("auto", "triton", "torch", "python")
@@ -51,8 +53,6 @@ def start(w_s, s_max, w_v, v_max, forced_s, forced_v, max_forced: int | None = N
 
 @functools.cache
 def _kernel():
-    from turnkv.attention.triton import available
-
     if not available():
         return None
     from turnkv.attention.triton import greedy as kernel
@@ -83,7 +83,7 @@ def greedy(w_s, s_max, l_s, n_s, w_v, v_max, l_v, n_v, target, forced_s, forced_
     (padding after them). target [N]: alpha times the sampled mass. forced_s, forced_v [N]: the forced
     lines at the front, taken before the greedy starts. The estimate subtracts w^max of the other kind
     of line already taken (ol_s, ol_v): a slash and a vertical line share at most one cell, so it never
-    exceeds the mass really covered (spec §3.2.4). backend: one of BACKENDS (see resolve()); all give
+    exceeds the mass really covered. backend: one of BACKENDS (see resolve()); all give
     the same result. max_forced: a host bound on forced_s and forced_v, or None (see start())."""
     Ms, Mv = w_s.shape[1], w_v.shape[1]
     # Every unit takes at most its n_s + n_v lines, so the cap never needs to exceed Ms + Mv.
@@ -117,7 +117,7 @@ def greedy_torch(w_s, s_max, l_s, n_s, w_v, v_max, l_v, n_v, target, i, j, total
             den_s = (l_s[ar, si] - j).clamp_min(1)
             den_v = (l_v[ar, vj] - i).clamp_min(1)
             prefer_s = gain_s * den_v >= gain_v * den_s
-        else:  # the §5.1 prose: raw marginal gains
+        else:  # the paper's prose: raw marginal gains
             prefer_s = gain_s >= gain_v
         take_s = active & can_s & (prefer_s | ~can_v)
         take_v = active & can_v & ~take_s

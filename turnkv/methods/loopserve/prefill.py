@@ -1,5 +1,5 @@
 """LoopServe's prefill axis: online vertical/slash line selection per layer and head (Algorithm 5),
-then the chunk's attention over only the selected lines (spec loopserve.md §3.2)."""
+then the chunk's attention over only the selected lines."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 
 from turnkv.attention import lines
 from turnkv.methods.loopserve.greedy import chosen, greedy
-from turnkv.methods.pattern_hook import clock as _clock
+from turnkv.methods.prefill.pattern_hook import clock as _clock
+from turnkv.methods.protocols import Prefill
 from turnkv.methods.registry import register
 
 _FORCED = 1e9  # added to a forced line's sort key so it sorts first; sums never come near it
@@ -18,15 +19,15 @@ _FORCED = 1e9  # added to a forced line's sort key so it sorts first; sums never
 
 @register("prefill", "loopserve")
 @dataclass
-class LoopServePrefill:
+class LoopServePrefill(Prefill):
     """LoopServe adaptive vertical/slash prefill lines (Alg. 5).
 
     alpha: sampled attention mass the lines must recover (0.955 in the paper's main table).
     samples: query rows sampled per chunk (48); sampling: "random" (seeded, without replacement) or
     "strided" (evenly spaced). wmax: the overlap bound w^max, "max" (largest entry of the line on the
-    sample, spec §10.2) or "zero" (no overlap correction). lengths: "full" (cells in the whole chunk,
+    sample) or "zero" (no overlap correction). lengths: "full" (cells in the whole chunk,
     the compute cost) or "sampled" (cells on the sampled rows). compare: "normalised" (gain per new
-    cell, the listing) or "raw" (the §5.1 prose). force_sink: key positions below it are forced
+    cell, the listing) or "raw" (the paper's prose). force_sink: key positions below it are forced
     vertical lines; force_local: offsets below it are forced slash lines (1: the diagonal, which keeps
     every row's key set non-empty). max_lines: cap per head, None for none. granularity: "query"
     (lines per query head) or "kv" (per KV head, from the group's summed attention). profile: time the
@@ -67,8 +68,8 @@ class LoopServePrefill:
         if self.sampling == "strided":
             rows = torch.linspace(0, num_rows - 1, self.samples).round().long()
         else:
-            # Floyd-style sampling of 48 distinct rows, not a permutation of all of them: torch.randperm
-            # of a 128K-row chunk took 5 ms of host time per layer, most of LoopServe's selection there.
+            # Draws `samples` distinct rows without permuting all of them: a permutation of a long
+            # chunk's rows costs host time per layer that would dominate the selection.
             rng = np.random.default_rng(hash((self.seed, layer, first_position)) & 0x7FFFFFFF)
             rows = torch.from_numpy(np.sort(rng.choice(num_rows, self.samples, replace=False)))
         return rows.to(device)
@@ -102,7 +103,7 @@ class LoopServePrefill:
         k_pos = lines.per_unit(keys.k_pos, G, per_q)  # [N, S]
         valid = lines.per_unit(keys.valid, G, per_q) if keys.valid is not None else torch.ones_like(k_pos, dtype=torch.bool)
         delta = torch.arange(num_offsets, device=k_pos.device)
-        if self.lengths == "full":  # §3.2.2: rows p in [max(h, c), n_i)
+        if self.lengths == "full":  # rows p in [max(h, c), n_i)
             l_v = (q_end - k_pos.clamp_min(q_start)).float()
             l_s = (q_end - delta.clamp_min(q_start)).float().expand(B * U, -1)
         else:

@@ -1,9 +1,8 @@
 """LServe's parts that stand on their own: streaming-head patterns (files, calibration by attention
 statistics, DuoAttention-style gate optimisation) and hierarchical page selection for decode
 (with Quest as its one-level case). The engine uses them through the decode axis `quest` / `lserve`
-(decode.py) and the prefill axis `streaming_heads` (streaming.py)."""
+(decode.py, turnkv/methods/decode/quest.py) and the prefill axis `streaming_heads` (streaming_heads.py)."""
 
-from turnkv.methods.lserve import decode, streaming  # noqa: F401  (register the decode and prefill axes)
 from turnkv.methods.lserve.calibrate_stats import StatsStep, calibrate_by_attention, outside_window_mass
 from turnkv.methods.lserve.gates import GatedStep, GateResult, optimize_gates
 from turnkv.methods.lserve.masks import outside_mask, streaming_mask

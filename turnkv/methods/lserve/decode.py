@@ -1,4 +1,5 @@
-"""The decode axis `quest` and `lserve`: page selection by per-page key min/max (Quest, LServe §3.5).
+"""The decode axis `lserve` (and the selection `quest` shares, decode/quest.py): page selection by
+per-page key min/max.
 
 Each conversation gets a PagedSelection (its SelectionState, so batched conversations keep their own
 reuse timers). The engine's Step hands it every K write (`written`), which folds the keys into the
@@ -24,6 +25,7 @@ import torch
 
 from turnkv.methods.lserve.selector import PageSelector, SelectionState, SelectorConfig
 from turnkv.methods.lserve.summaries import PageSummaries
+from turnkv.methods.protocols import Decode, DecodeSelection, StaticSparsity, WriteWatcher
 from turnkv.methods.registry import register
 
 # One PageSummaries per (pool, logical page size), made when the first conversation needs it.
@@ -37,32 +39,9 @@ def summaries_for(pool, logical_page: int) -> PageSummaries:
     return per_pool[logical_page]
 
 
-@register("decode", "quest")
-@dataclass
-class QuestDecode:
-    """Quest: per 16-token page key min/max, top pages to the token budget every step (first layers dense).
-
-    budget: tokens each head reads (4096). page: tokens per page (16). dense_layers: layers below it
-    read everything (2, as the Quest paper)."""
-
-    budget: int = 4096
-    page: int = 16
-    dense_layers: int = 2
-
-    def __post_init__(self):
-        self.selector_config()  # checks the values
-
-    def selector_config(self) -> SelectorConfig:
-        return SelectorConfig.quest(self.budget, physical_page=self.page, logical_page=self.page,
-                                    dense_layers=self.dense_layers)
-
-    def new_state(self, num_layers: int) -> PagedSelection:
-        return PagedSelection(self.selector_config(), num_layers)
-
-
 @register("decode", "lserve")
 @dataclass
-class LServeDecode:
+class LServeDecode(Decode):
     """LServe hierarchical paging: 64-token pages scored by their 16-token pages' key min/max, reused 4 steps.
 
     budget: tokens each head reads (4096). physical_page / logical_page: 64 / 16. reuse: decode steps
@@ -86,7 +65,7 @@ class LServeDecode:
         return PagedSelection(self.selector_config(), num_layers)
 
 
-class PagedSelection:
+class PagedSelection(DecodeSelection, WriteWatcher):
     """One conversation's page selection; the engine calls begin() per forward step, written() and
     observe() per layer, and entries() per layer of a decode step. The CUDA-graph decode
     (engine/graph_selection.py) keeps its selections in the graph's buffers instead and drives this
@@ -134,6 +113,9 @@ class PagedSelection:
 
     def observe(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> None:
         self.queries[layer] = q[-1]
+
+    def exclude_static(self, static: StaticSparsity) -> None:
+        self.static = static
 
     def written(self, layer: int, seq, slots: torch.Tensor, k: torch.Tensor) -> None:
         summaries = summaries_for(seq.pool, self.selector.config.logical_page)

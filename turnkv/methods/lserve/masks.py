@@ -1,6 +1,6 @@
 """The streaming (Λ-shaped) mask: query i sees key j iff j <= i and (j < sink or j > i - local).
 
-Token-exact, as Block-Sparse-Attention's streaming mask (spec §3.1). Shared by calibration and gate
+Token-exact, as Block-Sparse-Attention's streaming mask. Shared by calibration and gate
 training so that both measure the same window the engine will serve."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 LServe/DuoAttention give every KV head a gate in [0, 1] (near 1: retrieval head, near 0: streaming
 head) and keep a head dense iff its gate is >= the `sparsity` quantile of ALL gates of the model,
-so the number of dense heads varies per layer (spec §3.2). Granularity is per KV head: one flag
+so the number of dense heads varies per layer. Granularity is per KV head: one flag
 covers the head's whole GQA group of query heads.
 
 Files:

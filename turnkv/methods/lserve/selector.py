@@ -1,11 +1,11 @@
-"""Hierarchical page selection for decode (LServe §3.5, Quest as the one-level case).
+"""Hierarchical page selection for decode (LServe, with Quest as the one-level case).
 
 Score of a logical page j for query q: S_j = Σ_d max(q_d·kmax_jd, q_d·kmin_jd), an upper bound on
 q·k of every key of the page. A physical page (64 tokens = 4 logical pages) scores the max of its
 logical pages. Per head, the top pages fill the token budget, the head's newest (partial) page is
 always included, and a head whose history fits the budget keeps all its pages.
 
-GQA: by default selection is per QUERY head, as LServe's released code does (spec §3.3, §7.2 item 2):
+GQA: by default selection is per QUERY head, as LServe's released code does:
 the output then has one table row per query head, which indexed_decode reads as Hq "KV heads" over
 the same pool (G = 1). `group="max"` / `"sum"` select per KV head instead, reducing the group's
 scores by max (keeps the upper bound for every query head of the group) or sum; one K/V page load
@@ -13,7 +13,7 @@ then serves the whole group.
 
 Reuse: a selection serves `reuse_interval` decode steps per conversation and layer (SelectionState,
 one per conversation, so batched conversations keep their own timers). A new physical page opening
-forces a refresh, so the forced newest page is never stale (the pitfall noted in spec §3.4).
+forces a refresh, so the forced newest page is never stale.
 
 Mapping to the pool: physical page p of a head is its table entries [p r, p r + r) with
 r = physical_page // pool.page_size (r = 4 for 16-token pool pages). The output tables list those
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from turnkv.attention import top_k
+from turnkv.attention import decode, top_k
 
 GROUPS = ("query", "max", "sum")
 
@@ -99,8 +99,6 @@ def graph_page_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, t
 
     The Triton kernel on CUDA (it skips the pages past each head's live length); the reference below
     elsewhere."""
-    from turnkv.attention import decode
-
     if decode.uses_kernel(q.device):
         from turnkv.attention.triton import page_select
 

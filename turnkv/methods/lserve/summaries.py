@@ -1,5 +1,5 @@
 """Per logical page (16 tokens) and channel, the min and max of the post-RoPE keys, kept beside the
-pool's pages: what the page selector scores instead of reading the keys (Quest / LServe §3.5).
+pool's pages: what the page selector scores instead of reading the keys (Quest, LServe).
 
 Stats live per pool page ([layers, pool pages, page_size // logical_page, D]), so they follow a
 page wherever the sequence tables put it and cost nothing to look up per conversation. Pool pages
@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from turnkv.attention import decode
 from turnkv.kv.pool import PagePool
 
 
@@ -60,8 +61,6 @@ class PageSummaries:
         launch, capturable in a CUDA graph), fold_reference elsewhere. A selection reads no page
         from the newest on, so folding at the end of the step instead of at each layer's write gives
         the scores the same statistics."""
-        from turnkv.attention import decode
-
         if decode.uses_kernel(self.pool.device) and not self.pool.quantized:  # the kernel reads raw keys
             from turnkv.attention.triton import page_select
 

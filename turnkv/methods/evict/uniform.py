@@ -6,13 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
-from turnkv.methods.base import Allocator, fit_counts, protected_and_capacity
+from turnkv.methods.evict.counts import fit_counts, protected_and_capacity
+from turnkv.methods.protocols import Allocator
 from turnkv.methods.registry import register
 
 
 @register("allocator", "uniform")
 @dataclass
-class Uniform(Allocator):
+class UniformAllocator(Allocator):
     """The same budget for every head of a layer (what SnapKV, H2O and PyramidKV do)."""
 
     def allocate(self, scores: torch.Tensor, total: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import torch
 
+from turnkv.attention import lines
 from turnkv.attention.lines import Keys
 
 
@@ -27,8 +28,6 @@ def fixed_pattern(layer: int, keys: Keys, mask_fn, lines_fn=None) -> tuple[torch
     statistics. mask_fn(rows) -> [B, U, R, S] gives its cells; lines_fn() -> (vertical, slash,
     per_query_head) the same cells as lines, for the Triton line kernel where it runs (CUDA). Off CUDA
     the mask path runs as it always did, and the lines are never built."""
-    from turnkv.attention import lines
-
     t0 = clock(keys.q.device)
     if lines_fn is not None and lines.uses_kernel(keys.q.device):
         out, computed, causal = lines.line_attention(keys, *lines_fn(), mask_fn=mask_fn)

@@ -1,6 +1,6 @@
 """The multi-turn baseline: every compression re-scores the whole carried cache.
 
-Early turns are compressed again and again (FlowKV's eq. 9). Two budget readings (FlowKV spec, A4):
+Early turns are compressed again and again (the FlowKV paper's eq. 9). Two budget readings:
 "matched" keeps the recipe's target over everything kept so far (the paper's fairness claim), and
 "naive" keeps the target ratio of whatever the cache holds now (kvpress applied turn after turn), so
 the cache shrinks geometrically.
@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from turnkv.methods.protocols import Turns
 from turnkv.methods.registry import register
 
 
 @register("turns", "recompress")
 @dataclass
-class Recompress:
+class RecompressTurns(Turns):
     """Re-score and re-compress the whole carried cache at every compression (the baseline)."""
 
     budget_rule: str = "matched"

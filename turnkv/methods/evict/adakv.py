@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from turnkv.methods.base import Allocator, fit_counts, protected_and_capacity
+from turnkv.methods.evict.counts import fit_counts, protected_and_capacity
+from turnkv.methods.protocols import Allocator
 from turnkv.methods.registry import register
 
 RULES = ("code", "paper", "kvpress")
@@ -31,7 +32,7 @@ RULES = ("code", "paper", "kvpress")
 
 @register("allocator", "adakv")
 @dataclass
-class AdaKV(Allocator):
+class AdaKVAllocator(Allocator):
     """Ada-KV head-wise adaptive budgets: one top-k over all heads of a layer, with a safeguard."""
 
     alpha: float = 0.2

@@ -9,14 +9,15 @@ import torch
 
 from turnkv.attention import lines
 from turnkv.attention.lines import Keys
-from turnkv.methods.a_shape import a_shape_lines, a_shape_mask
-from turnkv.methods.pattern_hook import clock, fixed_pattern
+from turnkv.methods.prefill.a_shape import a_shape_lines, a_shape_mask
+from turnkv.methods.prefill.pattern_hook import clock, fixed_pattern
+from turnkv.methods.protocols import Prefill
 from turnkv.methods.registry import register
 
 
 @register("prefill", "tri_shape")
 @dataclass
-class TriShape:
+class TriShapePrefill(Prefill):
     """Tri-shape prefill: A-shape (128 + 4096) + the last 128 rows of each prefill chunk dense.
 
     The engine prefills long prompts in chunks; the last rows are those of the chunk, so the prompt's

@@ -1,9 +1,9 @@
 """FlowKV: each turn's segment is compressed exactly once, then frozen.
 
 Based on "FlowKV: Enhancing Multi-Turn Conversational Coherence in LLMs via Isolated Key-Value Cache
-Management" (see ../shared/specs/flowkv.md). The system prompt, then each completed turn's query and
-response, is compressed once with the recipe's scorer and budget and never rescored. The current
-turn stays whole while it runs. The budget is the spec's dynamic rule: the cache may hold
+Management". The system prompt, then each completed turn's query and response, is compressed once
+with the recipe's scorer and budget and never rescored. The current turn stays whole while it runs.
+The budget is a dynamic rule: the cache may hold
 floor(keep * positions so far) per head, and a new segment gets what the frozen ones left, at least
 `min_size` per head.
 
@@ -12,21 +12,22 @@ Parameters
 min_size : int, default 32
     Per-head floor of a new segment's budget (the paper's unspecified Min_Size).
 reading : str, default "segment"
-    "segment" (the spec's recommended reading A: a turn's query and reply are compressed together when
-    the next turn starts) or "query" (Algorithm 1 literally: the query is compressed right after its
-    prefill; its reply is compressed with the next query).
+    "segment" (a turn's query and reply are compressed together when the next turn starts) or
+    "query" (Algorithm 1 literally: the query is compressed right after its prefill; its reply is
+    compressed with the next query).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from turnkv.methods.protocols import Turns
 from turnkv.methods.registry import register
 
 
 @register("turns", "flowkv")
 @dataclass
-class FlowKV:
+class FlowKVTurns(Turns):
     """FlowKV multi-turn isolation: compress each segment once, then freeze it."""
 
     min_size: int = 32

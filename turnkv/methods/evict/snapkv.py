@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from turnkv.methods.base import LayerView, Scorer
+from turnkv.methods.evict.layer_view import LayerView
+from turnkv.methods.protocols import Scorer
 from turnkv.methods.registry import register
 
 
@@ -42,7 +43,7 @@ def pool_along_keys(scores: torch.Tensor, kernel: int, pooling: str, include: to
 
 @register("scorer", "snapkv")
 @dataclass
-class SnapKV(Scorer):
+class SnapKVScorer(Scorer):
     """SnapKV: attention of the observation window, pooled along the keys; the window stays."""
 
     window: int = 32
@@ -58,6 +59,6 @@ class SnapKV(Scorer):
     def score(self, view: LayerView) -> torch.Tensor:
         attention = view.window_attention().mean(dim=1)  # [Hq, S]
         in_window = view.positions >= view.query_positions.min()
-        # As the spec and the reference code: the window's own columns take no part in the pooling.
+        # As in the paper's code: the window's own columns take no part in the pooling.
         scores = pool_along_keys(view.group_mean(attention), self.kernel, self.pooling, view.valid & ~in_window)
         return scores.masked_fill(in_window, float("inf"))

@@ -10,13 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
-from turnkv.methods.base import LayerView, Scorer
+from turnkv.methods.evict.layer_view import LayerView
+from turnkv.methods.protocols import Scorer
 from turnkv.methods.registry import register
 
 
 @register("scorer", "knorm")
 @dataclass
-class Knorm(Scorer):
+class KnormScorer(Scorer):
     """Knorm: low key norm means high attention; keep the smallest norms."""
 
     def score(self, view: LayerView) -> torch.Tensor:

@@ -18,13 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-from turnkv.methods.base import LayerView, Scorer
+from turnkv.methods.evict.layer_view import LayerView
+from turnkv.methods.protocols import Scorer
 from turnkv.methods.registry import register
 
 
 @register("scorer", "h2o")
 @dataclass
-class H2O(Scorer):
+class H2OScorer(Scorer):
     """H2O: accumulated attention (heavy hitters) plus a recent window."""
 
     recent_ratio: float = 0.5

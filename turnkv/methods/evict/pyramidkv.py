@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from turnkv.methods.evict.snapkv import SnapKVScorer
 from turnkv.methods.registry import register
-from turnkv.methods.snapkv import SnapKV
 
 
 @register("scorer", "pyramidkv")
 @dataclass
-class PyramidKV(SnapKV):
+class PyramidKVScorer(SnapKVScorer):
     """PyramidKV: SnapKV scores, with a linear budget pyramid over the layers."""
 
     beta: int = 20

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from turnkv.engine import observe
-from turnkv.engine.observe import QueryWindow
+from turnkv.methods import window
+from turnkv.methods.window import QueryWindow
 
 
 def _steps(n, L=3, Hq=4, D=8, start=0):
@@ -15,7 +15,7 @@ def _steps(n, L=3, Hq=4, D=8, start=0):
 
 
 def test_record_all_equals_per_layer_records_across_flushes(monkeypatch):
-    monkeypatch.setattr(observe, "FLUSH_EVERY", 4)  # several flushes in 11 steps
+    monkeypatch.setattr(window, "FLUSH_EVERY", 4)  # several flushes in 11 steps
     lazy, eager = QueryWindow(3, 6), QueryWindow(3, 6)
     prefill = torch.randn(3, 5, 4, 8)
     for layer in range(3):

@@ -2,8 +2,8 @@
 lines, chosen from the attention of the chunk's last queries (the LoopServe paper's baseline).
 
 Unlike LoopServe's greedy, the budgets do not adapt to how concentrated a head is. One budget serves
-every head here: MInference's official per-head patterns come from an offline search per model
-(spec loopserve.md §10.18), which turnkv does not ship."""
+every head here: MInference's official per-head patterns come from an offline search per model,
+which turnkv does not ship."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ from dataclasses import dataclass
 import torch
 
 from turnkv.attention import lines
-from turnkv.methods.pattern_hook import clock
+from turnkv.methods.prefill.pattern_hook import clock
+from turnkv.methods.protocols import Prefill
 from turnkv.methods.registry import register
 
 
 @register("prefill", "minference")
 @dataclass
-class MInference:
+class MInferencePrefill(Prefill):
     """MInference vertical-slash: top-`vertical` columns + top-`slash` diagonals per query head.
 
     last: the chunk's last queries that estimate the pattern (64). force_sink: key positions below it

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from turnkv.methods.base import LayerView, Scorer
+from turnkv.methods.evict.layer_view import LayerView
+from turnkv.methods.protocols import Scorer
 from turnkv.methods.registry import register
 
 
@@ -37,7 +38,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 @register("scorer", "expected_attention")
 @dataclass
-class ExpectedAttention(Scorer):
+class ExpectedAttentionScorer(Scorer):
     """ExpectedAttention: expected weight of future queries (mean/covariance, averaged RoPE) times ||v||."""
 
     window: int = 64

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from turnkv.methods.registry import register
-from turnkv.state.load import Load
+from turnkv.state.load import LoadStrategy
 
 
 @register("state", "gpu")
 @dataclass
-class Resident(Load):
+class GPUStrategy(LoadStrategy):
     """Keep each conversation's KV resident on its device between turns. When the GPU tier needs
     room, the least recently used conversation moves down with its full KV (restored like `load`)."""
 

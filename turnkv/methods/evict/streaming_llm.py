@@ -15,13 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from turnkv.methods.base import LayerView, Scorer
+from turnkv.methods.evict.layer_view import LayerView
+from turnkv.methods.protocols import Scorer
 from turnkv.methods.registry import register
 
 
 @register("scorer", "streaming_llm")
 @dataclass
-class StreamingLLM(Scorer):
+class StreamingLLMScorer(Scorer):
     """StreamingLLM: attention sinks plus the most recent tokens."""
 
     sinks: int = 4

@@ -1,10 +1,11 @@
-"""Static sparsity (DuoAttention / LServe §3.3): streaming KV heads see only sink + local tokens.
+"""Static sparsity (DuoAttention, LServe): streaming KV heads see only sink + local tokens.
 
 Per (layer, KV head) a HeadPattern says which heads stream. This component is the recipe's prefill
 axis `streaming_heads` and also owns what streaming heads keep:
 - prefill: streaming heads attend to keys at positions < sink or within `prefill_local` of the row
-  (the spec's [code] asymmetry: 8192 in prefill), dense heads to every key; computed on the
-  blockwise mask path (reference attention with a per-head mask, not the block-sparse kernel);
+  (wider than `local`, as LServe's code: 8192 in prefill), dense heads to every key; on CUDA through
+  the line kernel (dense heads through SDPA where every head holds the same keys), elsewhere on the
+  blockwise mask path (reference attention with a per-head mask);
 - store, a ring of pages: a streaming head's list is its sink (positions [0, sink)) then one run of
   recent positions (the ring). After every prefill and decode step (Recipe calls `trim`) the ring's
   oldest pages go whole once at least one full page of it lies beyond `local`: a head keeps sink +
@@ -18,11 +19,11 @@ axis `streaming_heads` and also owns what streaming heads keep:
 - a streaming head that something else moved (eviction, a rollback, a restore from the state tiers;
   kv.moves tells) is checked once against the pool's positions; one that is no longer sink + one run
   (another method evicted from it) is trimmed exactly, to positions < sink or >= next - `local`;
-- multi-turn (spec §7 item 12): a new turn's streaming heads attend to what was kept, the sink and the
+- multi-turn: a new turn's streaming heads attend to what was kept, the sink and the
   ring of the history, plus the new tokens within `prefill_local`. The history outside that is gone
   for them; dense heads keep and read everything.
 
-Patterns: `pattern=None` thresholds the calibrated SmolLM2 gates (benchmarks/results) at `ratio`;
+Patterns: `pattern=None` thresholds the calibrated SmolLM2 gates (DEFAULT_PATTERN) at `ratio`;
 `pattern="random"` draws one at `ratio` (speed runs); a path loads a JSON/TSV pattern file, or a
 DuoAttention release (`full_attention_heads.tsv` or its folder) thresholded at `ratio`.
 """
@@ -40,17 +41,19 @@ from turnkv.attention import lines, reference
 from turnkv.attention.lines import Keys
 from turnkv.attention.reference import gather_pages
 from turnkv.errors import InvalidRequestError
-from turnkv.methods.a_shape import a_shape_lines, a_shape_mask
 from turnkv.methods.lserve.pattern import DUO_FILE, HeadPattern, PatternFileError, load_duo_attention
-from turnkv.methods.pattern_hook import clock, fixed_pattern
-from turnkv.methods.registry import register
+from turnkv.methods.prefill.a_shape import a_shape_lines, a_shape_mask
+from turnkv.methods.prefill.pattern_hook import clock, fixed_pattern
+from turnkv.methods.protocols import Prefill, StaticSparsity
+from turnkv.methods.registry import build, register
+from turnkv.methods.terms import parse_term
 
 DEFAULT_PATTERN = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "lserve_pattern_smollm2.json"
 
 
 @register("prefill", "streaming_heads")
 @dataclass
-class StreamingHeads:
+class StreamingHeadsPrefill(Prefill, StaticSparsity):
     """DuoAttention/LServe streaming heads: sink + local for the pattern's streaming KV heads, dense elsewhere.
 
     pattern: a pattern file, "random", or None (calibrated SmolLM2 gates). ratio: streaming fraction
@@ -80,10 +83,7 @@ class StreamingHeads:
         if self.ratio is not None and not 0 <= self.ratio <= 1:
             raise ValueError(f"ratio is the streaming fraction in [0, 1], got {self.ratio}")
         if self.dense is not None:
-            from turnkv.methods.recipe import _parse_term
-            from turnkv.methods.registry import build
-
-            name, params = _parse_term(self.dense)
+            name, params = parse_term(self.dense)
             if name == "streaming_heads":
                 raise ValueError("dense names the dense heads' pattern; streaming_heads cannot nest")
             self._dense_method = build("prefill", name, params)
@@ -148,8 +148,8 @@ class StreamingHeads:
     def _attend_split(self, layer: int, keys: Keys, flags: np.ndarray, force_triton: bool):
         """Dense heads through SDPA (flash attention), streaming heads through the line kernel, where
         every head holds the same keys (a first turn's chunks, before the ring is trimmed). One kernel
-        over all heads would compute the dense heads' cells with every offset selected, 1.2-2x slower
-        per cell than flash attention: streaming heads then made a 32K prefill slower than dense.
+        over all heads would compute the dense heads' cells with every offset selected, at the line
+        kernel's per-cell cost, which is above flash attention's.
         With `dense`, that method attends the dense heads instead (any keys: it reads their `valid`)."""
         B, Hq, T, D = keys.q.shape
         H, G = keys.k.shape[1], keys.group

@@ -10,13 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
-from turnkv.methods.base import LayerView, Scorer
+from turnkv.methods.evict.layer_view import LayerView
+from turnkv.methods.protocols import Scorer
 from turnkv.methods.registry import register
 
 
 @register("scorer", "tova")
 @dataclass
-class TOVA(Scorer):
+class TOVAScorer(Scorer):
     """TOVA: attention weights of the last query."""
 
     window: int = 1

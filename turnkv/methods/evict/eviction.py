@@ -14,8 +14,10 @@ import numpy as np
 import torch
 
 from turnkv.kv.sequence import SequenceKV
-from turnkv.methods.base import Allocator, LayerView, Scorer
-from turnkv.methods.uniform import Uniform
+from turnkv.methods.evict.layer_view import LayerView
+from turnkv.methods.evict.uniform import UniformAllocator
+from turnkv.methods.protocols import Allocator, Scorer, Turns
+from turnkv.methods.window import QueryWindow
 
 SCHEDULES = {
     "prefill": "after each turn's prompt is prefilled; the window is the end of that prompt (question-aware)",
@@ -39,7 +41,7 @@ class Eviction:
     average (window and sinks included) or to `keep_ratio` of the positions seen, on `schedule`."""
 
     scorer: Scorer
-    allocator: Allocator = field(default_factory=Uniform)
+    allocator: Allocator = field(default_factory=UniformAllocator)
     budget: int | None = None
     keep_ratio: float | None = None
     schedule: str = "prefill"
@@ -61,7 +63,8 @@ class Eviction:
         base = self.budget if self.budget is not None else math.floor(self.keep_ratio * virtual_len)
         return self.scorer.layer_target(base, layer, num_layers, available)
 
-    def compress(self, kv: SequenceKV, turns, lo: int, hi: int, window, inv_freq: torch.Tensor) -> dict:
+    def compress(self, kv: SequenceKV, turns: Turns, lo: int, hi: int, window: QueryWindow | None,
+                 inv_freq: torch.Tensor) -> dict:
         """Evict among tokens at positions [lo, hi) in every layer. Returns what was kept, for the log."""
         L, H = kv.lengths.shape
         kept_before = np.zeros((L, H), np.int64)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from turnkv.attention.lines import Keys
-from turnkv.methods.pattern_hook import fixed_pattern
+from turnkv.methods.prefill.pattern_hook import fixed_pattern
+from turnkv.methods.protocols import Prefill
 from turnkv.methods.registry import register
 
 
@@ -31,7 +32,7 @@ def a_shape_lines(keys: Keys, sink: int, local: int) -> tuple[torch.Tensor, torc
 
 @register("prefill", "a_shape")
 @dataclass
-class AShape:
+class AShapePrefill(Prefill):
     """A-shape prefill: sink keys + a local window per row (128 + 4096)."""
 
     sink: int = 128

@@ -1,0 +1,46 @@
+"""What a scorer sees of one layer of one conversation (Scorer.score in turnkv.methods.protocols)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from turnkv.attention.reference import attention_weights
+
+
+@dataclass
+class LayerView:
+    """One layer of one conversation's KV, as a scorer sees it.
+
+    keys/values: [H, S, D] post-RoPE, padded to the longest head; valid: [H, S] marks real entries.
+    positions: [H, S] original positions. queries: [W, Hq, D] the observation window (post-RoPE), at
+    query_positions [W]. attention_mass: [H, S] what each token has received so far (H2O).
+    target: the per-head token count this layer will keep (for scorers that split it, e.g. H2O).
+    """
+
+    layer: int
+    num_layers: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+    queries: torch.Tensor | None
+    query_positions: torch.Tensor | None
+    attention_mass: torch.Tensor | None
+    inv_freq: torch.Tensor
+    next_position: int
+    target: int
+
+    def window_attention(self) -> torch.Tensor:
+        """Softmax weights [Hq, W, S] of the window's queries over every key they could see (fp32)."""
+        if self.queries is None:
+            raise ValueError("this scorer needs an observation window, and none was recorded")
+        mask = self.valid[:, None, :] & (self.positions[:, None, :] <= self.query_positions[None, :, None])
+        q = self.queries.transpose(0, 1)[None]  # [1, Hq, W, D]
+        return attention_weights(q, self.keys[None], mask[None])[0]
+
+    def group_mean(self, per_query_head: torch.Tensor) -> torch.Tensor:
+        """[Hq, ...] -> [H, ...]: average over the query heads that share a KV head (GQA)."""
+        H = self.keys.shape[0]
+        return per_query_head.view(H, -1, *per_query_head.shape[1:]).mean(dim=1)

@@ -1,0 +1,358 @@
+"""The interface of each axis: what the engine and the recipe call on a component, and when.
+
+A recipe picks one component per axis:
+
+    axis                 interface(s)                    registry kinds
+    prefill pattern      Prefill (+ StaticSparsity)      prefill
+    eviction             Scorer, Allocator, Turns        scorer, allocator, turns
+    decode selection     Decode -> DecodeSelection       decode
+    state between turns  StateStrategy                   state
+
+A component is a dataclass whose fields are its parameters, each with a default, registered with
+`turnkv.methods.registry.register(kind, name)`, which sets its `name` and refuses a class that does
+not derive from its kind's interface below. Components are shared by every conversation that uses
+the recipe; per-conversation state lives in what they return (a DecodeSelection) or in the recipe's
+MethodState.
+
+Shapes: B sequences in a batch, L layers, H KV heads, Hq query heads, G = Hq // H, T new tokens of a
+chunk, S keys a head holds (padded to the longest head), D head dim.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from turnkv.attention.lines import Keys
+from turnkv.kv.sequence import SequenceKV
+from turnkv.methods.evict.layer_view import LayerView
+from turnkv.methods.window import QueryWindow
+
+
+# ---- prefill pattern --------------------------------------------------------------------------------
+class Prefill(ABC):
+    """What each new query attends to while a turn is prefilled.
+
+    Attributes
+    ----------
+    sparse : bool, default True
+        False: the engine runs its own dense causal attention and never calls `attend` (the `dense`
+        pattern). True: the engine hands every layer of every prefill chunk to `attend`.
+    """
+
+    name: ClassVar[str]
+    sparse: ClassVar[bool] = True
+
+    def bind(self, num_layers: int) -> None:
+        """Called once per conversation, before its first `attend`, with the model's layer count
+        (a chunk only shows one layer). Default: nothing."""
+
+    @abstractmethod
+    def attend(self, layer: int, keys: Keys) -> tuple[torch.Tensor, dict]:
+        """The attention of one prefill chunk in one layer, under this pattern.
+
+        Parameters
+        ----------
+        layer : int
+            The layer index.
+        keys : turnkv.attention.lines.Keys
+            The chunk's queries q [B, Hq, T, D] at positions q_pos [B, T], and every key they may see:
+            k, v [B, H, S, D] (post-RoPE) at positions k_pos [B, H, S], valid [B, H, S] (or None when
+            every head holds S keys). Causality is by position: a row sees keys at positions <= its own.
+
+        Returns
+        -------
+        out : torch.Tensor
+            [B, Hq, T, D], in q's dtype.
+        stats : dict
+            "layer"; "computed" and "causal", the attention cells computed and the causal cells, per
+            sequence and head (their ratio is the density); optionally "vertical" / "slash" lines per
+            head [B, U], "recovered" / "estimated" sampled mass [B, U], and "time_<stage>" seconds.
+            `turnkv.methods.prefill.pattern_hook.summarise` folds them into the turn's statistics.
+        """
+
+
+class StaticSparsity(ABC):
+    """A prefill pattern that also decides what some KV heads keep in the store (streaming heads:
+    sink + a local window). The recipe calls `trim` after every prefill and decode step, and a decode
+    selection leaves the flagged heads out of its selection (DecodeSelection.exclude_static)."""
+
+    @abstractmethod
+    def flags(self, num_layers: int, num_kv_heads: int) -> np.ndarray:
+        """[L, H] bool: True for a head that keeps and reads only its static window."""
+
+    @abstractmethod
+    def trim(self, kv: SequenceKV) -> None:
+        """Drop the tokens the flagged heads no longer keep; their pages go back to the pool."""
+
+
+# ---- eviction: scorer, allocator, turn policy -------------------------------------------------------
+class Scorer(ABC):
+    """Ranks the tokens of one layer: the eviction driver keeps each head's best-scored candidates.
+
+    Attributes
+    ----------
+    window : int, default 0
+        Queries of the conversation's last positions the scorer reads (LayerView.queries); the engine
+        records that many per layer. 0: the scorer needs no queries.
+    accumulates_attention : bool, default False
+        True: every query the conversation computes adds its attention weights to a mass stored beside
+        each key (LayerView.attention_mass), which forces the reference attention path.
+    """
+
+    name: ClassVar[str]
+    window: int = 0
+    accumulates_attention: ClassVar[bool] = False
+
+    @abstractmethod
+    def score(self, view: LayerView) -> torch.Tensor:
+        """Scores of every token a layer holds; higher is more worth keeping.
+
+        Parameters
+        ----------
+        view : turnkv.methods.evict.layer_view.LayerView
+            One layer of one conversation: keys, values [H, S, D] (post-RoPE), positions and valid
+            [H, S], the observation window (queries [W, Hq, D] at query_positions [W]) when `window`
+            > 0, the accumulated attention_mass [H, S] when `accumulates_attention`, and `target`,
+            the per-head token count this layer will keep.
+
+        Returns
+        -------
+        torch.Tensor
+            [H, S] float. +inf marks a token that must stay (a sink, the observation window). Entries
+            past a head's length and outside the compressed span are ignored.
+        """
+
+    def layer_target(self, target: int, layer: int, num_layers: int, available: int) -> int:
+        """The per-head token target of `layer`, given the recipe's average `target` and the most
+        candidates any head of the layer has (`available`). Default: `target` in every layer."""
+        return target
+
+
+class Allocator(ABC):
+    """Splits one layer's token budget among its KV heads."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def allocate(self, scores: torch.Tensor, total: int) -> torch.Tensor:
+        """How many tokens each head keeps.
+
+        Parameters
+        ----------
+        scores : torch.Tensor
+            [H, S] float on the CPU: +inf for a token that must stay, -inf for one that is not a
+            candidate, finite scores for the candidates.
+        total : int
+            Tokens the layer keeps, at least its +inf tokens (the eviction driver lets surplus
+            protected tokens compete by score instead).
+
+        Returns
+        -------
+        torch.Tensor
+            [H] int64 counts, each at least the head's +inf tokens and at most its non -inf ones,
+            summing to min(total, number of non -inf tokens).
+        """
+
+
+class Turns(ABC):
+    """The multi-turn policy of eviction: which positions a compression may touch, and how many
+    tokens the layer keeps among them."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def span_start(self, frozen_upto: int) -> int:
+        """The first position a compression may evict, given that positions below `frozen_upto` were
+        compressed before."""
+
+    @abstractmethod
+    def span_end(self, segment_end: int, next_position: int) -> int:
+        """The end of the span compressed after a prompt: `segment_end` ends the finished segments
+        (system prompt, earlier turns), `next_position` the prompt just prefilled."""
+
+    @abstractmethod
+    def keep_total(self, heads: int, target: int, kept_before: int, candidates: int,
+                   keep_ratio: float | None) -> int:
+        """Tokens one layer keeps among its `candidates` (summed over heads).
+
+        Parameters
+        ----------
+        heads : int
+            KV heads of the layer.
+        target : int
+            Per-head token target of the layer (Scorer.layer_target of the recipe's budget).
+        kept_before : int
+            Tokens below the span that the layer holds (summed over heads).
+        candidates : int
+            Tokens in the span (summed over heads).
+        keep_ratio : float or None
+            The recipe's keep_ratio, or None when it gives a token budget.
+
+        Returns
+        -------
+        int
+            In [0, candidates].
+        """
+
+
+# ---- decode selection -------------------------------------------------------------------------------
+class DecodeSelection(ABC):
+    """One conversation's decode selection: which kept tokens each decode step reads, without
+    evicting any. The engine's step calls `begin` once per forward step (prefill chunk or decode
+    step), `observe` per layer with that step's queries, and `entries` per layer of a decode step.
+
+    Attributes
+    ----------
+    steps : int
+        Decode steps in the running turn.
+    ticks : int
+        `begin` calls, ever: the CUDA-graph handler compares it to tell whether an eager step ran.
+    selections : int
+        Selections made in the running turn (the turn's statistics).
+    graph_record : object or None
+        Bookkeeping of the CUDA-graph handler for this conversation; None until it first runs.
+    """
+
+    steps: int
+    ticks: int
+    selections: int
+    graph_record: Any = None
+
+    @abstractmethod
+    def begin(self, decoding: bool) -> None:
+        """A forward step starts: a decode step (decoding) or a prefill chunk, which starts a turn."""
+
+    @abstractmethod
+    def observe(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> None:
+        """The step's post-RoPE queries of `layer`, q [T, Hq, D] at positions [T]."""
+
+    @abstractmethod
+    def entries(self, layer: int, seq: SequenceKV) -> tuple[torch.Tensor, np.ndarray] | None:
+        """What this decode step reads in `layer` of `seq`.
+
+        Returns
+        -------
+        (entries, counts) or None
+            entries [R, W] int64 indices into each head's token list, counts [R] (numpy): row r reads
+            its first counts[r] entries, ascending. R = H (row r reads KV head r) or Hq (row r reads
+            KV head r // G). None: every kept token (the step's paged tables).
+        """
+
+    @abstractmethod
+    def discard_step(self, seq: SequenceKV, position: int) -> None:
+        """Undo a decode step that ran and was then dropped: the engine launched it before reading
+        the token that ended the generation (engine/decode_loop.py). Whatever the step left in the
+        selection's state that a later step or turn would read (its queries, the statistics its key
+        was folded into, the step count) must be as if it never ran.
+
+        Parameters
+        ----------
+        seq : SequenceKV
+            The conversation's KV, the step's token already taken out (next_position == position).
+        position : int
+            The dropped step's token position.
+        """
+
+    def exclude_static(self, static: StaticSparsity) -> None:
+        """The recipe's static sparsity: its flagged heads read their whole (small) list and never
+        select. Default: ignored."""
+
+    def graph_config(self) -> tuple[str, Any] | None:
+        """How the CUDA-graph decode replays this selection.
+
+        Returns
+        -------
+        (kind, config) or None
+            kind names the graph handler of `turnkv.engine.graph_selection` that captures and replays
+            the selection's steps ("paged": page selection by key min/max; "progressive": token
+            re-selection by window attention); config, a dataclass, keys its buffers and graphs
+            (conversations with equal configs share them). None (the default): the decode steps of
+            this selection run eagerly.
+        """
+        return None
+
+
+class WriteWatcher(ABC):
+    """A decode selection that keeps statistics beside the pool's pages (per-page key min/max): the
+    step hands it every K write of its sequence, prefill and decode."""
+
+    @abstractmethod
+    def written(self, layer: int, seq: SequenceKV, slots: torch.Tensor, k: torch.Tensor) -> None:
+        """Keys k [n, D] were written in `layer` at flat pool slots [n] (page * page_size + offset),
+        in (head, token) order."""
+
+
+class Decode(ABC):
+    """Which kept tokens a decode step reads.
+
+    Attributes
+    ----------
+    selects : bool, default True
+        False: every decode step reads every kept token and `new_state` gives None (the `all` decode).
+    """
+
+    name: ClassVar[str]
+    selects: ClassVar[bool] = True
+
+    @abstractmethod
+    def new_state(self, num_layers: int) -> DecodeSelection | None:
+        """A new conversation's selection state (None when `selects` is False)."""
+
+
+# ---- state between turns ----------------------------------------------------------------------------
+class StateStrategy(ABC):
+    """Where a conversation's KV lives between turns and how it comes back. The state manager calls
+    `pack` while the KV is still resident (at turn end, or when the GPU tier needs room) and `restore`
+    into an empty sequence when the conversation returns. The token history is always stored beside
+    the state, so a strategy can recompute whatever it did not keep.
+
+    Attributes
+    ----------
+    offloads_between_turns : bool, default True
+        True: the conversation leaves the GPU at every turn end. False: only when the GPU tier needs
+        room (the resident `gpu` strategy).
+    """
+
+    name: ClassVar[str]
+    offloads_between_turns: ClassVar[bool] = True
+
+    def query_window(self, num_layers: int, size: int) -> QueryWindow | None:
+        """The per-conversation query recorder the engine fills during a turn, for an eviction scorer
+        that reads `size` queries. Default: the last `size` queries (None when 0); a strategy that
+        looks at the whole turn's attention records more."""
+        return QueryWindow(num_layers, size) if size else None
+
+    @abstractmethod
+    def pack(self, ctx, seq: SequenceKV, window: QueryWindow | None, tier: str = "cpu"):
+        """What to store for the conversation.
+
+        Parameters
+        ----------
+        ctx : turnkv.state.context.RestoreContext
+            The model, the page pool and the calibrated recompute and load costs.
+        seq : SequenceKV
+            The conversation's resident KV (not changed).
+        window : QueryWindow or None
+            The turn's recorded queries (what `query_window` made).
+        tier : str
+            "cpu" or "disk", where the state goes.
+
+        Returns
+        -------
+        turnkv.state.base.Stored
+            JSON meta and named tensors.
+        """
+
+    @abstractmethod
+    def restore(self, ctx, seq: SequenceKV, tokens: list[int], meta: dict, tensors: dict[str, torch.Tensor]):
+        """Rebuild the KV into the empty `seq` from what `pack` stored and the token history.
+
+        Returns
+        -------
+        turnkv.state.streams.LoadStream or None
+            A stream still loading layers (the next turn waits per layer), or None when done.
+        """
