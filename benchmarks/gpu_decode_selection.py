@@ -37,9 +37,8 @@ import turnkv
 from turnkv.attention import decode as decode_module
 from turnkv.bench import hardware
 from turnkv.bench.floors import decode_kv_read_bytes
-from turnkv.engine import decode_loop, graph_progressive, graph_selection
+from turnkv.engine import graph_progressive, graph_selection
 from turnkv.engine.conversation import Conversation
-from turnkv.engine.turn import TurnInput, TurnRun
 from turnkv.errors import KVCacheFullError
 from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.recipe import Recipe
@@ -188,18 +187,12 @@ def floor_bytes(llm, recipe: Recipe, ctx: int, batch: int, weight_bytes: int) ->
 
 
 def run_turns(llm, recipe: Recipe, prompts: list[list[int]], new_tokens: int):
-    """One turn per prompt through the engine's turn driver and step loop, as LLM.generate runs them;
-    the conversations stay open (their selection state is read afterwards). -> (replies, convs)."""
-    params = llm.sampling_params(max_new_tokens=new_tokens, ignore_eos=True)
+    """One turn per prompt through the engine's turn driver and step loop (LLM.run_prompts, as
+    LLM.generate runs them); the conversations stay open (their selection state is read afterwards).
+    -> (replies, convs)."""
     convs = [Conversation(llm, None, recipe) for _ in prompts]
     try:
-        turns = [TurnRun(c, TurnInput(0, ids, segment_end=len(ids)), llm.new_generation(c.kv, params)).begin()
-                 for c, ids in zip(convs, prompts)]
-        for turn in turns:
-            turn.take(turn.prefill())
-        for _ in decode_loop.decode(llm, turns):
-            pass
-        return [turn.finish() for turn in turns], convs
+        return llm.run_prompts(convs, prompts, llm.sampling_params(max_new_tokens=new_tokens, ignore_eos=True)), convs
     except BaseException:
         for c in convs:
             c.close()
@@ -222,7 +215,8 @@ def time_recipe(llm, name, recipe_text, ctx, batch, args, hw) -> dict:
         stats = [c.method_state.decode for c in convs if c.method_state.decode is not None]
         row = {"recipe": name, "context": ctx, "batch": batch, "ms_per_token": ms, "floor_ms": floor,
                "floor_share": floor / ms, "ttft_s": replies[0].ttft_s, "eager_steps": len(calls),
-               "timed_steps": args.steps, "selections_last_layer": getattr(stats[0], "selections", None) if stats else None}
+               "timed_steps": args.steps,
+               "selections_last_layer": getattr(stats[0], "selections", None) if stats else None}
         if args.selector_at == ctx and batch == 1 and name in ("lserve", "lserve-dynamic"):
             try:
                 row["selector"] = selector_vs_attention(llm, [c.method_state for c in convs], ctx, name)

@@ -201,17 +201,23 @@ class LLM:
                 raise ContextLengthError(f"a prompt of {len(ids)} tokens does not fit the context of {self.max_model_len}")
         convs = [Conversation(self, None, recipe) for _ in batch]  # containers for the KV and recipe state
         try:
-            turns = [TurnRun(conv, TurnInput(0, ids, segment_end=len(ids)), self.new_generation(conv.kv, params)).begin()
-                     for conv, ids in zip(convs, encoded)]
-            for turn in turns:
-                turn.take(turn.prefill())
-            for _ in decode_loop.decode(self, turns):
-                pass
-            replies = [turn.finish() for turn in turns]
+            replies = self.run_prompts(convs, encoded, params)
         finally:
             for conv in convs:
                 conv.close()
         return replies[0] if single else replies
+
+    def run_prompts(self, convs: list[Conversation], prompts: list[list[int]], params: SamplingParams) -> list[Reply]:
+        """One turn per (empty conversation, token-id prompt), decoded together to the end: the raw
+        prompt is the turn (no chat template, no history kept); the KV and the recipe's state stay in
+        the conversations for the caller to read, then close."""
+        turns = [TurnRun(conv, TurnInput(0, ids, segment_end=len(ids)), self.new_generation(conv.kv, params)).begin()
+                 for conv, ids in zip(convs, prompts)]
+        for turn in turns:
+            turn.take(turn.prefill())
+        for _ in decode_loop.decode(self, turns):
+            pass
+        return [turn.finish() for turn in turns]
 
     def info(self) -> dict:
         c = self.config
