@@ -35,7 +35,6 @@ the engine's own conversations.
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
@@ -204,18 +203,7 @@ class LockstepConversation(Conversation):
         log-probs of the accepted tokens. Returns the clone's turn, not yet at its end."""
         if not forkable(self):
             raise ValueError(f"a conversation with recipe {self.recipe} cannot be forked")
-        twin = LockstepConversation(self.llm, self.system, self.recipe)
-        import_kv(twin.kv, *export_kv(self.kv))
-        st, tw = self.method_state, twin.method_state
-        if st.window is not None:
-            tw.window.restore(st.window.snapshot())
-        if _decode_kind(st.decode) == "copy":
-            tw.decode = copy.deepcopy(st.decode)
-        tw.frozen_upto, tw.since_compression = st.frozen_upto, st.since_compression
-        tw.log, tw.stats, tw.pattern_stats = list(st.log), list(st.stats), list(st.pattern_stats)
-        # The history as it was before this turn (a conversation updates it when the turn ends).
-        twin.messages, twin.tokens, twin.text = list(self.messages), list(self.tokens), self.text
-        twin.turns, twin.last_reply = list(self.turns), self.last_reply
+        twin = self.clone(copy_decode=_decode_kind(self.method_state.decode) == "copy")
         twin.llm.state.before_turn(twin, 0)
         gen = self.llm.new_generation(twin.kv, self.llm.sampling_params(max_new_tokens=len(forced)), forced=forced,
                                       keep_logprobs=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
@@ -14,9 +15,13 @@ from turnkv.engine.generation import Reply
 from turnkv.engine.turn import TurnInput, TurnRun
 from turnkv.errors import ContextLengthError, InvalidRequestError
 from turnkv.kv.sequence import SequenceKV
+from turnkv.kv.snapshot import export_kv, import_kv
 
 if TYPE_CHECKING:
     from turnkv.engine.llm import LLM
+
+
+NOT_STORED = ("logprobs", "token_times")  # Reply fields a stored record leaves out
 
 
 @dataclass
@@ -220,6 +225,25 @@ class Conversation:
         self.turns.append(Turn(cached, inputs.keep + len(inputs.new_ids), len(self.tokens), reply, inputs.segment_end))
         self.last_reply = reply
 
+    def clone(self, copy_decode: bool = False) -> Conversation:
+        """A new conversation of the same class in this one's state: the KV copied into its own pages,
+        the observation window, the recipe's bookkeeping and the history (as of the last finished
+        turn: a turn under way adds to the history when it ends). copy_decode: copy the decode
+        selection's state too (valid only for a selection that names kept entries by index, which a
+        copied KV keeps, not pages); otherwise the copy's selection starts afresh."""
+        twin = type(self)(self.llm, self.system, self.recipe)
+        import_kv(twin.kv, *export_kv(self.kv))
+        st, tw = self.method_state, twin.method_state
+        if st.window is not None:
+            tw.window.restore(st.window.snapshot())
+        if copy_decode and st.decode is not None:
+            tw.decode = copy.deepcopy(st.decode)
+        tw.frozen_upto, tw.since_compression = st.frozen_upto, st.since_compression
+        tw.log, tw.stats, tw.pattern_stats = list(st.log), list(st.stats), list(st.pattern_stats)
+        twin.messages, twin.tokens, twin.text = list(self.messages), list(self.tokens), self.text
+        twin.turns, twin.last_reply = list(self.turns), self.last_reply
+        return twin
+
     # ---- records: what it takes to rebuild a conversation around a stored state -----------------
     def to_record(self) -> dict:
         """The conversation's history and recipe as JSON (the state tiers store it beside the KV)."""
@@ -227,7 +251,7 @@ class Conversation:
             "system": self.system, "recipe": str(self.recipe), "messages": self.messages, "tokens": self.tokens,
             "text": self.text, "frozen_upto": self.method_state.frozen_upto,
             "turns": [{"start": t.start, "prompt_end": t.prompt_end, "end": t.end, "system_end": t.system_end,
-                       "reply": {f.name: getattr(t.reply, f.name) for f in fields(t.reply) if f.name not in ("logprobs", "token_times")}}
+                       "reply": {f.name: getattr(t.reply, f.name) for f in fields(t.reply) if f.name not in NOT_STORED}}
                       for t in self.turns],
         }
 

@@ -207,7 +207,8 @@ class LLM:
                 conv.close()
         return replies[0] if single else replies
 
-    def run_prompts(self, convs: list[Conversation], prompts: list[list[int]], params: SamplingParams) -> list[Reply]:
+    def run_prompts(self, convs: list[Conversation], prompts: list[list[int]],
+                    params: SamplingParams) -> list[Reply]:
         """One turn per (empty conversation, token-id prompt), decoded together to the end: the raw
         prompt is the turn (no chat template, no history kept); the KV and the recipe's state stay in
         the conversations for the caller to read, then close."""
