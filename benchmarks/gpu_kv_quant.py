@@ -8,14 +8,16 @@
    (summed over both shapes, as a share of its own floor) is what the engine rows below use.
 3. The engine: decode time per token of the Llama-3.1-8B shape (random weights, bf16) with bf16, int8
    and fp8 KV, at batch 1 x 129,536 tokens (131,072 positions minus the new tokens) and batch 8 x
-   32,768, decode steps replayed from CUDA graphs with greedy tokens kept on the GPU. One model; each
-   KV dtype gets its own page pool and runner (the same weights). Each context is prefilled once per
-   dtype (batch 8: one prompt prefilled, its KV copied to the 7 others).
+   32,768, through LLM.generate (the engine's turn driver and step loop, decode steps replayed from
+   CUDA graphs one step ahead of the host). One engine per KV dtype, built as users build it
+   (LLM(kv_dtype=...)), with the same random weights; the time per token is taken over the steps
+   after `--warmup`.
    Floor = (weight bytes + the KV bytes a step reads, scales included) / copy bandwidth measured here.
    Targets: int8 decode within 1.25x of its own floor at 128K; at batch 8 x 32K at least
    1.35x faster than bf16 KV.
-   Also, per dtype, how far its first decode step's logits are from bf16 KV's (random weights: a
-   sanity check, not a quality figure; tests/ and benchmarks/kv_quant_fidelity.py measure fidelity).
+   Also, per dtype, how many greedy tokens agree with bf16 KV's before the first difference (random
+   weights: a sanity check, not a quality figure; tests/ and benchmarks/kv_quant_fidelity.py measure
+   fidelity).
 
 Usage: python benchmarks/gpu_kv_quant.py [--out DIR] [--skip-kernels] [--skip-engine] [--steps 32]
        python benchmarks/gpu_kv_quant.py --smoke        # CPU: tiny shape, the engine part only
@@ -37,8 +39,6 @@ from turnkv.attention import reference
 from turnkv.bench import hardware
 from turnkv.kv import quant
 from turnkv.kv.pool import PagePool
-from turnkv.kv.sequence import SequenceKV
-from turnkv.kv.snapshot import slots_of
 
 KV_DTYPES = [None, "int8", "fp8"]
 STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -182,101 +182,56 @@ def prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, min(vocab, 32000), (n,), generator=gen).tolist()
 
 
-def use_pool(llm, kv, tokens: int, prefill_chunk: int):
-    """Give the engine a fresh page pool (and runner) holding `tokens` tokens in `kv` storage."""
-    from turnkv.engine.runner import ModelRunner
+def engine(args, kv, tokens: int):
+    """The engine as users build it for `kv` storage, with a page pool for `tokens` tokens (the same
+    random weights for every dtype: the same seed)."""
+    def kv_memory(config, dtype):
+        per_token = config.num_layers * config.num_kv_heads * PagePool.token_head_bytes(config.head_dim, dtype, kv)
+        slack = config.num_layers * config.num_kv_heads * 4 * PS * PagePool.token_head_bytes(config.head_dim, dtype, kv)
+        return int(tokens * per_token * 1.02) + 40 * slack
 
-    if getattr(llm, "runner", None) is not None and llm.runner.graphs is not None:
-        llm.runner.graphs.close()
-    llm.runner = llm.pool = None
-    gc.collect()
-    if llm.device.type == "cuda":
-        torch.cuda.empty_cache()
-    c = llm.config
-    per_token = c.num_layers * c.num_kv_heads * PagePool.token_head_bytes(c.head_dim, llm.dtype, kv)
-    pages_slack = c.num_layers * c.num_kv_heads * 4 * PS * PagePool.token_head_bytes(c.head_dim, llm.dtype, kv)
-    llm.kv_dtype = quant.kv_dtype_name(kv)
-    llm.pool = PagePool.for_budget(c, int(tokens * per_token * 1.02) + 40 * pages_slack, PS, llm.dtype, llm.device, kv)
-    llm.runner = ModelRunner(llm.model, llm.pool, prefill_chunk, llm.max_model_len, cuda_graphs=True)
-
-
-def clone(llm, src: SequenceKV) -> SequenceKV:
-    """A new conversation holding a copy of src's KV: codes and scales, positions."""
-    pool = llm.pool
-    dst = SequenceKV(pool)
-    for layer, slots in enumerate(dst.reserve_layout(src.lengths, src.next_position)):
-        from_slots = slots_of(src, layer)
-        pool.write(layer, slots, **pool.export_rows(layer, from_slots))
-        pool.positions[layer].view(-1).index_copy_(0, slots, pool.positions[layer].view(-1).index_select(0, from_slots))
-    return dst
-
-
-@torch.inference_mode()
-def time_decode(llm, seqs, warmup: int, steps: int):
-    """ms per decode step of the batch (greedy tokens on the device), and the first step's logits."""
-    tokens = torch.full((len(seqs),), 7, device=llm.device)
-    first = None
-    for i in range(warmup):  # the first steps capture this batch size's graph
-        logits = llm.runner.decode(seqs, tokens)
-        if i == 0:
-            first = logits.float().clone()
-        tokens = logits.argmax(-1)
-    hardware.synchronize(llm.device)
-    start = time.perf_counter()
-    greedy = []
-    for _ in range(steps):
-        tokens = llm.runner.decode(seqs, tokens).argmax(-1)
-        greedy.append(tokens)
-    hardware.synchronize(llm.device)
-    ms = (time.perf_counter() - start) * 1000 / steps
-    return ms, first, torch.stack(greedy).cpu()
+    return turnkv.LLM(args.shape, dtype=args.dtype, device=args.device, kv_memory=kv_memory, page_size=PS,
+                      max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk, kv_dtype=kv)
 
 
 def engine_rows(args, bw) -> list[dict]:
+    """Per KV dtype and case, `warmup + steps` greedy tokens of each prompt through LLM.generate (the
+    path users take); ms per token over the steps that made the last `steps` tokens."""
     cases = [(1, args.long_context), (args.batch, args.batch_context)]
-    llm = turnkv.LLM(args.shape, dtype=args.dtype, device=args.device, kv_memory="64MiB",
-                     max_model_len=args.max_model_len)
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters())
-    need = max(ctx + args.warmup + args.steps + PS for _, ctx in cases[:1])
-    need = max(need, args.batch * (args.batch_context + args.warmup + args.steps + PS))
-    rows, reference_logits, reference_tokens = [], {}, {}
+    need = max(cases[0][1] + args.warmup + args.steps + PS,
+               args.batch * (args.batch_context + args.warmup + args.steps + PS))
+    rows, reference_tokens = [], {}
     for kv in KV_DTYPES:
-        use_pool(llm, kv, need, args.prefill_chunk)
+        llm = engine(args, kv, need)
+        weight_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters())
         for B, ctx in cases:
-            seqs = [SequenceKV(llm.pool)]
-            try:
-                hardware.synchronize(llm.device)
-                start = time.perf_counter()
-                llm.runner.prefill(seqs[0], prompt(ctx, llm.config.vocab_size, 0))
-                hardware.synchronize(llm.device)
-                prefill_s = time.perf_counter() - start
-                seqs += [clone(llm, seqs[0]) for _ in range(B - 1)]
-                ms, first, greedy = time_decode(llm, seqs, args.warmup, args.steps)
-                held = sum(s.bytes() for s in seqs)
-                mid = ctx + args.warmup + args.steps / 2  # tokens a timed step reads, on average
-                read = B * mid * llm.config.num_layers * llm.config.num_kv_heads * llm.pool.token_bytes
-                floor_ms = (weight_bytes + read) / bw * 1000
-                row = {"kv": label(kv), "batch": B, "context": ctx, "ms_per_token": ms, "floor_ms": floor_ms,
-                       "of_floor": floor_ms / ms, "tokens_per_s": B * 1000 / ms, "kv_bytes_held": held,
-                       "kv_bytes_read_per_step": int(read), "weight_bytes": weight_bytes,
-                       "prefill_s": prefill_s, "kv_token_bytes_all_layers": llm.kv_bytes_per_token()}
-                if kv is None:
-                    reference_logits[(B, ctx)], reference_tokens[(B, ctx)] = first, greedy
-                else:
-                    ref = reference_logits[(B, ctx)]
-                    base = next(r for r in rows if r["kv"] == label(None) and r["batch"] == B and r["context"] == ctx)
-                    row["speedup_vs_bf16"] = base["ms_per_token"] / ms
-                    row["first_step_logits"] = {
-                        "max_abs_diff": (first - ref).abs().max().item(), "logit_std": ref.std().item(),
-                        "cosine": torch.nn.functional.cosine_similarity(first, ref, dim=-1).min().item(),
-                        "argmax_agree": (first.argmax(-1) == ref.argmax(-1)).float().mean().item()}
-                    same = (greedy == reference_tokens[(B, ctx)]).all(dim=1).tolist()
-                    row["greedy_steps_equal_before_first_difference"] = same.index(False) if False in same else len(same)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-            finally:
-                for s in seqs:
-                    s.free()
+            prompts = [prompt(ctx, llm.config.vocab_size, b) for b in range(B)]
+            replies = llm.generate(prompts, max_new_tokens=args.warmup + args.steps, ignore_eos=True)
+            times = replies[0].token_times
+            ms = (times[-1] - times[args.warmup - 1]) * 1000 / args.steps
+            mid = ctx + args.warmup + args.steps / 2  # tokens a timed step reads, on average
+            read = B * mid * llm.config.num_layers * llm.config.num_kv_heads * llm.pool.token_bytes
+            floor_ms = (weight_bytes + read) / bw * 1000
+            greedy = [r.token_ids for r in replies]
+            row = {"kv": label(kv), "batch": B, "context": ctx, "ms_per_token": ms, "floor_ms": floor_ms,
+                   "of_floor": floor_ms / ms, "tokens_per_s": B * 1000 / ms,
+                   "kv_bytes_held": sum(r.kv_bytes for r in replies), "kv_bytes_read_per_step": int(read),
+                   "weight_bytes": weight_bytes, "prefill_s": replies[0].ttft_s,
+                   "kv_token_bytes_all_layers": llm.kv_bytes_per_token()}
+            if kv is None:
+                reference_tokens[(B, ctx)] = greedy
+            else:
+                base = next(r for r in rows if r["kv"] == label(None) and r["batch"] == B and r["context"] == ctx)
+                row["speedup_vs_bf16"] = base["ms_per_token"] / ms
+                ref = reference_tokens[(B, ctx)]
+                agree = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(greedy, ref)]
+                row["greedy_tokens_equal_before_first_difference"] = min(agree)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del llm
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -342,13 +297,13 @@ def print_tables(result):
     if "engine" in result:
         print("\nengine decode (ms per token; floor = (weights + KV read incl. scales) / copy bandwidth):")
         print(f"{'kv':>5s} {'batch x context':>16s} {'ms/token':>9s} {'floor ms':>9s} {'of floor':>8s} "
-              f"{'floor/ms >= 0.8':>15s} {'vs ' + label(None):>8s} {'KV GB read':>10s} {'logits cos':>10s}")
+              f"{'floor/ms >= 0.8':>15s} {'vs ' + label(None):>8s} {'KV GB read':>10s} {'same tokens':>11s}")
         for r in result["engine"]:
             sp = r.get("speedup_vs_bf16")
-            cos = r.get("first_step_logits", {}).get("cosine")
+            same = r.get("greedy_tokens_equal_before_first_difference")
             print(f"{r['kv']:>5s} {r['batch']:>5d} x {r['context']:>8d} {r['ms_per_token']:9.2f} {r['floor_ms']:9.2f} "
                   f"{r['of_floor']:8.2f} {str(r['of_floor'] >= 0.8):>15s} {(f'{sp:.2f}x' if sp else '-'):>8s} "
-                  f"{r['kv_bytes_read_per_step'] / 1e9:10.2f} {(f'{cos:.5f}' if cos is not None else '-'):>10s}")
+                  f"{r['kv_bytes_read_per_step'] / 1e9:10.2f} {(str(same) if same is not None else '-'):>11s}")
         print("targets: int8 at batch 1 x 128K within 1.25x of its floor (of floor >= 0.80); "
               "int8 at batch 8 x 32K >= 1.35x faster than bf16")
     print(f"\nwall {result['wall_s']:.0f} s")
