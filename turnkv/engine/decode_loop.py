@@ -33,12 +33,14 @@ that do not replay from the graphs.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
 from turnkv.engine.generation import Generation
 from turnkv.engine.sampling import sample
 from turnkv.engine.turn import TurnRun
+from turnkv.methods.step_context import StepContext
 
 
 def batches(turns: list[TurnRun], max_batch: int = 32) -> list[list[TurnRun]]:
@@ -166,10 +168,9 @@ def _ahead(llm, turns: list[TurnRun]):
             inputs = out
 
 
-def _without_window(context):
+def _without_window(context: StepContext) -> StepContext:
     """The step's context at launch: windows are filled in by _bookkeeping once the step counts."""
-    return context if context.window is None else type(context)(None, context.accumulate, context.pattern,
-                                                                 context.selector)
+    return context if context.window is None else replace(context, window=None)
 
 
 def _discard_step(turn: TurnRun) -> None:
