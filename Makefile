@@ -1,5 +1,5 @@
 # The two commands of the README: `make chat` and `make test`. Each sets everything up first.
-.PHONY: setup chat test bench-cpu
+.PHONY: setup chat test test-gpu bench-cpu
 
 setup:
 	bash scripts/setup.sh
@@ -11,6 +11,10 @@ chat: setup
 test:
 	EXTRAS=test,ray bash scripts/setup.sh
 	.venv/bin/python -m pytest -q
+
+# The GPU lane: run on a CUDA machine (see tests/gpu-lane/README.md). It uses the machine's own torch.
+test-gpu:
+	bash scripts/test_gpu.sh
 
 bench-cpu: setup
 	.venv/bin/python benchmarks/cpu_vs_transformers.py

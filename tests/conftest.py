@@ -34,11 +34,22 @@ def save_tiny(path, family: str, vocab_size: int = 320, tokenizer=None, **overri
 
 
 @pytest.fixture(scope="session")
-def smol_tokenizer():
+def embedded_model():
+    """The embedded SmolLM2 GGUF file; a machine without it skips the test and names what is missing."""
+    from turnkv.errors import ModelLoadError
     from turnkv.model.load import embedded_model_path
+
+    try:
+        return embedded_model_path()
+    except ModelLoadError as error:
+        pytest.skip(f"needs the embedded model: {error}")
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(embedded_model):
     from turnkv.model.tokenizer import load_gguf_tokenizer
 
-    return load_gguf_tokenizer(embedded_model_path())
+    return load_gguf_tokenizer(embedded_model)
 
 
 @pytest.fixture(scope="session")

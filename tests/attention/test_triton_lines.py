@@ -215,3 +215,27 @@ def test_cuda_bf16_default_tiles(per_q):
     ref, ref_computed, ref_causal = reference(keys, vertical, slash, per_q)
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
     assert torch.equal(computed, ref_computed) and torch.equal(causal, ref_causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the compiled kernel, not the interpreter")
+@pytest.mark.parametrize("runs", [1, 2, 3, 5, 8, 13, 22])
+def test_cuda_slash_runs_per_head(runs):
+    """1 to 22 runs of slashes per head, far enough apart (more than a query block) to stay separate
+    segments, each unit with its own count: the compiled kernel at the engine's tiles against the
+    reference."""
+    keys = make_keys(H=2, G=4, D=128, T=512, history=4096, dtype=torch.bfloat16, seed=runs)
+    units, offsets = keys.q.shape[1], keys.end_position
+    vertical = torch.zeros(units, keys.k.shape[2], dtype=torch.bool, device=DEVICE)
+    vertical[:, :4] = True
+    slash = torch.zeros(units, offsets, dtype=torch.bool, device=DEVICE)
+    gap = offsets // 23
+    for unit in range(units):
+        count = max(1, runs - unit % 3)  # uneven counts across heads, `runs` in the first
+        for r in range(count):
+            start = r * gap + unit % 5
+            slash[unit, start:start + 1 + (r + unit) % 7] = True
+    out, computed, causal = lines.line_attention(keys, vertical, slash, True)
+    ref, ref_computed, ref_causal = reference(keys, vertical, slash, True)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+    assert torch.equal(computed, ref_computed) and torch.equal(causal, ref_causal)

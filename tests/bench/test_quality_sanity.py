@@ -24,7 +24,7 @@ BUDGET = 112
 
 
 @pytest.fixture(scope="module")
-def smol_llm():
+def smol_llm(embedded_model):
     import turnkv
 
     return turnkv.LLM()  # the embedded SmolLM2-135M-Instruct, on CPU here

@@ -12,9 +12,11 @@ import turnkv
 MESSAGES = ["The quick brown fox jumps over the lazy dog. " * 6 + "Tell me a story about a cat.",
             "And then what happened?", "Thanks! One more?"]
 # Teacher-forced along the full engine's greedy reply, per turn: top-1 agreement at least, and the
-# largest log-probability difference and mean KL(full || quantized) at most (bounds several times
-# what this model gives, fp8 looser than int8).
-TOLERANCE = {"int8": dict(agreement=0.9, logprob=0.01, kl=1e-5), "fp8": dict(agreement=0.85, logprob=0.05, kl=1e-4)}
+# largest log-probability difference and mean KL(full || quantized) at most. Measured on this model
+# (worst turn of three, 16 tokens each): int8 agreement 1.0, logprob 0.0017, KL 1.9e-7; fp8 agreement
+# 0.9375, logprob 0.0092, KL 1.6e-6. Margins: one token of agreement, 2x the logprob, 3x the KL.
+TOLERANCE = {"int8": {"agreement": 0.9375, "logprob": 0.004, "kl": 6e-7},
+             "fp8": {"agreement": 0.875, "logprob": 0.02, "kl": 5e-6}}
 
 
 def run(llm, recipe=None, force=None, max_new_tokens=16):

@@ -64,10 +64,11 @@ def test_corrupt_gguf_is_a_clear_error(tmp_path):
     bad.write_bytes(b"GGUF" + b"\x00\xff" * 100)
     with pytest.raises(ModelLoadError, match="not a readable GGUF"):
         load_model(str(bad))
-    from turnkv.model.load import embedded_model_path
 
+
+def test_truncated_gguf_is_a_clear_error(tmp_path, embedded_model):
     truncated = tmp_path / "truncated.gguf"
-    truncated.write_bytes(embedded_model_path().read_bytes()[: 4 << 20])
+    truncated.write_bytes(embedded_model.read_bytes()[: 4 << 20])
     with pytest.raises(ModelLoadError):
         load_model(str(truncated))
 

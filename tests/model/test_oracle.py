@@ -8,10 +8,9 @@ import torch
 
 from tests.conftest import save_tiny
 from turnkv.engine.runner import ModelRunner
-from turnkv.errors import ModelLoadError
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
-from turnkv.model.load import embedded_model_path, load_model
+from turnkv.model.load import load_model
 
 FAMILIES = {
     "llama": ("llama", {}),
@@ -105,15 +104,12 @@ def test_half_precision_tracks_fp32(tmp_path, dtype, device):
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_matches_transformers_gguf_loader():
+def test_smollm2_gguf_matches_transformers_gguf_loader(embedded_model):
     """SmolLM2-135M from the embedded Q4_1 GGUF: our dequantization and un-permutation of q/k versus
     transformers' own GGUF loader."""
     from transformers import AutoModelForCausalLM
 
-    try:
-        path = embedded_model_path()
-    except ModelLoadError:
-        pytest.skip("the embedded model is not installed (the GPU machine lacks it)")
+    path = embedded_model
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     loaded = load_model(None, dtype="float32")
     assert loaded.source == "gguf"

@@ -12,7 +12,7 @@ MESSAGES = ["My name is Ada and I keep bees in Lyon. Remember the number 7261. H
 
 
 @pytest.fixture(scope="module")
-def smol():
+def smol(embedded_model):
     import turnkv
 
     return turnkv.LLM()
@@ -30,17 +30,27 @@ def replay(llm, recipe, reference=None):
     return out, stored, full
 
 
+# What each lossy restore measured on the returning turn's 16 greedy tokens, by the device the
+# embedded model runs on (fp32 on CPU, bf16 on CUDA), and the margins the test allows: one token of
+# agreement (1/16), and a quarter more KL. SmolLM2's adjacent layers are nearly orthogonal, so merging
+# them is lossy; a change that loses more than the margin fails here.
+MEASURED = {  # device: recipe: (greedy agreement, mean KL in nats, stored / full KV)
+    "cpu": {"state=krul": (0.375, 0.84, 0.767), "state=minicache": (0.1875, 1.57, 0.796)},
+    "cuda": {"state=krul": (0.375, 0.84, 0.767), "state=minicache": (0.1875, 1.57, 0.796)},
+}
+AGREEMENT_MARGIN, KL_MARGIN = 1 / 16, 1.25
+
+
 @pytest.mark.slow
-def test_smollm2_restore_fidelity(smol):
+def test_smollm2_restore_fidelity(smol, record_property):
     ref, _, _ = replay(smol, "state=gpu")
     tokens = [t for t, _ in ref]
     load, stored, full = replay(smol, "state=load", tokens)
     assert greedy_agreement(load[1][1], tokens[1]) == 1.0 and stored == full
-    # Stated fidelity (SmolLM2's adjacent layers are nearly orthogonal, so merging is lossy;
-    # benchmarks/results/state_fidelity.md): at least 15% of the returning turn's greedy tokens, a
-    # mean KL under 4 nats, at most 85% of the full KV.
-    for recipe in ("state=krul", "state=minicache"):
+    for recipe, (agreement, kl, kept) in MEASURED[smol.device.type].items():
         got, stored, full = replay(smol, recipe, tokens)
-        assert greedy_agreement(got[1][1], tokens[1]) >= 0.15
-        assert mean_kl(ref[1][1], got[1][1]) < 4.0
-        assert stored <= 0.85 * full
+        measured = (greedy_agreement(got[1][1], tokens[1]), mean_kl(ref[1][1], got[1][1]), stored / full)
+        record_property(recipe, measured)
+        assert measured[0] >= agreement - AGREEMENT_MARGIN, (recipe, measured)
+        assert measured[1] <= kl * KL_MARGIN, (recipe, measured)
+        assert measured[2] <= kept + 0.01, (recipe, measured)

