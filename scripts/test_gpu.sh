@@ -19,7 +19,13 @@ fi
 unset TRITON_INTERPRET
 # pytest-xdist, where installed, spreads the tests over processes that share the GPU.
 WORKERS=()
-"$PY" -c "import xdist" 2>/dev/null && WORKERS=(-n "${GPU_LANE_WORKERS:-6}")
+# Each worker gets a share of the cores: torch's default of one thread per core in every worker
+# oversubscribes the machine many times over.
+if "$PY" -c "import xdist" 2>/dev/null; then
+    n=${GPU_LANE_WORKERS:-8}
+    WORKERS=(-n "$n")
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( ($(nproc) + n - 1) / n ))}
+fi
 LOG=${GPU_LANE_LOG:-tests/gpu-lane/log.txt}
 mkdir -p "$(dirname "$LOG")"
 {

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -209,8 +210,14 @@ def _check_consistent(directory) -> int:
     return len(store.ids())
 
 
+def _child_env():
+    """The environment of a child Python: this checkout first, then whatever path the parent had."""
+    root = str(Path(__file__).resolve().parents[2])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+
+
 def test_killing_the_writer_mid_write_leaves_a_consistent_store(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = _child_env()
     for attempt in range(4):
         proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, env=env)
         assert proc.stdout.readline().strip() == b"ready"
@@ -234,7 +241,7 @@ def test_a_crash_between_the_tensors_and_the_manifest_keeps_the_old_entry(tmp_pa
         disk._atomic_write = crash_on_manifest
         disk.DiskStore({str(tmp_path)!r}).write("c", {{"x": torch.full((4,), 2.0)}}, {{"i": 2}})
     """)
-    result = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": os.getcwd()})
+    result = subprocess.run([sys.executable, "-c", script], env=_child_env())
     assert result.returncode == 3
     assert len(list(tmp_path.glob("*.safetensors"))) == 2  # the orphan is there until the next open
     assert _check_consistent(tmp_path) == 1

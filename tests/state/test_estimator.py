@@ -124,7 +124,7 @@ def test_sampled_rows_choose_pairs_as_close_as_the_exact_ones(turn):
 
 
 @pytest.mark.slow
-def test_sampled_rows_on_smollm2_keep_most_of_the_exact_pairs():
+def test_sampled_rows_on_smollm2_keep_most_of_the_exact_pairs(embedded_model):
     """SmolLM2-135M on real text (a 1K-token history, a 160-row turn): 128 sampled rows keep at least
     6 of the 8 exact pairs for each of three seeds, at most 3% more exact distance."""
     from pathlib import Path
