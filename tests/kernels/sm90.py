@@ -135,12 +135,14 @@ def sm90():
 
 
 def _record(compiled: list[str]):
-    """A jit_post_compile_hook that appends "module.kernel[constexprs, warps, stages]" to `compiled`."""
+    """A jit_post_compile_hook that appends "module.kernel[constexprs; warps, stages, pointer dtypes]"
+    to `compiled`."""
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
         names = fn.jit_function.arg_names
         consts = ", ".join(f"{names[k[0]] if len(k) == 1 else k}={v!r}" for k, v in compile["constants"].items())
+        pointers = ",".join(sorted({t[1:] for t in compile["signature"].values() if t.startswith("*")}))
         compiled.append(f"{fn.module.rsplit('.', 1)[-1]}.{fn.name}[{consts}; warps={compile['num_warps']}, "
-                        f"stages={compile['num_stages']}]")
+                        f"stages={compile['num_stages']}, pointers={pointers}]")
     return hook
 
 

@@ -81,7 +81,7 @@ def test_the_check_fails_on_a_constexpr_reassigned_in_static_range():
     results = {r["case"]: r for r in compile_sm90(HERE / "sm90_planted.py")}
     bad, good = results["planted/constexpr_reassigned"], results["planted/constexpr_once"]
     assert good["ok"], good["error"]
-    assert good["compiled"] == ["sm90_planted.constexpr_once[N=64; warps=4, stages=3]"]
+    assert good["compiled"] == ["sm90_planted.constexpr_once[N=64; warps=4, stages=3, pointers=i32]"]
     assert not bad["ok"] and bad["compiled"] == []
     # Rejected by Triton's code generator, at the planted line, for the reassignment.
     assert bad["error"].startswith("triton.compiler.errors.CompilationError")

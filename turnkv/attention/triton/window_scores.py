@@ -52,13 +52,18 @@ def _load_window(q_ptr, qpos_ptr, b, h, stride_qb, stride_qw, stride_qh, stride_
 @triton.jit
 def _scores(q, k_ptr, ks_ptr, slot, valid, d, scale_log2, D: tl.constexpr, PRECISION: tl.constexpr,
             QUANT: tl.constexpr):
-    """q . k * scale (log2 units) of the window rows against the keys at `slot`, fp32."""
+    """q . k * scale (log2 units) of the window rows against the keys at `slot`, fp32.
+
+    One return after an if/else: compiled for a GPU, Triton also type-checks the code after a return
+    inside a constexpr `if`, whose dot of q with the int8 / fp8 codes then fails."""
     k = tl.load(k_ptr + slot[:, None] * D + d[None, :], mask=valid[:, None] & (d < D)[None, :], other=0.0)
     if QUANT:
         k_scale = tl.load(ks_ptr + slot, mask=valid, other=0.0)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION).to(tl.float32)
-        return s * (k_scale * scale_log2)[None, :]
-    return tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2
+        s = s * (k_scale * scale_log2)[None, :]
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2
+    return s
 
 
 @triton.jit
