@@ -77,6 +77,24 @@ def test_the_cases_cover_every_launched_kernel(engine_results):
     assert expected <= compiled, f"kernels with no case in sm90_cases.py: {sorted(expected - compiled)}"
 
 
+# Variants an H100 runs that the CPU tests never reach (their device-dependent choices differ there:
+# docs/gpu-and-cpu.md): the compile run must have taken the H100's side of each choice.
+H100_VARIANTS = {
+    "PDL on (capability 9)": ("GDC=True, EARLY=True",),
+    "int8 codes by inline PTX": ("decode._decode_chunk[", "QUANT=3, FP8=False"),
+    "fp8 codes by cast": ("decode._decode_chunk[", "QUANT=1, FP8=True"),
+    "skinny matmul on tensor cores, 2..8 rows": ("gemv._skinny_matmul[BLOCK_M=16", "DOT=True", "GDC=True"),
+    "skinny matmul at M = 1": ("gemv._skinny_matmul[M=1, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048",),
+    "decode split for 132 SMs": ("decode._decode_chunk[H=8", "NUM_SPLITS=66"),
+}
+
+
+@pytest.mark.parametrize("variant", H100_VARIANTS)
+def test_the_h100_side_of_each_device_choice_compiled(engine_results, variant):
+    compiled = [name for r in engine_results for name in r["compiled"]]
+    assert any(all(part in name for part in H100_VARIANTS[variant]) for name in compiled), variant
+
+
 def test_the_check_fails_on_a_constexpr_reassigned_in_static_range():
     results = {r["case"]: r for r in compile_sm90(HERE / "sm90_planted.py")}
     bad, good = results["planted/constexpr_reassigned"], results["planted/constexpr_once"]

@@ -205,9 +205,9 @@ def window_scores(q: torch.Tensor, qpos: torch.Tensor, k_pool: torch.Tensor, kpo
         assert k_scale.is_contiguous() and k_scale.dtype == torch.float32
     strides = (q.stride(0), q.stride(1), q.stride(2), qpos.stride(0), table.stride(0), table.stride(1),
                lengths.stride(0))
-    _window_lse[(B * H, num_splits)](q, qpos, k_pool, k_scale, kpos_pool, table, lengths, part_m, part_l, *strides, scale_log2,
-                                     NUM_SPLITS=num_splits, BLOCK_N=lse_block_n, num_warps=launch["lse_warps"],
-                                     num_stages=launch["lse_stages"], **common)
+    _window_lse[(B * H, num_splits)](q, qpos, k_pool, k_scale, kpos_pool, table, lengths, part_m, part_l, *strides,
+                                     scale_log2, NUM_SPLITS=num_splits, BLOCK_N=lse_block_n,
+                                     num_warps=launch["lse_warps"], num_stages=launch["lse_stages"], **common)
     _merge_partials[(B * H,)](part_m, part_l, lse, M=M, NUM_SPLITS=num_splits, num_warps=1)
     _window_weights[(B * H, triton.cdiv(capacity, weights_block_n))](
         q, qpos, k_pool, k_scale, kpos_pool, table, lengths, lse, out, *strides, out.stride(0), out.stride(1),
