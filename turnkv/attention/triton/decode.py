@@ -205,6 +205,20 @@ def _merge_chunks(part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, Hq: tl.const
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
+def dequant_mode(codes: torch.dtype, query: torch.dtype, requested: str | None = None) -> str:
+    """How the kernel dequantizes `codes` (int8 / fp8) for a `query`-dtype query: `requested`, else
+    DEQUANT's choice for the codes. The one choice here that depends on where the kernel runs: "f16asm"
+    (inline PTX) becomes "cast" under Triton's interpreter (the CPU tests), which runs no inline PTX,
+    and for an fp32 query, which would lose bits in fp16. So on a GPU a bf16 / fp16 model reads int8
+    codes through "f16asm", and the interpreted kernel tests check int8 through "cast"."""
+    assert codes in DEQUANT, f"no dequantization for {codes} codes"
+    mode = requested or DEQUANT[codes]
+    if mode == "f16asm" and (_INTERPRETED or query == torch.float32):
+        mode = "cast"
+    assert mode != "f16asm" or codes == torch.int8, "f16asm dequantizes int8 codes only"
+    return mode
+
+
 def choose_splits(batch_kv_heads: int, max_length: int, num_sms: int, min_chunk: int = 64,
                   programs_per_sm: int = 4) -> int:
     """Enough chunks to give every SM `programs_per_sm` programs, but none shorter than `min_chunk`
@@ -240,12 +254,7 @@ def indexed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     quantized = k_scale is not None
     if quantized:
         assert k_scale.is_contiguous() and v_scale.is_contiguous() and k_scale.dtype == v_scale.dtype == torch.float32
-        assert k_cache.dtype in DEQUANT, f"no dequantization for {k_cache.dtype} codes"
-        dequant = dequant or DEQUANT[k_cache.dtype]
-        if dequant == "f16asm" and (_INTERPRETED or q.dtype == torch.float32):
-            dequant = "cast"  # an fp32 query would lose bits in fp16
-        assert dequant != "f16asm" or k_cache.dtype == torch.int8, "f16asm dequantizes int8 codes only"
-        mode = _QUANT_MODE[dequant]
+        mode = _QUANT_MODE[dequant_mode(k_cache.dtype, q.dtype, dequant)]
     else:
         k_scale = v_scale = lengths  # unused
         mode = 0

@@ -52,13 +52,18 @@ def _load_window(q_ptr, qpos_ptr, b, h, stride_qb, stride_qw, stride_qh, stride_
 @triton.jit
 def _scores(q, k_ptr, ks_ptr, slot, valid, d, scale_log2, D: tl.constexpr, PRECISION: tl.constexpr,
             QUANT: tl.constexpr):
-    """q . k * scale (log2 units) of the window rows against the keys at `slot`, fp32."""
+    """q . k * scale (log2 units) of the window rows against the keys at `slot`, fp32.
+
+    One return after an if/else: compiled for a GPU, Triton also type-checks the code after a return
+    inside a constexpr `if`, whose dot of q with the int8 / fp8 codes then fails."""
     k = tl.load(k_ptr + slot[:, None] * D + d[None, :], mask=valid[:, None] & (d < D)[None, :], other=0.0)
     if QUANT:
         k_scale = tl.load(ks_ptr + slot, mask=valid, other=0.0)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION).to(tl.float32)
-        return s * (k_scale * scale_log2)[None, :]
-    return tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2
+        s = s * (k_scale * scale_log2)[None, :]
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2
+    return s
 
 
 @triton.jit
@@ -200,9 +205,9 @@ def window_scores(q: torch.Tensor, qpos: torch.Tensor, k_pool: torch.Tensor, kpo
         assert k_scale.is_contiguous() and k_scale.dtype == torch.float32
     strides = (q.stride(0), q.stride(1), q.stride(2), qpos.stride(0), table.stride(0), table.stride(1),
                lengths.stride(0))
-    _window_lse[(B * H, num_splits)](q, qpos, k_pool, k_scale, kpos_pool, table, lengths, part_m, part_l, *strides, scale_log2,
-                                     NUM_SPLITS=num_splits, BLOCK_N=lse_block_n, num_warps=launch["lse_warps"],
-                                     num_stages=launch["lse_stages"], **common)
+    _window_lse[(B * H, num_splits)](q, qpos, k_pool, k_scale, kpos_pool, table, lengths, part_m, part_l, *strides,
+                                     scale_log2, NUM_SPLITS=num_splits, BLOCK_N=lse_block_n,
+                                     num_warps=launch["lse_warps"], num_stages=launch["lse_stages"], **common)
     _merge_partials[(B * H,)](part_m, part_l, lse, M=M, NUM_SPLITS=num_splits, num_warps=1)
     _window_weights[(B * H, triton.cdiv(capacity, weights_block_n))](
         q, qpos, k_pool, k_scale, kpos_pool, table, lengths, lse, out, *strides, out.stride(0), out.stride(1),

@@ -122,7 +122,13 @@ def _num_sms(device_index: int) -> int:
 
 
 def default_config(M: int, N: int, K: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Launch settings for one call. Split-K only when the tiles alone cannot give every SM one."""
+    """Launch settings for one call; the one place where they depend on the device.
+
+    On CUDA: TUNED's entry for the shape if there is one, else M1_CONFIG at M = 1 and MULTI_ROW_CONFIG
+    above, with split-K when the tiles alone cannot give every SM of `device` one (the SM count is
+    the device's). Elsewhere (Triton's interpreter, for the CPU tests): no TUNED entry and no split-K,
+    and FMA_CONFIG for bf16, since the interpreter computes bf16 dots wrongly; the CPU tests therefore
+    check the bf16 FMA path, not the dot path an H100 runs for 2..8 rows."""
     tuned = TUNED.get((triton.next_power_of_2(M), N, K)) if device.type == "cuda" else None
     if tuned is not None:
         return dict(tuned)

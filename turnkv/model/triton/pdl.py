@@ -41,7 +41,10 @@ def _supported(index: int) -> bool:
 
 def launch_options(device: torch.device, early: bool = False) -> dict:
     """The GDC flag and the launch option of a kernel launched on `device`; early: the kernel also
-    takes the EARLY flag (signal the next launch right after the wait)."""
+    takes the EARLY flag (signal the next launch right after the wait). The one place where PDL
+    depends on the device: on only for CUDA devices of compute capability 9 or more (griddepcontrol
+    is a Hopper instruction) and never under Triton's interpreter (no such launch there), so the CPU
+    tests run every kernel with GDC off."""
     on = ENABLED and not _INTERPRETED and device.type == "cuda" and _supported(device.index or 0)
     options = dict(GDC=on, launch_pdl=True) if on else dict(GDC=False)
     if early:
