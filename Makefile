@@ -13,4 +13,4 @@ test:
 	.venv/bin/python -m pytest -q
 
 bench-cpu: setup
-	.venv/bin/python benchmarks/cpu_vs_transformers.py
+	.venv/bin/python benchmarks/cpu/cpu_vs_transformers.py

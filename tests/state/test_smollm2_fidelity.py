@@ -37,7 +37,7 @@ def test_smollm2_restore_fidelity(smol):
     load, stored, full = replay(smol, "state=load", tokens)
     assert greedy_agreement(load[1][1], tokens[1]) == 1.0 and stored == full
     # Stated fidelity (SmolLM2's adjacent layers are nearly orthogonal, so merging is lossy;
-    # benchmarks/results/state_fidelity.md): at least 15% of the returning turn's greedy tokens, a
+    # benchmarks/state/results/state_fidelity.md): at least 15% of the returning turn's greedy tokens, a
     # mean KL under 4 nats, at most 85% of the full KV.
     for recipe in ("state=krul", "state=minicache"):
         got, stored, full = replay(smol, recipe, tokens)

@@ -70,7 +70,7 @@ def add_quality_parser(sub) -> None:
                         "the batched runner is tested against)")
     p.add_argument("--report-only", action="store_true",
                    help="write the report from what --out/results.jsonl holds (a partial run too), running nothing")
-    p.add_argument("--out", default=None, help="default: benchmarks/quality/latest, or the preset's folder")
+    p.add_argument("--out", default=None, help="default: benchmarks/quality/results/latest, or the preset's folder")
     p.set_defaults(func=cmd_quality)
 
 
@@ -91,7 +91,7 @@ def add_speed_parser(sub) -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--skip-tokens", type=int, default=16,
                    help="decode steps left out of the time per token (a selection's warm-up, graph captures)")
-    p.add_argument("--out", default="benchmarks/speed/latest")
+    p.add_argument("--out", default="benchmarks/decode/results/latest")
     p.set_defaults(func=cmd_speed)
 
 

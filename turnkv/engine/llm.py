@@ -86,7 +86,7 @@ class LLM:
                                         self.kv_dtype)
         if prefill_chunk is None:
             # Bigger chunks on a GPU: each chunk re-reads the kept history, and flash attention runs
-            # well below its peak rate on short query blocks (benchmarks/BENCHMARKS.md, prefill).
+            # well below its peak rate on short query blocks (benchmarks/prefill/README.md).
             prefill_chunk = 32768 if self.device.type == "cuda" else 4096
         self.runner = ModelRunner(self.model, self.pool, prefill_chunk, self.max_model_len, cuda_graphs)
         eos = set(self.config.eos_token_ids)

@@ -24,7 +24,7 @@ ENABLED = os.environ.get("TURNKV_FUSED", "1") != "0"
 FORCE = False
 # Rows (tokens x batch) up to which a projection takes the skinny matmul. Its cost is one pass over
 # the weights until the rows' multiply-adds catch up with it, which they do not by 8 on tensor cores;
-# beyond the decode batch buckets 1-8, cuBLAS's tiles are full enough. benchmarks/gpu_step_kernels.py
+# beyond the decode batch buckets 1-8, cuBLAS's tiles are full enough. benchmarks/kernels/gpu_step_kernels.py
 # times M = 1..16 against cuBLAS to move it.
 SKINNY_MAX_ROWS = 8
 

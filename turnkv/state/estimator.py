@@ -21,7 +21,7 @@ Row sampling (`max_rows`, a deviation from the paper): when the turn has more qu
 max_rows, max_rows of them are used, evenly spaced from a seeded offset, and the squared distances
 are scaled by rows/max_rows (an estimate of the full sum); the I-R score is the mean over the
 sampled rows. This bounds the cost at O(N * Hq * max_rows * P) whatever the turn length. It is an
-approximation (its agreement with the exact pairs: benchmarks/BENCHMARKS.md). Krul samples only turns
+approximation (its agreement with the exact pairs: benchmarks/state/README.md). Krul samples only turns
 longer than its `estimator_rows` (512), so ordinary turns are exact.
 
 Columns are key positions, so layers that evicted different tokens are still comparable.

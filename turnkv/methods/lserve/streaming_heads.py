@@ -48,7 +48,8 @@ from turnkv.methods.protocols import Prefill, StaticSparsity
 from turnkv.methods.registry import build, register
 from turnkv.methods.terms import parse_term
 
-DEFAULT_PATTERN = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "lserve_pattern_smollm2.json"
+# The calibrated SmolLM2-135M gates, shipped as package data (benchmarks/sparse/lserve_calibrate.py made it).
+DEFAULT_PATTERN = Path(__file__).resolve().parent / "patterns" / "smollm2_135m.json"
 
 
 @register("prefill", "streaming_heads")
