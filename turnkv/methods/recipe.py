@@ -289,6 +289,7 @@ def _preset_table() -> dict[str, dict[str, str]]:
         "quest": {"decode": "quest"},
         "duo-attention": {"prefill": "streaming_heads"},
         "lserve": {"prefill": "streaming_heads", "decode": "lserve"},
+        "lserve-random": {"prefill": "streaming_heads(pattern=random)", "decode": "lserve"},
         "lserve-static": {"prefill": "streaming_heads"},
         "lserve-dynamic": {"decode": "lserve"},
     }
@@ -318,6 +319,7 @@ PRESET_DOCS = {
     "quest": "Quest: 16-token pages scored by key min/max, top pages to 4096 tokens per head, every step",
     "duo-attention": "DuoAttention: streaming heads (sink 128 + local 256, 50%) hold and read only their window",
     "lserve": "LServe: streaming heads + hierarchical 64/16 page selection (4096 tokens, reused 4 steps) on dense heads",
+    "lserve-random": "LServe on any model: a random 50% of the KV heads stream (no calibrated pattern needed)",
     "lserve-static": "LServe ablation: its streaming heads only (the DuoAttention component)",
     "lserve-dynamic": "LServe ablation: its hierarchical page selection only",
 }
