@@ -146,8 +146,8 @@ ROUND_TRIPS = [
     "ada-snapkv budget=64",
     "snapkv compression_ratio=0.75",
     "snapkv compression_ratio=0.7",
-    "evict=snapkv(window=16,pooling=avg)+adakv(rule=kvpress) keep_ratio=0.3 schedule=turn_end "
-    "turns=recompress(budget_rule=naive)",
+    ("evict=snapkv(window=16,pooling=avg)+adakv(rule=kvpress) keep_ratio=0.3 schedule=turn_end "
+     "turns=recompress(budget_rule=naive)"),
     "snapkv budget=8 schedule=decode every=5",
     "turns=flowkv(reading=query,min_size=4) evict=h2o(recent_ratio=0.25) budget=8",
     "evict=pyramidkv(beta=4)+adakv(alpha=0.5,rule=paper) budget=32 schedule=context",

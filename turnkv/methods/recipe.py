@@ -32,8 +32,8 @@ from turnkv.methods.prefill.dense import DensePrefill
 from turnkv.methods.prefill.pattern_hook import PatternHook, summarise
 from turnkv.methods.protocols import Decode, DecodeSelection, Prefill, StateStrategy, StaticSparsity, Turns
 from turnkv.methods.registry import build
-from turnkv.methods.terms import format_term, parse_term, parse_value, split_top_level
 from turnkv.methods.step_context import StepContext
+from turnkv.methods.terms import format_term, parse_term, parse_value, split_top_level
 from turnkv.methods.turns.recompress import RecompressTurns
 from turnkv.methods.window import QueryWindow
 

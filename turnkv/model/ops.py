@@ -35,7 +35,7 @@ def _kernels():
         from turnkv.model.triton import activation, gemv, norm, rope
     except ImportError:  # no Triton: the torch ops everywhere
         return None
-    return dict(gemv=gemv, norm=norm, rope=rope, activation=activation)
+    return {"gemv": gemv, "norm": norm, "rope": rope, "activation": activation}
 
 
 def use_kernels(t: torch.Tensor) -> bool:

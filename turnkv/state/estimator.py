@@ -184,7 +184,7 @@ def _mask_future(scores: torch.Tensor, first: int, q_pos: torch.Tensor) -> None:
 
 def ir_regions(num_positions: int, share: float = 0.1) -> tuple[tuple[int, int], tuple[int, int]]:
     """The first and last `share` of positions, disjoint even for short sequences."""
-    n = max(1, int(round(share * num_positions)))
+    n = max(1, round(share * num_positions))
     n = min(n, num_positions // 2) or 1
     return (0, n), (max(n, num_positions - n), num_positions)
 
@@ -208,7 +208,6 @@ def attention_statistics(seq, queries: list[torch.Tensor], positions: torch.Tens
     the per-head Euclidean distance between two layers' maps, averaged over heads.
     where: "device", "cpu" (the paper's split) or "auto" (device on a GPU, else cpu);
     max_rows: sample at most this many rows (seeded), scaling the squared distances back up."""
-    N = len(queries)
     device = seq.pool.device
     P = seq.next_position
     regions = ir_regions(P, share)

@@ -140,7 +140,7 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
             """For the line kernel (CUDA), per KV head: a streaming head's sink keys are vertical lines
             and its window the offsets < prefill_local; a dense head has every offset (dense causal)."""
             vertical, slash, _ = a_shape_lines(keys, self.sink, self.prefill_local)
-            B, H = keys.k.shape[:2]
+            B = keys.k.shape[0]
             per_head = streaming.repeat(B)[:, None]  # units are (sequence, KV head)
             return vertical & per_head, slash | ~per_head, False
 
@@ -152,7 +152,7 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
         over all heads would compute the dense heads' cells with every offset selected, at the line
         kernel's per-cell cost, which is above flash attention's.
         With `dense`, that method attends the dense heads instead (any keys: it reads their `valid`)."""
-        B, Hq, T, D = keys.q.shape
+        B, _, T, D = keys.q.shape
         H, G = keys.k.shape[1], keys.group
         t0 = clock(keys.q.device)
         out = torch.empty_like(keys.q)
@@ -191,8 +191,8 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
             full = torch.full((B, H), dense_cells, dtype=part.dtype, device=part.device)
             full[:, idx] = part.reshape(B, len(idx))
             counts.append(full.reshape(part.shape[:-1] + (H,)) if part.dim() > 1 else full.reshape(-1))
-        return out, dict(layer=layer, computed=counts[0], causal=counts[1],
-                         time_sparse_attention=clock(keys.q.device) - t0)
+        return out, {"layer": layer, "computed": counts[0], "causal": counts[1],
+                     "time_sparse_attention": clock(keys.q.device) - t0}
 
     def bind(self, num_layers: int) -> None:
         """The model's layer count (Recipe.new_state): a prefill chunk sees only its KV heads."""

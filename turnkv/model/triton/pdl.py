@@ -43,7 +43,7 @@ def launch_options(device: torch.device, early: bool = False) -> dict:
     """The GDC flag and the launch option of a kernel launched on `device`; early: the kernel also
     takes the EARLY flag (signal the next launch right after the wait)."""
     on = ENABLED and not _INTERPRETED and device.type == "cuda" and _supported(device.index or 0)
-    options = dict(GDC=on, launch_pdl=True) if on else dict(GDC=False)
+    options = {"GDC": on, "launch_pdl": True} if on else {"GDC": False}
     if early:
         options["EARLY"] = on and EARLY_TRIGGER
     return options
