@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #6, CPU figures: LoopServe against the eviction and prefill-pattern baselines on SmolLM2-135M,
+# CPU figures: LoopServe against the eviction and prefill-pattern baselines on SmolLM2-135M,
 # on 3-turn conversations of about 4K tokens (about 1300 per turn) with the question at the Begin,
 # Middle and End of each user turn. Budgets are B = 1024 tokens per KV head; the static patterns are
 # scaled to the same size (A-shape/Tri-shape 128 sink + 1024 local, MInference 256 vertical +

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #7, CPU figures: LServe and its baselines on SmolLM2-135M with the calibrated streaming-head
+# CPU figures: LServe and its baselines on SmolLM2-135M with the calibrated streaming-head
 # pattern (the default of prefill=streaming_heads), on 3-turn conversations of about 3K tokens with
 # the question at the Begin, Middle and End. Page selection is scaled to the context: 512 tokens per
 # head (the 4096 default would read everything here). Streaming heads: sink 128 + local 256 (the

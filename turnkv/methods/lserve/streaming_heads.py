@@ -1,31 +1,16 @@
 """Static sparsity (DuoAttention, LServe): streaming KV heads see only sink + local tokens.
 
 Per (layer, KV head) a HeadPattern says which heads stream. This component is the recipe's prefill
-axis `streaming_heads` and also owns what streaming heads keep:
-- prefill: streaming heads attend to keys at positions < sink or within `prefill_local` of the row
-  (wider than `local`, as LServe's code: 8192 in prefill), dense heads to every key; on CUDA through
-  the line kernel (dense heads through SDPA where every head holds the same keys), elsewhere on the
-  blockwise mask path (reference attention with a per-head mask);
-- store, a ring of pages: a streaming head's list is its sink (positions [0, sink)) then one run of
-  recent positions (the ring). After every prefill and decode step (Recipe calls `trim`) the ring's
-  oldest pages go whole once at least one full page of it lies beyond `local`: a head keeps sink +
-  the last `local` .. `local + page_size - 1` tokens, as LServe's streaming cache keeps its local
-  window in whole blocks. A decode step reads those + the current token. Dropping a page edits the
-  head's page table (SequenceKV.drop_pages): no K/V moves, the page returns to the pool, and `trim`
-  works on the host alone from kv.lengths and kv.next_position (no device read, no sync);
-- a sink that is not a whole number of pages (sink % page_size != 0) shares its last page with the
-  ring, so the same window is kept by compaction instead (SequenceKV.keep, which moves the ring's
-  tokens): same tokens kept, device work on the steps that drop;
-- a streaming head that something else moved (eviction, a rollback, a restore from the state tiers;
-  kv.moves tells) is checked once against the pool's positions; one that is no longer sink + one run
-  (another method evicted from it) is trimmed exactly, to positions < sink or >= next - `local`;
-- multi-turn: a new turn's streaming heads attend to what was kept, the sink and the
-  ring of the history, plus the new tokens within `prefill_local`. The history outside that is gone
-  for them; dense heads keep and read everything.
+axis `streaming_heads` and also owns what streaming heads keep: in prefill they attend to keys
+< sink or within `prefill_local` of the row; in the store each is its sink plus a ring of whole pages,
+trimmed after every prefill and decode step (`trim`, host-only: it edits page tables and returns
+pages to the pool) to sink + the last `local` .. `local + page_size - 1` tokens. Heads something else
+moved (eviction, a rollback, a restore) are checked once and trimmed exactly. The design, its
+parameters and measurements: docs/methods/lserve.md.
 
 Patterns: `pattern=None` thresholds the calibrated SmolLM2 gates (DEFAULT_PATTERN) at `ratio`;
-`pattern="random"` draws one at `ratio` (speed runs); a path loads a JSON/TSV pattern file, or a
-DuoAttention release (`full_attention_heads.tsv` or its folder) thresholded at `ratio`.
+`pattern="random"` draws one at `ratio`; a path loads a JSON/TSV pattern file, or a DuoAttention
+release (`full_attention_heads.tsv` or its folder) thresholded at `ratio`.
 """
 
 from __future__ import annotations
