@@ -1,5 +1,5 @@
 # The two commands of the README: `make chat` and `make test`. Each sets everything up first.
-.PHONY: setup chat test test-gpu bench-cpu
+.PHONY: setup chat test test-gpu bench-cpu docs plots
 
 setup:
 	bash scripts/setup.sh
@@ -7,14 +7,23 @@ setup:
 chat: setup
 	.venv/bin/turnkv chat
 
-# The tests also cover the Ray Serve wrapper (turnkv.serve.ray), so they install the ray extra.
+# The tests also cover the Ray Serve wrapper (turnkv.serve.ray) and build the docs
+# (tests/docs/), so they install the ray and docs extras.
 test:
-	EXTRAS=test,ray bash scripts/setup.sh
+	EXTRAS=test,ray,docs bash scripts/setup.sh
 	.venv/bin/python -m pytest -q
 
-# The GPU lane: run on a CUDA machine (see tests/gpu-lane/README.md). It uses the machine's own torch.
+# The GPU lane: run on a CUDA machine (see docs/contributing.md, the GPU lane). It uses the machine's own torch.
 test-gpu:
 	bash scripts/test_gpu.sh
 
 bench-cpu: setup
-	.venv/bin/python benchmarks/cpu_vs_transformers.py
+	.venv/bin/python benchmarks/cpu/cpu_vs_transformers.py
+
+# The documentation site in site/, and the benchmark plots it shows, redrawn from the committed JSON.
+docs:
+	EXTRAS=test,docs bash scripts/setup.sh
+	.venv/bin/mkdocs build --strict
+
+plots: setup
+	.venv/bin/python benchmarks/plots.py

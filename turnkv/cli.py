@@ -9,6 +9,7 @@ import sys
 import numpy as np
 
 from turnkv.bench.cli import add_quality_parser, add_speed_parser
+from turnkv.engine.info import model_info
 from turnkv.engine.llm import LLM
 from turnkv.errors import TurnkvError
 from turnkv.methods.evict.eviction import SCHEDULES
@@ -16,17 +17,23 @@ from turnkv.methods.recipe import PRESET_DOCS, Recipe, presets
 from turnkv.methods.registry import describe
 from turnkv.serve.config import API_KEY_ENV, ServeConfig
 from turnkv.serve.server import serve
+from turnkv.sizes import parse_bytes
 
 MB = 1 << 20
 
 
+_MODEL_HELP = {
+    "--model": "GGUF file, HF safetensors folder, or shape name (default: embedded SmolLM2-135M-Instruct)",
+    "--dtype": "float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)",
+    "--device": "cpu or cuda (default: cuda when available)",
+    "--kv-memory": "KV page pool size, e.g. 2GiB",
+    "--kv-dtype": "K/V storage: int8 or fp8 (quantized per token and head), or none (the model dtype, default)",
+}
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="GGUF file, HF safetensors folder, or shape name (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--kv-memory", default=None, help="KV page pool size, e.g. 2GiB")
-    p.add_argument("--kv-dtype", default=None,
-                   help="K/V storage: int8 or fp8 (quantized per token and head), or none (the model dtype, default)")
+    for flag, help_text in _MODEL_HELP.items():
+        p.add_argument(flag, default=None, help=help_text)
     p.add_argument("--tokenizer", default=None, help="tokenizer for a shape name or a folder without one")
     p.add_argument("--recipe", default=None,
                    help="a preset (turnkv methods --presets), a recipe string, or a .json/.yaml file")
@@ -44,8 +51,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling(args) -> dict:
-    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, seed=args.seed, stop=args.stop)
+    return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "seed": args.seed, "stop": args.stop}
 
 
 def _recipe(args):
@@ -75,11 +82,11 @@ def _conversation_stats(llm, conv) -> str:
     pool = llm.pool
     lines = [
         f"turns: {len(conv.turns)}   history: {len(conv.tokens)} tokens   in KV: {kv.next_position} positions",
-        f"KV held: {kv.tokens()} token-heads across {pool.num_layers} layers x {pool.num_kv_heads} KV heads "
-        f"= {kv.bytes() / MB:.2f} MB ({llm.kv_bytes_per_token()} B/token dense, KV {pool.kv_dtype_name if pool.quantized else str(pool.dtype).removeprefix('torch.')})",
+        (f"KV held: {kv.tokens()} token-heads across {pool.num_layers} layers x {pool.num_kv_heads} KV heads "
+         f"= {kv.bytes() / MB:.2f} MB ({llm.kv_bytes_per_token()} B/token dense, KV {pool.kv_dtype_name if pool.quantized else str(pool.dtype).removeprefix('torch.')})"),
         f"per layer: min {per_layer.min():.2f} MB, max {per_layer.max():.2f} MB",
-        f"pool: {pool.bytes_in_use() / MB:.1f} MB used of {pool.capacity_bytes() / MB:.0f} MB "
-        f"({pool.free_pages(0)} free pages of {pool.page_size} tokens in layer 0)",
+        (f"pool: {pool.bytes_in_use() / MB:.1f} MB used of {pool.capacity_bytes() / MB:.0f} MB "
+         f"({pool.free_pages(0)} free pages of {pool.page_size} tokens in layer 0)"),
         f"recipe: {conv.recipe}",
     ]
     if conv.compression_log:
@@ -145,6 +152,7 @@ def cmd_serve(args) -> int:
     import os
 
 
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = ServeConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                          served_model_name=args.served_model_name, max_running=args.max_running,
@@ -161,8 +169,9 @@ def cmd_serve(args) -> int:
 
 
 def cmd_info(args) -> int:
-    llm = _load(args)
-    info = llm.info()
+    info = model_info(args.model, dtype=args.dtype, device=args.device, kv_dtype=args.kv_dtype,
+                      memory=parse_bytes(args.memory),
+                      kv_memory=None if args.kv_memory is None else parse_bytes(args.kv_memory))
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -254,8 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--log-level", default="info")
     srv.set_defaults(func=cmd_serve)
 
-    info = sub.add_parser("info", help="model shape and KV bytes per token")
-    _model_args(info)
+    info = sub.add_parser("info", help="model shape, parameters, KV bytes per token and the largest context that "
+                                       "fits a memory, read from the config alone (no weights are built)")
+    for flag in ("--model", "--dtype", "--device", "--kv-memory", "--kv-dtype"):
+        info.add_argument(flag, default=None, help=_MODEL_HELP[flag])
+    info.add_argument("--memory", default="80GiB", help="memory for weights + KV (default 80GiB: one H100)")
     info.add_argument("--json", action="store_true")
     info.set_defaults(func=cmd_info)
     return parser

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The committed SmolLM2-135M quality run (issue #5): `turnkv bench quality --preset full`.
+# The committed SmolLM2-135M quality run: `turnkv bench quality --preset full`.
 #   every task (5) x question position (3) x 3 turns of about 370 tokens, 48 new tokens a reply;
 #   the core recipes (streaming-llm, h2o, snapkv, ada-snapkv) under recompress and flowkv at keep_ratio
 #   0.2 and 0.5; the other evicting presets at both under recompress; every preset that does not evict

@@ -53,8 +53,11 @@ def test_full_preset_runs_every_preset_at_two_sizes():
     recipes = expand_recipes(parse(["--preset", "full"]))
     same_as = {"flowkv": "snapkv@flowkv@0.2", "flowkv-ada-snapkv": "ada-snapkv@flowkv@0.2",
                "lserve-static": "duo-attention"}
+    # Not run, and why: lserve-random is lserve with a random head pattern, for models without a
+    # calibrated one; SmolLM2 has its own, which the lserve rows use.
+    not_run = {"lserve-random"}
     for name, recipe in presets().items():
-        if name == "full":
+        if name == "full" or name in not_run:
             continue
         if name in same_as:  # the same recipe as another preset, run under that one's label
             other = presets()[same_as[name]] if name == "lserve-static" else recipes[same_as[name]]

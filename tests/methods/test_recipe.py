@@ -146,8 +146,8 @@ ROUND_TRIPS = [
     "ada-snapkv budget=64",
     "snapkv compression_ratio=0.75",
     "snapkv compression_ratio=0.7",
-    "evict=snapkv(window=16,pooling=avg)+adakv(rule=kvpress) keep_ratio=0.3 schedule=turn_end "
-    "turns=recompress(budget_rule=naive)",
+    ("evict=snapkv(window=16,pooling=avg)+adakv(rule=kvpress) keep_ratio=0.3 schedule=turn_end "
+     "turns=recompress(budget_rule=naive)"),
     "snapkv budget=8 schedule=decode every=5",
     "turns=flowkv(reading=query,min_size=4) evict=h2o(recent_ratio=0.25) budget=8",
     "evict=pyramidkv(beta=4)+adakv(alpha=0.5,rule=paper) budget=32 schedule=context",
@@ -188,13 +188,14 @@ def test_str_round_trips_every_on_other_schedules():
 def test_every_preset_builds():
     table = presets()
     assert list(table) == list(PRESET_DOCS)
-    assert len(table) == 25
+    assert len(table) == 26
     # The prefill-pattern and decode-selection presets: (prefill, decode) per name, nothing evicted.
     patterns = {"loopserve": ("loopserve", "loopserve"), "loopserve-p": ("loopserve", "all"),
                 "loopserve-d": ("dense", "loopserve"), "a-shape": ("a_shape", "all"),
                 "tri-shape": ("tri_shape", "all"), "minference": ("minference", "all"),
                 "quest": ("dense", "quest"), "duo-attention": ("streaming_heads", "all"),
-                "lserve": ("streaming_heads", "lserve"), "lserve-static": ("streaming_heads", "all"),
+                "lserve": ("streaming_heads", "lserve"), "lserve-random": ("streaming_heads", "lserve"),
+                "lserve-static": ("streaming_heads", "all"),
                 "lserve-dynamic": ("dense", "lserve")}
     scorers = {"streaming-llm": "streaming_llm", "h2o": "h2o", "snapkv": "snapkv", "pyramidkv": "pyramidkv",
                "tova": "tova", "knorm": "knorm", "expected-attention": "expected_attention", "random": "random",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 
 def gather_pages(pool: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
@@ -72,6 +71,10 @@ def causal_suffix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     T, S = q.shape[2], k.shape[2]
     if T == 1:
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+    # Imported here: torch.nn.attention.bias pulls in torch._dynamo (about a second), which nothing
+    # else at start-up needs (`turnkv info` reads shapes only).
+    from torch.nn.attention.bias import causal_lower_right
+
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S), scale=scale, enable_gqa=True)
 
 

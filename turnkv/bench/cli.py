@@ -70,7 +70,7 @@ def add_quality_parser(sub) -> None:
                         "the batched runner is tested against)")
     p.add_argument("--report-only", action="store_true",
                    help="write the report from what --out/results.jsonl holds (a partial run too), running nothing")
-    p.add_argument("--out", default=None, help="default: benchmarks/quality/latest, or the preset's folder")
+    p.add_argument("--out", default=None, help="default: benchmarks/quality/results/latest, or the preset's folder")
     p.set_defaults(func=cmd_quality)
 
 
@@ -91,7 +91,7 @@ def add_speed_parser(sub) -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--skip-tokens", type=int, default=16,
                    help="decode steps left out of the time per token (a selection's warm-up, graph captures)")
-    p.add_argument("--out", default="benchmarks/speed/latest")
+    p.add_argument("--out", default="benchmarks/decode/results/latest")
     p.set_defaults(func=cmd_speed)
 
 
@@ -165,7 +165,8 @@ def _machine(llm) -> str:
 
     cpu = platform.processor() or platform.machine()
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
     where = torch.cuda.get_device_name(llm.device) if llm.device.type == "cuda" else f"{cpu}, {os.cpu_count()} cores"
@@ -178,8 +179,8 @@ def cmd_quality(args) -> int:
     apply(args)
     if args.one_at_a_time and args.workers > 1:
         raise SystemExit("--one-at-a-time runs in one process; leave --workers out")
-    engine = dict(model=args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory,
-                  kv_dtype=getattr(args, "kv_dtype", None))
+    engine = {"model": args.model, "dtype": args.dtype, "device": args.device, "kv_memory": args.kv_memory,
+              "kv_dtype": getattr(args, "kv_dtype", None)}
     # With workers, this process only builds the instances and the report: a small KV pool.
     llm = LLM(**(engine | ({"kv_memory": "64MiB"} if args.workers > 1 and not args.report_only else {})))
     per_task = [generate(task, n=args.n, seed=args.seed, turns=args.turns, context_tokens=args.context_tokens,

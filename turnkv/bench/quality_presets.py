@@ -20,7 +20,7 @@ ALL_TASKS = "needle_qa,kv_retrieval,preferences,instructions,fewshot"
 DEFAULTS = {
     "tasks": ALL_TASKS, "recipes": "snapkv,ada-snapkv", "policies": "recompress", "budget": None,
     "keep_ratio": None, "positions": "begin,middle,end", "turns": 3, "n": 2, "context_tokens": 300,
-    "difficulty": 1, "seed": 0, "max_new_tokens": 48, "out": "benchmarks/quality/latest", "workers": 1, "batch": 16,
+    "difficulty": 1, "seed": 0, "max_new_tokens": 48, "out": "benchmarks/quality/results/latest", "workers": 1, "batch": 16,
     "kv_memory": None,
 }
 
@@ -79,7 +79,7 @@ PRESETS = {
     "full": {"tasks": ALL_TASKS, "recipes": FULL_RECIPES, "policies": "recompress,flowkv",
              "budget": None, "keep_ratio": "0.2,0.5", "positions": "begin,middle,end", "turns": 3, "n": 1,
              "context_tokens": 300, "difficulty": 1, "seed": 0, "max_new_tokens": 48,
-             "out": "benchmarks/quality/smollm2-hour", "workers": 2, "batch": 16, "kv_memory": "2560MiB"},
+             "out": "benchmarks/quality/results/smollm2-hour", "workers": 2, "batch": 16, "kv_memory": "2560MiB"},
 }
 
 

@@ -7,7 +7,7 @@ ahead of the host where it can:
 
 Reading a sampled token on the host waits for the GPU to finish its step, and the next step's host
 work (detokenising, stop checks, the step's metadata) then runs while the GPU idles, about a tenth
-of a batch-1 step (benchmarks/BENCHMARKS.md). So where decode replays from CUDA graphs, the loop
+of a batch-1 step (benchmarks/decode/README.md). So where decode replays from CUDA graphs, the loop
 launches step k with step k-1's tokens still on the device, and reads step k-1's tokens while step k
 runs.
 

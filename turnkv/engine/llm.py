@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
@@ -21,20 +20,8 @@ from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.recipe import Recipe
 from turnkv.model.load import DEFAULT_MODEL, embedded_model_path, load_model
 from turnkv.model.tokenizer import load_folder_tokenizer, load_gguf_tokenizer
+from turnkv.sizes import parse_bytes
 from turnkv.state.manager import StateManager
-
-_SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(size: int | str) -> int:
-    if isinstance(size, int):
-        return size
-    match = _SIZE.match(str(size))
-    if not match:
-        raise InvalidRequestError(f"cannot read {size!r} as a size; write e.g. 2GiB or 512MB")
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
 
 
 def _optional_bytes(size: int | str | None) -> int | None:
@@ -86,7 +73,7 @@ class LLM:
                                         self.kv_dtype)
         if prefill_chunk is None:
             # Bigger chunks on a GPU: each chunk re-reads the kept history, and flash attention runs
-            # well below its peak rate on short query blocks (benchmarks/BENCHMARKS.md, prefill).
+            # well below its peak rate on short query blocks (benchmarks/prefill/README.md).
             prefill_chunk = 32768 if self.device.type == "cuda" else 4096
         self.runner = ModelRunner(self.model, self.pool, prefill_chunk, self.max_model_len, cuda_graphs)
         eos = set(self.config.eos_token_ids)

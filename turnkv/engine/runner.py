@@ -52,7 +52,7 @@ class ModelRunner:
     def _attention_backends(self, num_new: int):
         """Decode on CUDA skips cuDNN attention: it builds an execution plan for every new key length,
         and decode meets a new one at every step and in every layer whose length differs (several
-        times slower decode, most for uneven heads; benchmarks/BENCHMARKS.md). Prefill
+        times slower decode, most for uneven heads; benchmarks/decode/README.md). Prefill
         keeps it, where it is the fastest backend."""
         if self.device.type != "cuda" or num_new > 1:
             return contextlib.nullcontext()

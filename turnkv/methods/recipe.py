@@ -32,8 +32,8 @@ from turnkv.methods.prefill.dense import DensePrefill
 from turnkv.methods.prefill.pattern_hook import PatternHook, summarise
 from turnkv.methods.protocols import Decode, DecodeSelection, Prefill, StateStrategy, StaticSparsity, Turns
 from turnkv.methods.registry import build
-from turnkv.methods.terms import format_term, parse_term, parse_value, split_top_level
 from turnkv.methods.step_context import StepContext
+from turnkv.methods.terms import format_term, parse_term, parse_value, split_top_level
 from turnkv.methods.turns.recompress import RecompressTurns
 from turnkv.methods.window import QueryWindow
 
@@ -289,6 +289,7 @@ def _preset_table() -> dict[str, dict[str, str]]:
         "quest": {"decode": "quest"},
         "duo-attention": {"prefill": "streaming_heads"},
         "lserve": {"prefill": "streaming_heads", "decode": "lserve"},
+        "lserve-random": {"prefill": "streaming_heads(pattern=random)", "decode": "lserve"},
         "lserve-static": {"prefill": "streaming_heads"},
         "lserve-dynamic": {"decode": "lserve"},
     }
@@ -318,6 +319,7 @@ PRESET_DOCS = {
     "quest": "Quest: 16-token pages scored by key min/max, top pages to 4096 tokens per head, every step",
     "duo-attention": "DuoAttention: streaming heads (sink 128 + local 256, 50%) hold and read only their window",
     "lserve": "LServe: streaming heads + hierarchical 64/16 page selection (4096 tokens, reused 4 steps) on dense heads",
+    "lserve-random": "LServe on any model: a random 50% of the KV heads stream (no calibrated pattern needed)",
     "lserve-static": "LServe ablation: its streaming heads only (the DuoAttention component)",
     "lserve-dynamic": "LServe ablation: its hierarchical page selection only",
 }

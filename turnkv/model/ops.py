@@ -24,7 +24,7 @@ ENABLED = os.environ.get("TURNKV_FUSED", "1") != "0"
 FORCE = False
 # Rows (tokens x batch) up to which a projection takes the skinny matmul. Its cost is one pass over
 # the weights until the rows' multiply-adds catch up with it, which they do not by 8 on tensor cores;
-# beyond the decode batch buckets 1-8, cuBLAS's tiles are full enough. benchmarks/gpu_step_kernels.py
+# beyond the decode batch buckets 1-8, cuBLAS's tiles are full enough. benchmarks/kernels/gpu_step_kernels.py
 # times M = 1..16 against cuBLAS to move it.
 SKINNY_MAX_ROWS = 8
 
@@ -35,7 +35,7 @@ def _kernels():
         from turnkv.model.triton import activation, gemv, norm, rope
     except ImportError:  # no Triton: the torch ops everywhere
         return None
-    return dict(gemv=gemv, norm=norm, rope=rope, activation=activation)
+    return {"gemv": gemv, "norm": norm, "rope": rope, "activation": activation}
 
 
 def use_kernels(t: torch.Tensor) -> bool:

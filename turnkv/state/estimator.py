@@ -21,7 +21,7 @@ Row sampling (`max_rows`, a deviation from the paper): when the turn has more qu
 max_rows, max_rows of them are used, evenly spaced from a seeded offset, and the squared distances
 are scaled by rows/max_rows (an estimate of the full sum); the I-R score is the mean over the
 sampled rows. This bounds the cost at O(N * Hq * max_rows * P) whatever the turn length. It is an
-approximation (its agreement with the exact pairs: benchmarks/BENCHMARKS.md). Krul samples only turns
+approximation (its agreement with the exact pairs: benchmarks/state/README.md). Krul samples only turns
 longer than its `estimator_rows` (512), so ordinary turns are exact.
 
 Columns are key positions, so layers that evicted different tokens are still comparable.
@@ -184,7 +184,7 @@ def _mask_future(scores: torch.Tensor, first: int, q_pos: torch.Tensor) -> None:
 
 def ir_regions(num_positions: int, share: float = 0.1) -> tuple[tuple[int, int], tuple[int, int]]:
     """The first and last `share` of positions, disjoint even for short sequences."""
-    n = max(1, int(round(share * num_positions)))
+    n = max(1, round(share * num_positions))
     n = min(n, num_positions // 2) or 1
     return (0, n), (max(n, num_positions - n), num_positions)
 
@@ -208,7 +208,6 @@ def attention_statistics(seq, queries: list[torch.Tensor], positions: torch.Tens
     the per-head Euclidean distance between two layers' maps, averaged over heads.
     where: "device", "cpu" (the paper's split) or "auto" (device on a GPU, else cpu);
     max_rows: sample at most this many rows (seeded), scaling the squared distances back up."""
-    N = len(queries)
     device = seq.pool.device
     P = seq.next_position
     regions = ir_regions(P, share)

@@ -10,7 +10,7 @@ the disk tier alone can bring a conversation back after a restart (`resume`), an
 file falls back to recomputing that history. The strategy that stored an entry restores it, whatever
 the conversation's recipe says now, with one exception: a disk entry whose history a prefill rebuilds
 exactly (nothing evicted) is recomputed instead of read when the disk's measured read rate makes the
-read alone slower than the recompute (a slow disk against a fast GPU: benchmarks/BENCHMARKS.md).
+read alone slower than the recompute (a slow disk against a fast GPU: benchmarks/state/README.md).
 """
 
 from __future__ import annotations

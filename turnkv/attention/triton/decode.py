@@ -24,7 +24,7 @@ probabilities (sum_j p_j s_j c_j), so the codes enter the dots as they are, conv
     TF32 (exact for q and the codes; p rounded to 10 bits). Integer-to-float conversion instructions
     run at a quarter of the arithmetic rate on recent NVIDIA GPUs (16 per clock per SM), about the rate
     int8 codes arrive at full bandwidth, which this variant avoids.
-`DEQUANT` picks the variant per storage dtype (benchmarks/gpu_kv_quant.py times both).
+`DEQUANT` picks the variant per storage dtype (benchmarks/decode/gpu_kv_quant.py times both).
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ import triton.language as tl
 from turnkv.model.triton import pdl
 
 LOG2E = 1.4426950408889634
-# The setting of benchmarks/gpu_decode_kernel.py --sweep whose share of the copy bandwidth is the most
+# The setting of benchmarks/kernels/gpu_decode_kernel.py --sweep whose share of the copy bandwidth is the most
 # even from batch 1 x 32K to batch 32 x 16K keys.
 DEFAULT_CONFIG = dict(block_n=32, num_warps=2, num_stages=3)
-# Per storage dtype of quantized KV (benchmarks/gpu_kv_quant.py times the choices): the launch
+# Per storage dtype of quantized KV (benchmarks/decode/gpu_kv_quant.py times the choices): the launch
 # settings (one-byte codes: 128-key tiles over 4 warps keep as many bytes in flight per stage as the
 # setting above), how the codes are dequantized in registers (module docstring), and how many
 # programs per SM choose_splits aims at (4 otherwise: one-byte codes need more programs in flight to
-# come near the copy bandwidth; benchmarks/gpu_kv_quant_splits.py sweeps it).
+# come near the copy bandwidth; benchmarks/decode/gpu_kv_quant_splits.py sweeps it).
 QUANT_CONFIG = {torch.int8: dict(block_n=128, num_warps=4, num_stages=3),
                 torch.float8_e4m3fn: dict(block_n=128, num_warps=4, num_stages=2)}
 DEQUANT = {torch.int8: "f16asm", torch.float8_e4m3fn: "cast"}

@@ -38,7 +38,7 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 # Flash-attention-like tiles for D <= 128 in 16-bit (not yet tuned on a GPU: see
-# benchmarks/gpu_line_attention.py); fp32 tiles are halved to fit in registers.
+# benchmarks/kernels/gpu_line_attention.py); fp32 tiles are halved to fit in registers.
 DEFAULT_CONFIG = dict(block_m=128, block_n=64, num_warps=8, num_stages=3)
 FP32_CONFIG = dict(block_m=64, block_n=32, num_warps=4, num_stages=2)
 INT32_MAX = 2**31 - 1

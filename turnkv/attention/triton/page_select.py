@@ -85,7 +85,7 @@ def page_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, table: 
     logical_page) + sub-page); table [B, H, P] pool page ids (int32); lengths [B, H] (int32, the
     step's token included). -> fp32 scores [B, X, num_phys] (X = Hq for group "query", else H), -inf
     at pages >= the head's newest. block_p: physical pages per program (16 is the fastest of 8 to 64
-    at 128K on an H100; benchmarks/BENCHMARKS.md)."""
+    at 128K on an H100; benchmarks/sparse/README.md)."""
     B, Hq, D = q.shape
     H = table.shape[1]
     G = Hq // H

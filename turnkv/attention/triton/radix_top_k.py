@@ -18,7 +18,7 @@ found four bits at a time, high digits first:
 Five full passes over the scores instead of nine for eight rounds over every key. The candidate list
 has room for a whole row, so many equal scores (a row that is mostly -inf) cost time, not correctness.
 Ties at the threshold go to the lowest indices, as in the short-row kernel (top_k.py) and a stable
-descending sort. Scores must not be NaN. benchmarks/gpu_top_k.py times it against torch.topk.
+descending sort. Scores must not be NaN. benchmarks/kernels/gpu_top_k.py times it against torch.topk.
 """
 
 from __future__ import annotations

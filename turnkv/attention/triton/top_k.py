@@ -3,7 +3,7 @@ LServe's page selection (a row per query head of at most a few thousand physical
 128K). Keys are (score, index) pairs in an int64. A row of at least two parts (PART) is split: one
 program per part keeps its best keys (tl.topk, a bitonic sort in registers), then one per row takes
 the best of those and sorts the winners' indices. Shorter rows: one program per row does both.
-Either beats torch.topk and a sort of its indices (benchmarks/gpu_top_k.py times them).
+Either beats torch.topk and a sort of its indices (benchmarks/kernels/gpu_top_k.py times them).
 
 Ties: among equal scores at the threshold the lowest indices win, as a stable descending sort would
 take them. Scores must not be NaN.
@@ -79,7 +79,7 @@ def _top_k_merge(cand_ptr, out_ptr, stride_o, K: tl.constexpr, BLOCK_K: tl.const
 def top_k_ascending(scores: torch.Tensor, k: int, split: bool = True) -> torch.Tensor:
     """scores [..., n] fp32 (no NaN), 1 <= k <= n <= MAX_ROW -> int64 [..., k]: the indices of the k
     largest scores of each row in ascending order; among equal scores at the threshold the lowest.
-    split=False: one program per row at any length (benchmarks/gpu_top_k.py times both)."""
+    split=False: one program per row at any length (benchmarks/kernels/gpu_top_k.py times both)."""
     *lead, n = scores.shape
     assert scores.dtype == torch.float32 and 1 <= k <= n <= MAX_ROW, (scores.dtype, k, n)
     rows = scores.reshape(-1, n)

@@ -1,31 +1,16 @@
 """Static sparsity (DuoAttention, LServe): streaming KV heads see only sink + local tokens.
 
 Per (layer, KV head) a HeadPattern says which heads stream. This component is the recipe's prefill
-axis `streaming_heads` and also owns what streaming heads keep:
-- prefill: streaming heads attend to keys at positions < sink or within `prefill_local` of the row
-  (wider than `local`, as LServe's code: 8192 in prefill), dense heads to every key; on CUDA through
-  the line kernel (dense heads through SDPA where every head holds the same keys), elsewhere on the
-  blockwise mask path (reference attention with a per-head mask);
-- store, a ring of pages: a streaming head's list is its sink (positions [0, sink)) then one run of
-  recent positions (the ring). After every prefill and decode step (Recipe calls `trim`) the ring's
-  oldest pages go whole once at least one full page of it lies beyond `local`: a head keeps sink +
-  the last `local` .. `local + page_size - 1` tokens, as LServe's streaming cache keeps its local
-  window in whole blocks. A decode step reads those + the current token. Dropping a page edits the
-  head's page table (SequenceKV.drop_pages): no K/V moves, the page returns to the pool, and `trim`
-  works on the host alone from kv.lengths and kv.next_position (no device read, no sync);
-- a sink that is not a whole number of pages (sink % page_size != 0) shares its last page with the
-  ring, so the same window is kept by compaction instead (SequenceKV.keep, which moves the ring's
-  tokens): same tokens kept, device work on the steps that drop;
-- a streaming head that something else moved (eviction, a rollback, a restore from the state tiers;
-  kv.moves tells) is checked once against the pool's positions; one that is no longer sink + one run
-  (another method evicted from it) is trimmed exactly, to positions < sink or >= next - `local`;
-- multi-turn: a new turn's streaming heads attend to what was kept, the sink and the
-  ring of the history, plus the new tokens within `prefill_local`. The history outside that is gone
-  for them; dense heads keep and read everything.
+axis `streaming_heads` and also owns what streaming heads keep: in prefill they attend to keys
+< sink or within `prefill_local` of the row; in the store each is its sink plus a ring of whole pages,
+trimmed after every prefill and decode step (`trim`, host-only: it edits page tables and returns
+pages to the pool) to sink + the last `local` .. `local + page_size - 1` tokens. Heads something else
+moved (eviction, a rollback, a restore) are checked once and trimmed exactly. The design, its
+parameters and measurements: docs/methods/lserve.md.
 
 Patterns: `pattern=None` thresholds the calibrated SmolLM2 gates (DEFAULT_PATTERN) at `ratio`;
-`pattern="random"` draws one at `ratio` (speed runs); a path loads a JSON/TSV pattern file, or a
-DuoAttention release (`full_attention_heads.tsv` or its folder) thresholded at `ratio`.
+`pattern="random"` draws one at `ratio`; a path loads a JSON/TSV pattern file, or a DuoAttention
+release (`full_attention_heads.tsv` or its folder) thresholded at `ratio`.
 """
 
 from __future__ import annotations
@@ -48,7 +33,8 @@ from turnkv.methods.protocols import Prefill, StaticSparsity
 from turnkv.methods.registry import build, register
 from turnkv.methods.terms import parse_term
 
-DEFAULT_PATTERN = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "lserve_pattern_smollm2.json"
+# The calibrated SmolLM2-135M gates, shipped as package data (benchmarks/sparse/lserve_calibrate.py made it).
+DEFAULT_PATTERN = Path(__file__).resolve().parent / "patterns" / "smollm2_135m.json"
 
 
 @register("prefill", "streaming_heads")
@@ -139,7 +125,7 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
             """For the line kernel (CUDA), per KV head: a streaming head's sink keys are vertical lines
             and its window the offsets < prefill_local; a dense head has every offset (dense causal)."""
             vertical, slash, _ = a_shape_lines(keys, self.sink, self.prefill_local)
-            B, H = keys.k.shape[:2]
+            B = keys.k.shape[0]
             per_head = streaming.repeat(B)[:, None]  # units are (sequence, KV head)
             return vertical & per_head, slash | ~per_head, False
 
@@ -151,7 +137,7 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
         over all heads would compute the dense heads' cells with every offset selected, at the line
         kernel's per-cell cost, which is above flash attention's.
         With `dense`, that method attends the dense heads instead (any keys: it reads their `valid`)."""
-        B, Hq, T, D = keys.q.shape
+        B, _, T, D = keys.q.shape
         H, G = keys.k.shape[1], keys.group
         t0 = clock(keys.q.device)
         out = torch.empty_like(keys.q)
@@ -190,8 +176,8 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
             full = torch.full((B, H), dense_cells, dtype=part.dtype, device=part.device)
             full[:, idx] = part.reshape(B, len(idx))
             counts.append(full.reshape(part.shape[:-1] + (H,)) if part.dim() > 1 else full.reshape(-1))
-        return out, dict(layer=layer, computed=counts[0], causal=counts[1],
-                         time_sparse_attention=clock(keys.q.device) - t0)
+        return out, {"layer": layer, "computed": counts[0], "causal": counts[1],
+                     "time_sparse_attention": clock(keys.q.device) - t0}
 
     def bind(self, num_layers: int) -> None:
         """The model's layer count (Recipe.new_state): a prefill chunk sees only its KV heads."""

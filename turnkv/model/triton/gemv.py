@@ -102,7 +102,7 @@ def _skinny_matmul(
             tl.atomic_xchg(arrivals_ptr + tile, 0)
 
 
-# Launch settings from a sweep on an H100 (benchmarks/gpu_step_kernels.py --sweep --sweep-rows 1).
+# Launch settings from a sweep on an H100 (benchmarks/kernels/gpu_step_kernels.py --sweep --sweep-rows 1).
 # At M = 1 the FMA path with 4 features x 2048 of K per program is the fastest on every Llama-3.1-8B
 # projection: plain loads of 16 KB per program and thousands of programs keep enough bytes in flight.
 # Tensor cores with the operands swapped serve several rows: W's tile is the MMA's large side, the
@@ -111,7 +111,7 @@ M1_CONFIG = dict(block_n=4, block_k=2048, num_warps=4, num_stages=1, split_k=1, 
 MULTI_ROW_CONFIG = dict(block_n=16, block_k=256, num_warps=4, num_stages=4, split_k=1, dot=True)
 FMA_CONFIG = dict(block_n=8, block_k=512, num_warps=4, num_stages=1, split_k=1, dot=False)
 # Per-shape settings measured on a GPU, (rows, N, K) -> config with rows = M rounded up to a power of
-# two; benchmarks/gpu_step_kernels.py --sweep prints entries in this form. Empty: at M = 1 the
+# two; benchmarks/kernels/gpu_step_kernels.py --sweep prints entries in this form. Empty: at M = 1 the
 # sweep's best per shape is M1_CONFIG for every shape.
 TUNED: dict[tuple[int, int, int], dict] = {}
 

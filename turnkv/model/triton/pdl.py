@@ -3,7 +3,7 @@
 A decode step is a few hundred small kernels, one after another. With PDL a kernel is launched
 while its predecessor drains; each program first waits (griddepcontrol.wait, `gdc_wait`) until the
 predecessor has finished and its writes are visible, so nothing is read or written early. What it
-saves is the launch gap between the two, also inside a CUDA graph (benchmarks/BENCHMARKS.md).
+saves is the launch gap between the two, also inside a CUDA graph (benchmarks/sparse/README.md).
 
 A kernel that takes part has a `GDC: tl.constexpr` argument and calls `enter(GDC, ...)` first
 thing, before any load or store, in every program: the chain's order then holds transitively (a
@@ -29,7 +29,7 @@ ENABLED = os.environ.get("TURNKV_PDL", "1") != "0"
 # next kernel starts once every program has signalled, that is in the signalling kernel's last wave.
 # The selection kernels (page scores, top-k, window scores, radix select) do not signal early, which
 # would slow LServe's selection down, nor does the skinny matmul, which gains nothing from it
-# (benchmarks/BENCHMARKS.md).
+# (benchmarks/sparse/README.md).
 EARLY_TRIGGER = os.environ.get("TURNKV_PDL_EARLY", "1") != "0"
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -46,7 +46,7 @@ def launch_options(device: torch.device, early: bool = False) -> dict:
     is a Hopper instruction) and never under Triton's interpreter (no such launch there), so the CPU
     tests run every kernel with GDC off."""
     on = ENABLED and not _INTERPRETED and device.type == "cuda" and _supported(device.index or 0)
-    options = dict(GDC=on, launch_pdl=True) if on else dict(GDC=False)
+    options = {"GDC": on, "launch_pdl": True} if on else {"GDC": False}
     if early:
         options["EARLY"] = on and EARLY_TRIGGER
     return options

@@ -1,0 +1,127 @@
+"""The documentation is checked like code: the site builds with `mkdocs build --strict`, the README
+stays short with its two commands on the first screen, the pages hold no issue numbers, "in progress"
+or links outside the repository, every path they quote exists, and every code block marked runnable
+(an HTML comment `<!-- run -->` on the line before its fence) runs on CPU with the embedded model."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PAGES = sorted([REPO / "README.md", *(REPO / "docs").rglob("*.md"), *(REPO / "benchmarks").glob("*/README.md"),
+                REPO / "benchmarks" / "README.md"])
+RUN_MARK = "<!-- run -->"
+FENCE = re.compile(r"^```(\w+)[^\n]*\n(.*?)^```", re.DOTALL | re.MULTILINE)
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(REPO).as_posix()
+
+
+def runnable_blocks(text: str) -> list[tuple[str, str]]:
+    """(language, code) of each fenced block whose fence line follows a `<!-- run -->` line."""
+    blocks = []
+    for match in FENCE.finditer(text):
+        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        if before.strip() == RUN_MARK:
+            blocks.append((match.group(1), match.group(2)))
+    return blocks
+
+
+def test_the_readme_is_short_and_opens_with_its_two_commands():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) < 150
+    first_screen = "\n".join(lines[:30])
+    assert "make chat" in first_screen and "make test" in first_screen
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_pages_are_written_for_users(page):
+    text = page.read_text()
+    assert not re.search(r"(?i)\bissues?\s*#?\d+|\(#\d+\)|#\d+\b", text), "an issue number"
+    assert "in progress" not in text.lower()
+    assert not re.search(r"\]\((?:https?:)?//", text) and "http://" not in text and "https://" not in text, \
+        "a link outside the repository"
+    assert "../shared" not in text and "shared/" not in text
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_quoted_paths_exist(page):
+    # Every `benchmarks/...`, `turnkv/...`, `tests/...` or docs image the page names is in the repository.
+    text = page.read_text()
+    for path in re.findall(r"`((?:benchmarks|turnkv|tests|scripts)/[\w./{},-]+)`", text):
+        for one in _expand(path.split(" ")[0]):
+            assert (REPO / one).exists(), f"{_rel(page)} quotes {one}, which does not exist"
+    for image in re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", text):
+        assert (page.parent / image).resolve().exists(), f"{_rel(page)} shows {image}, which does not exist"
+
+
+def _expand(path: str) -> list[str]:
+    """`a/{b,c}.json` -> a/b.json, a/c.json."""
+    match = re.search(r"\{([^}]*)\}", path)
+    if not match:
+        return [path.rstrip(".,")]
+    return [one for part in match.group(1).split(",") for one in _expand(path[: match.start()] + part + path[match.end():])]
+
+
+def test_the_site_builds_strict(tmp_path):
+    pytest.importorskip("mkdocs", reason="the docs extra: pip install -e '.[docs]' (make test installs it)")
+    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+                         cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_the_plots_come_from_the_committed_json(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import plots
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    written = plots.draw(tmp_path)
+    assert sorted(p.name for p in written) == sorted(plots.SOURCES)
+    for name in plots.SOURCES:
+        assert (REPO / "docs" / "img" / name).exists(), f"docs/img/{name}: run python benchmarks/plots.py"
+
+
+def test_the_headline_lserve_preset_is_the_recipe_of_the_committed_run():
+    from turnkv.methods.recipe import preset
+
+    run = json.loads((REPO / "benchmarks/decode/results/h100-llama-3.1-8b-engine-path/speed.json").read_text())
+    assert str(preset("lserve-random")) == run["recipes"]["lserve prefill=streaming_heads(pattern=random)"]
+
+
+MARKED = [page for page in PAGES if runnable_blocks(page.read_text())]
+
+
+def test_the_readme_and_getting_started_have_runnable_examples():
+    assert {"README.md", "docs/getting-started.md"} <= {_rel(p) for p in MARKED}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", MARKED, ids=_rel)
+def test_marked_blocks_run(page, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": "__docs__"}
+    for language, code in runnable_blocks(page.read_text()):
+        if language == "python":
+            exec(compile(code, f"{_rel(page)} block", "exec"), namespace)  # noqa: S102  (the page's own example)
+        elif language == "bash":
+            for line in code.splitlines():
+                command = line.split("#", 1)[0].strip()
+                if not command:
+                    continue
+                argv = shlex.split(command)
+                assert argv[0] == "turnkv", f"runnable shell blocks run turnkv commands: {command}"
+                run = subprocess.run([sys.executable, "-m", "turnkv.cli", *argv[1:]], capture_output=True,
+                                     text=True, timeout=600, check=False,
+                                     env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+                assert run.returncode == 0, f"{command}\n{run.stdout}\n{run.stderr}"
+        else:
+            pytest.fail(f"{_rel(page)}: a runnable block in {language!r}; python and bash run")

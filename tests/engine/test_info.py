@@ -1,0 +1,76 @@
+"""`turnkv info` reads a model's shape without building its weights: parameters, KV bytes per token
+and the largest context that fits a memory, fast enough for a 70B shape on a small CPU machine."""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+
+import pytest
+
+from turnkv.cli import main
+from turnkv.engine.info import model_info
+from turnkv.model.config import shape_config
+
+GIB = 1 << 30
+
+
+def test_a_70b_shape_answers_in_seconds_without_the_engine():
+    # A fresh interpreter, as the command runs; transformers (tokenizers) is not even imported.
+    code = ("import json, sys\nfrom turnkv.cli import main\n"
+            "assert main(['info', '--model', 'llama-3.1-70b', '--dtype', 'bfloat16', '--json']) == 0\n"
+            "heavy = [m for m in ('transformers',) if m in sys.modules]\n"
+            "print(json.dumps(heavy))\n")
+    # CPU seconds of the child (user + system): the wall time on a shared 2-core machine also counts
+    # other processes' turns; on an idle one the two agree (about 2.5 s).
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    seconds = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert run.returncode == 0, run.stderr
+    info_text, heavy = run.stdout.rsplit("\n", 2)[:2]
+    assert json.loads(heavy) == []
+    assert json.loads(info_text)["parameters"] == 70_553_706_496  # Llama-3.1-70B's published count
+    assert seconds < 5.0, f"turnkv info took {seconds:.1f} CPU seconds"
+
+
+def test_figures_follow_from_the_shape(monkeypatch):
+    def no_weights(*args, **kwargs):
+        raise AssertionError("turnkv info built a model")
+
+    monkeypatch.setattr("turnkv.model.load.empty_model", no_weights)
+    c = shape_config("llama-3.1-70b")
+    info = model_info("llama-3.1-70b", dtype="bfloat16", device="cpu", memory=160 * GIB)
+    per_token = c.num_layers * c.num_kv_heads * 2 * c.head_dim * 2  # K and V, bf16
+    assert info["kv_bytes_per_token"] == per_token == 327_680
+    assert info["weight_bytes"] == 2 * info["parameters"]
+    fits = (160 * GIB - info["weight_bytes"]) // per_token // 16 * 16
+    assert info["kv_tokens_in_memory"] == fits and info["largest_context"] == min(fits, 131_072)
+    assert 90_000 < fits < 100_000
+    # One-byte codes plus an fp32 scale per row of K and of V.
+    int8 = model_info("llama-3.1-70b", dtype="bfloat16", device="cpu", kv_dtype="int8", memory=160 * GIB)
+    assert int8["kv_bytes_per_token"] == c.num_layers * c.num_kv_heads * 2 * (c.head_dim + 4)
+    # Weights that alone exceed the memory leave no context; a roomy memory is capped at the positions.
+    assert model_info("llama-3.1-70b", dtype="float32", device="cpu", memory=80 * GIB)["largest_context"] == 0
+    assert model_info("llama-3.1-8b", dtype="bfloat16", device="cpu", memory=1 << 40)["largest_context"] == 131_072
+
+
+def test_the_command_prints_the_same_figures(monkeypatch, capsys):
+    assert main(["info", "--model", "llama-3.1-8b", "--dtype", "bf16", "--memory", "24GiB", "--kv-memory", "1GiB",
+                 "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["parameters"] == 8_030_261_248 and info["kv_bytes_per_token"] == 131_072
+    assert info["largest_context"] == (24 * GIB - 2 * 8_030_261_248) // 131_072 // 16 * 16
+    assert info["kv_pool_tokens"] == 8192
+    assert main(["info", "--model", "llama-3.1-8b", "--memory", "lots"]) == 2
+    assert "cannot read 'lots' as a size" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_gguf_file_is_read_from_its_header(monkeypatch):
+    monkeypatch.setattr("turnkv.model.gguf_file.read_tensors", lambda *a: pytest.fail("read the tensors"))
+    info = model_info(None, dtype="float32", device="cpu")
+    assert info["source"] == "gguf" and info["parameters"] == shape_config("smollm2-135m").num_parameters()
+    assert info["kv_bytes_per_token"] == 30 * 3 * 2 * 64 * 4
