@@ -81,7 +81,7 @@ def test_methods_lists_components_and_presets(monkeypatch, capsys):
     assert snap["params"] == {"window": 32, "kernel": 7, "pooling": "max"}
     code, out, _ = run_cli(monkeypatch, capsys, ["methods", "--presets", "--json"])
     presets = json.loads(out)
-    assert "ada-snapkv" in presets and "evict=snapkv+adakv budget=1024" in presets["ada-snapkv"]["recipe"]
+    assert "ada-snapkv" in presets and "evict=snapkv(kernel=7,pooling=max)+adakv budget=1024" in presets["ada-snapkv"]["recipe"]
 
 
 def test_chat_with_a_recipe_holds_the_budget(monkeypatch, capsys, chat_model_dir):
