@@ -52,7 +52,8 @@ def test_eviction_parameters_may_sit_inside_the_terms_and_separators_vary():
 
 def test_preset_then_overrides():
     r = Recipe.parse("ada-snapkv budget=64")
-    assert r.evict == Eviction(scorer=SnapKVScorer(), allocator=AdaKVAllocator(), budget=64)
+    assert r.evict == Eviction(scorer=SnapKVScorer(kernel=7, pooling="max"), allocator=AdaKVAllocator(),
+                               budget=64)
     assert r.turns == RecompressTurns()
     # A preset alone gets the default budget.
     assert preset("ada-snapkv").evict.budget == DEFAULT_BUDGET == 1024
