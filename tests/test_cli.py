@@ -78,10 +78,10 @@ def test_methods_lists_components_and_presets(monkeypatch, capsys):
         assert ("scorer", scorer) in names
     assert ("allocator", "adakv") in names and ("turns", "flowkv") in names and ("turns", "recompress") in names
     snap = next(r for r in rows if r["name"] == "snapkv")
-    assert snap["params"] == {"window": 32, "kernel": 7, "pooling": "max"}
+    assert snap["params"] == {"window": 32, "kernel": 5, "pooling": "avg", "compat": "authors"}
     code, out, _ = run_cli(monkeypatch, capsys, ["methods", "--presets", "--json"])
     presets = json.loads(out)
-    assert "ada-snapkv" in presets and "evict=snapkv+adakv budget=1024" in presets["ada-snapkv"]["recipe"]
+    assert "ada-snapkv" in presets and "evict=snapkv(kernel=7,pooling=max)+adakv budget=1024" in presets["ada-snapkv"]["recipe"]
 
 
 def test_chat_with_a_recipe_holds_the_budget(monkeypatch, capsys, chat_model_dir):

@@ -11,7 +11,7 @@
 # command (e.g. --workers 1).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-benchmarks/quality/smollm2-hour}
+OUT=${OUT:-benchmarks/quality/results/smollm2-hour}
 TK=${TURNKV:-.venv/bin/turnkv}
 start=$(date +%s)
 echo "started $(date '+%Y-%m-%d %H:%M:%S')"

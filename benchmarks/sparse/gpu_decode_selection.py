@@ -216,7 +216,7 @@ def time_recipe(llm, name, recipe_text, ctx, batch, args, hw) -> dict:
         row = {"recipe": name, "context": ctx, "batch": batch, "ms_per_token": ms, "floor_ms": floor,
                "floor_share": floor / ms, "ttft_s": replies[0].ttft_s, "eager_steps": len(calls),
                "timed_steps": args.steps,
-               "selections_last_layer": getattr(stats[0], "selections", None) if stats else None}
+               "selections": getattr(stats[0], "selections", None) if stats else None}  # every layer
         if args.selector_at == ctx and batch == 1 and name in ("lserve", "lserve-dynamic"):
             try:
                 row["selector"] = selector_vs_attention(llm, [c.method_state for c in convs], ctx, name)

@@ -49,9 +49,11 @@ from turnkv.state.split import restore_split
 # Random weights have no Initial-Recent attention (it is near uniform: ~0.2 of the mass on the first
 # and last 10%), so Krul's I-R test would exclude every layer; ir_threshold=0 lets it pair layers by
 # attention distance alone. With real weights use plain "krul". label=spec; a plain spec is labelled
-# by its strategy name.
-STRATEGIES = ["recompute", "load", "partial", "krul=krul(ir_threshold=0)",
-              "krul_s50=krul(ir_threshold=0,storage=0.5)", "minicache", "krul_fix"]
+# by its strategy name. krul and krul_default fall back to load or recompute where the plan predicts
+# no gain (the row's "fallback"); krul_split is the plan alone.
+STRATEGIES = ["recompute", "load", "partial", "krul=krul(ir_threshold=0)", "krul_default=krul",
+              "krul_split=krul(ir_threshold=0,fallback=never)", "krul_s50=krul(ir_threshold=0,storage=0.5)",
+              "minicache", "krul_fix"]
 
 
 def sync():
@@ -180,7 +182,7 @@ def run_row(llm, n, args, entry, ids, seq, window, new_prompt, full, rc, bandwid
         row["stored_share"] = stored.nbytes / full
         row["load_floor_s"] = stored.nbytes / bandwidth  # the load stream at the measured H2D bandwidth
         for key_ in ("starts", "pairs", "recompute_ratio", "recompute_share", "ir_score", "pack_timing",
-                     "estimator_rows"):
+                     "estimator_rows", "fallback", "predicted_s"):
             if key_ in stored.meta:
                 row[key_] = stored.meta[key_]
 
@@ -384,7 +386,8 @@ def table(result):
                   f"{1000 * r.get('t_compute_s', 0):7.1f} {1000 * r.get('t_load_s', 0):7.1f} "
                   f"{1000 * r.get('load_floor_s', 0):8.1f} {r.get('overlap', float('nan')):7.2f} "
                   f"{1000 * r.get('restore_issue_s', 0):8.1f} {r['pack_s']:7.3f} {r['copy_s']:6.3f}  "
-                  + " ".join(f"{k[:-2]}={v:.3f}" for k, v in r.get("pack_timing", {}).items()))
+                  + " ".join(f"{k[:-2]}={v:.3f}" for k, v in r.get("pack_timing", {}).items())
+                  + (f"  stored by {r['fallback']}" if r.get("fallback") else ""))
 
 
 def targets(result):
@@ -409,6 +412,11 @@ def targets(result):
             out[f"{name}_stored_share"] = at[name]["stored_share"]  # target <= 0.5 at r_l = 0.5
             if "load" in at:
                 out[f"{name}_vs_load"] = at["load"]["ttft_s"] / at[name]["ttft_s"]
+    baselines = [at[b]["ttft_s"] for b in ("load", "recompute") if b in at]
+    for name in ("krul", "krul_default", "krul_split"):
+        if name in at and baselines:  # target >= 1.0: never slower than the baseline it can fall back to
+            out[f"{name}_vs_best_baseline"] = min(baselines) / at[name]["ttft_s"]
+            out[f"{name}_fallback"] = at[name].get("fallback")
     result["targets"] = out
     print("targets:", json.dumps(out))
 

@@ -206,7 +206,7 @@ for _name, _m in MODELS.items():
 @case("decode/llama8b/other")
 def _decode_other():
     m = MODELS["llama8b"]
-    _decode(m, codes=INT8, dequant="fp32")  # the 'fp32' dequantization (benchmarks/gpu_kv_quant.py)
+    _decode(m, codes=INT8, dequant="fp32")  # the 'fp32' dequantization (benchmarks/decode/gpu_kv_quant.py)
     _decode(m, codes=FP8, dequant="fp32")
     _decode(m, codes=INT8, dtype=FP16)  # an fp16 model: "f16asm" with an fp16 query
     _decode(m, dtype=FP32)  # an fp32 model: ieee dots, int8 by "cast"

@@ -87,10 +87,10 @@ def test_small_budget_reads_only_the_selected_pages(chat_llm, monkeypatch, recip
             assert slots and lengths.shape == (1, Hq)
             assert lengths.flatten().tolist() == [expected_read(length, page, pages_budget)] * Hq
     assert stats["steps"] == new - 1
-    if reuse == 1:
-        assert stats["selections"] == new - 1
+    if reuse == 1:  # every layer selects at every step
+        assert stats["selections"] == (new - 1) * L
     else:
-        assert 0 < stats["selections"] < new - 1  # reused, refreshed when a new page opens
+        assert 0 < stats["selections"] < (new - 1) * L  # reused, refreshed when a new page opens
 
 
 def test_a_needle_far_back_is_found():
@@ -197,7 +197,7 @@ def test_lserve_streaming_heads_read_their_window_and_dense_heads_select(chat_ll
             want = [sink + ring + 1 if s else expected_read(length, 32, 3) for s in np.repeat(streaming[layer], G)]
             assert slots and lengths.flatten().tolist() == want
     # Streaming heads' trimming each step moves only them: the dense heads' selection is still reused.
-    assert 0 < stats["selections"] < new - 1
+    assert 0 < stats["selections"] < (new - 1) * L
 
 
 def test_presets():
@@ -212,3 +212,21 @@ def test_presets():
     assert lserve.decode.budget == 4096 and lserve.prefill.sink == 128 and lserve.prefill.local == 256
     assert isinstance(preset("lserve-dynamic").decode, LServeDecode)
     assert isinstance(preset("lserve-static").prefill, StreamingHeadsPrefill)
+
+
+def test_selections_count_every_layer_when_the_last_is_all_streaming(chat_llm, tmp_path):
+    from turnkv.methods.lserve.pattern import HeadPattern
+
+    path = tmp_path / "pattern.json"
+    HeadPattern(np.array([[False, False], [True, True]])).save_json(path)  # layer 1: streaming heads only
+    new = 6
+    conv = chat_llm.conversation(recipe=f"lserve prefill=streaming_heads(pattern={path},sink=4,local=8) "
+                                        f"decode=lserve(budget=64,physical_page=32,reuse=1)")
+    try:
+        conv.send(LONG, max_new_tokens=new, ignore_eos=True)
+        state = conv.method_state.decode.state
+        stats = conv.method_stats[-1]["decode"]
+    finally:
+        conv.close()
+    assert state.selections[-1] == 0 and state.selections[0] == new - 1  # reuse=1: layer 0 selects each step
+    assert stats["selections"] == new - 1

@@ -30,7 +30,7 @@ def test_dataclass_recipe_equals_the_string_recipe():
     parsed = Recipe.parse("evict=snapkv(window=16)+adakv(alpha=0.3) budget=256 turns=flowkv")
     assert parsed == built
     e = parsed.evict
-    assert (e.scorer.window, e.scorer.kernel, e.scorer.pooling) == (16, 7, "max")
+    assert (e.scorer.window, e.scorer.kernel, e.scorer.pooling) == (16, 5, "avg")
     assert (e.allocator.alpha, e.allocator.rule) == (0.3, "code")
     assert (e.budget, e.keep_ratio, e.schedule, e.every) == (256, None, "prefill", 64)
     assert (parsed.turns.min_size, parsed.turns.reading) == (32, "segment")
@@ -52,7 +52,8 @@ def test_eviction_parameters_may_sit_inside_the_terms_and_separators_vary():
 
 def test_preset_then_overrides():
     r = Recipe.parse("ada-snapkv budget=64")
-    assert r.evict == Eviction(scorer=SnapKVScorer(), allocator=AdaKVAllocator(), budget=64)
+    assert r.evict == Eviction(scorer=SnapKVScorer(kernel=7, pooling="max"), allocator=AdaKVAllocator(),
+                               budget=64)
     assert r.turns == RecompressTurns()
     # A preset alone gets the default budget.
     assert preset("ada-snapkv").evict.budget == DEFAULT_BUDGET == 1024
@@ -234,9 +235,9 @@ ERRORS = [
     ("prefill=sparse", ["unknown prefill 'sparse'", "dense"]),
     ("decode=topk", ["unknown decode 'topk'", "all"]),
     ("state=cpu", ["unknown state 'cpu'", "gpu"]),
-    ("evict=snapkv(windw=3)", ["no parameter 'windw'", "its parameters: kernel, pooling, window"]),
+    ("evict=snapkv(windw=3)", ["no parameter 'windw'", "its parameters: compat, kernel, pooling, window"]),
     ("evict=snapkv+adakv(beta=1)", ["no parameter 'beta'", "its parameters: alpha, rule"]),
-    ("evict=knorm(window=4)", ["scorer 'knorm' has no parameter 'window'", "its parameters: none"]),
+    ("evict=knorm(window=4)", ["scorer 'knorm' has no parameter 'window'", "its parameters: compat"]),
     ("snapkv turns=flowkv(size=3)", ["no parameter 'size'", "its parameters: min_size, reading"]),
     ("evict=snapkv(window)", ["parameter 'window' of snapkv needs the form key=value"]),
     ("snapkv budget=-1", ["budget must be an integer >= 1"]),
@@ -322,15 +323,17 @@ def test_describe_lists_every_component_with_its_defaults():
     assert params[("decode", "lserve")] == {"budget": 4096, "physical_page": 64, "logical_page": 16, "reuse": 4,
                                             "group": "query"}
     assert params[("prefill", "loopserve")]["alpha"] == 0.955 and params[("prefill", "loopserve")]["samples"] == 48
-    assert params[("scorer", "snapkv")] == {"window": 32, "kernel": 7, "pooling": "max"}
-    assert params[("scorer", "pyramidkv")] == {"window": 32, "kernel": 7, "pooling": "max", "beta": 20}
-    assert params[("scorer", "expected_attention")] == {"window": 64, "future": 512, "sinks": 4,
-                                                        "use_covariance": True, "use_vnorm": True, "epsilon": 0.0}
+    assert params[("scorer", "snapkv")] == {"window": 32, "kernel": 5, "pooling": "avg", "compat": "authors"}
+    assert params[("scorer", "pyramidkv")] == {"window": 32, "kernel": 5, "pooling": "avg", "compat": "authors",
+                                               "beta": 20}
+    assert params[("scorer", "expected_attention")] == {"queries": "all", "window": 64, "future": 512, "sinks": 4,
+                                                        "use_covariance": True, "use_vnorm": True, "epsilon": 0.0,
+                                                        "compat": "authors"}
     assert params[("scorer", "h2o")] == {"recent_ratio": 0.5}
-    assert params[("scorer", "streaming_llm")] == {"sinks": 4}
-    assert params[("scorer", "tova")] == {"window": 1}
+    assert params[("scorer", "streaming_llm")] == {"sinks": 4, "compat": "authors"}
+    assert params[("scorer", "tova")] == {"window": 1, "group": "layer", "compat": "authors"}
     assert params[("scorer", "random")] == {"seed": 0}
-    assert params[("scorer", "knorm")] == {}
+    assert params[("scorer", "knorm")] == {"compat": "authors"}
     assert params[("allocator", "adakv")] == {"alpha": 0.2, "rule": "code"}
     assert params[("allocator", "uniform")] == {}
     assert params[("turns", "flowkv")] == {"min_size": 32, "reading": "segment"}

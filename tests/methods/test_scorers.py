@@ -107,8 +107,8 @@ def naive_snapkv(view: LayerView, kernel: int = 7, pooling: str = "max") -> torc
         for j in range(n):
             # The window's own columns take no part in the pooling, as in the official code.
             neighbours = a[[i for i in range(max(0, j - r), j + r + 1) if i in outside_window]]
-            if len(neighbours):
-                out[h, j] = neighbours.max() if pooling == "max" else neighbours.mean()
+            if len(neighbours):  # average: absent neighbours count as zeros, the sum divided by the kernel
+                out[h, j] = neighbours.max() if pooling == "max" else neighbours.sum() / kernel
             if int(view.positions[h, j]) >= int(view.query_positions.min()):
                 out[h, j] = INF
     return out
@@ -117,7 +117,7 @@ def naive_snapkv(view: LayerView, kernel: int = 7, pooling: str = "max") -> torc
 @pytest.mark.parametrize("seed", [0, 1])
 def test_snapkv_scores_equal_naive_definition(seed):
     view, _ = random_view(seed)
-    scores = SnapKVScorer(window=6).score(view)
+    scores = SnapKVScorer(window=6, kernel=7, pooling="max").score(view)
     expected = naive_snapkv(view)
     assert_scores_equal_on_valid(scores, expected, view.valid)
     # exactly the window's 6 tokens are protected in each head
@@ -129,6 +129,7 @@ def test_snapkv_avg_pooling_and_no_pooling():
     assert_scores_equal_on_valid(SnapKVScorer(window=6, kernel=5, pooling="avg").score(view),
                                  naive_snapkv(view, 5, "avg"), view.valid)
     assert_scores_equal_on_valid(SnapKVScorer(window=6, kernel=1).score(view), naive_snapkv(view, 1), view.valid)
+    assert_scores_equal_on_valid(SnapKVScorer(window=6).score(view), naive_snapkv(view, 5, "avg"), view.valid)
     with pytest.raises(ValueError):
         SnapKVScorer(kernel=4)
     with pytest.raises(ValueError):
@@ -160,7 +161,7 @@ def official_snapkv(view: LayerView, kernel: int = 7) -> torch.Tensor:
 def test_snapkv_matches_the_official_code_away_from_the_window():
     view = window_heavy_view()
     n, W = 40, 8
-    scores = SnapKVScorer(window=W).score(view)
+    scores = SnapKVScorer(window=W, kernel=7, pooling="max").score(view)
     official = official_snapkv(view)
     torch.testing.assert_close(scores[:, : n - W - 3].double(), official[:, : n - W - 3], **TOL)
     assert torch.isposinf(scores[:, n - W :]).all()
@@ -169,7 +170,7 @@ def test_snapkv_matches_the_official_code_away_from_the_window():
 def test_snapkv_pooling_excludes_window_columns_as_in_the_official_code():
     view = window_heavy_view()
     n, W = 40, 8
-    scores = SnapKVScorer(window=W).score(view)
+    scores = SnapKVScorer(window=W, kernel=7, pooling="max").score(view)
     official = official_snapkv(view)
     # The three tokens right before the window: the official score is their own neighbourhood's maximum.
     torch.testing.assert_close(scores[:, n - W - 3 : n - W].double(), official[:, n - W - 3 :], **TOL)
@@ -188,12 +189,12 @@ def test_streaming_llm_sinks_then_recency():
     assert torch.equal(protected, (view.positions < 2) & view.valid)
 
 
-def test_tova_is_last_query_attention_averaged_over_the_group():
+def test_tova_kv_head_is_last_query_attention_averaged_over_the_group():
     view, _ = random_view(5)
     W = view.queries.shape[0]
     last = [naive_window_attention(view, W - 1, qh) for qh in range(HQ)]
     expected = torch.stack([(last[2 * h] + last[2 * h + 1]) / 2 for h in range(H)])
-    scores = TOVAScorer().score(view)
+    scores = TOVAScorer(group="kv_head").score(view)
     assert_scores_equal_on_valid(scores, expected, view.valid)
     for h in range(H):  # a distribution over the head's valid keys
         assert float(scores[h, : int(view.valid[h].sum())].sum()) == pytest.approx(1.0, abs=1e-5)
@@ -225,9 +226,10 @@ def test_random_scores_reproducible_and_seed_dependent():
 
 def naive_expected_attention(view: LayerView, q_pre: torch.Tensor, future: int, covariance: bool,
                              vnorm: bool = True, sinks: int = 4, epsilon: float = 0.0) -> torch.Tensor:
-    """From the known pre-RoPE window queries: mean m and covariance Sigma (unbiased) per query head,
+    """From the known pre-RoPE window queries: mean m and covariance Sigma (divided by N) per query head,
     future query ~ Rbar (m, Sigma) with Rbar the RoPE matrix averaged over positions next .. next+future-1;
-    score_j = mean over the group of softmax_j(k_j.mu/sqrt(d) + k_j^T Sigma' k_j / (2d)) * ||v_j||."""
+    score_j = mean over the group of softmax_j(k_j.mu/sqrt(d) + k_j^T Sigma' k_j / (2d)) * ||v_j||, the
+    softmax over the keys other than the sinks."""
     q = q_pre.double()
     W = q.shape[0]
     Rbar = sum(rope_matrix(view.next_position + i) for i in range(future)) / future
@@ -242,8 +244,9 @@ def naive_expected_attention(view: LayerView, q_pre: torch.Tensor, future: int, 
             logits = k @ mu / math.sqrt(D)
             if covariance:
                 centred = q[:, qh] - m
-                sigma = Rbar @ (centred.T @ centred / (W - 1)) @ Rbar.T
+                sigma = Rbar @ (centred.T @ centred / W) @ Rbar.T
                 logits = logits + torch.einsum("jd,de,je->j", k, sigma, k) / (2 * D)
+            logits[view.positions[h, :n] < sinks] = float("-inf")
             probs.append(logits.softmax(dim=0))
         s = sum(probs) / G + epsilon
         if vnorm:
@@ -256,14 +259,15 @@ def naive_expected_attention(view: LayerView, q_pre: torch.Tensor, future: int, 
 def test_expected_attention_without_covariance_one_future_position():
     # future=1, no covariance: softmax over keys of k . R(p) mean(pre-rope q) / sqrt(d), times ||v||
     view, q_pre = random_view(8, next_position=57)
-    scores = ExpectedAttentionScorer(window=6, future=1, use_covariance=False).score(view)
+    scores = ExpectedAttentionScorer(queries="window", window=6, future=1, use_covariance=False).score(view)
     p = 57
     expected = torch.full((H, view.keys.shape[1]), float("nan"), dtype=torch.float64)
     for h in range(H):
         n = int(view.valid[h].sum())
         k = view.keys[h, :n].double()
-        soft = [torch.softmax(k @ (rope_matrix(p) @ q_pre[:, qh].double().mean(0)) / math.sqrt(D), 0)
-                for qh in (2 * h, 2 * h + 1)]
+        sink = view.positions[h, :n] < 4
+        soft = [torch.softmax((k @ (rope_matrix(p) @ q_pre[:, qh].double().mean(0)) / math.sqrt(D)).masked_fill(
+            sink, float("-inf")), 0) for qh in (2 * h, 2 * h + 1)]
         expected[h, :n] = (soft[0] + soft[1]) / 2 * view.values[h, :n].double().norm(dim=-1)
         expected[h, :n][view.positions[h, :n] < 4] = INF
     assert_scores_equal_on_valid(scores, expected, view.valid)
@@ -272,7 +276,7 @@ def test_expected_attention_without_covariance_one_future_position():
 @pytest.mark.parametrize("future", [1, 37, 512])
 def test_expected_attention_with_covariance_equals_naive(future):
     view, q_pre = random_view(9, next_position=61)
-    scores = ExpectedAttentionScorer(window=6, future=future).score(view)
+    scores = ExpectedAttentionScorer(queries="window", window=6, future=future).score(view)
     assert_scores_equal_on_valid(scores, naive_expected_attention(view, q_pre, future, True), view.valid)
     for h in range(H):
         n = int(view.valid[h].sum())
@@ -283,11 +287,11 @@ def test_expected_attention_with_covariance_equals_naive(future):
 
 def test_expected_attention_options():
     view, q_pre = random_view(10, next_position=50)
-    plain = ExpectedAttentionScorer(window=6, future=16, use_vnorm=False, epsilon=0.01, sinks=0).score(view)
+    plain = ExpectedAttentionScorer(queries="window", window=6, future=16, use_vnorm=False, epsilon=0.01, sinks=0).score(view)
     assert_scores_equal_on_valid(plain, naive_expected_attention(view, q_pre, 16, True, vnorm=False, sinks=0,
                                                                  epsilon=0.01), view.valid)
     # without the value norm and the epsilon, a head's scores are a distribution over its valid keys
-    dist = ExpectedAttentionScorer(window=6, future=16, use_vnorm=False, sinks=0).score(view)
+    dist = ExpectedAttentionScorer(queries="window", window=6, future=16, use_vnorm=False, sinks=0).score(view)
     for h in range(H):
         assert float(dist[h, : int(view.valid[h].sum())].sum()) == pytest.approx(1.0, abs=1e-5)
 

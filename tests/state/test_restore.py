@@ -77,7 +77,7 @@ def test_stored_bytes_by_number(llm):
     assert meta["starts"] == [round(0.25 * n)] * LAYERS
     assert llm.state.stored_bytes(conv) == LAYERS * c.num_kv_heads * (n - round(0.25 * n)) * 2 * row
     conv.close()
-    conv, _, _ = run(llm, "state=krul(ir_threshold=0,recompute_ratio=0.3)")
+    conv, _, _ = run(llm, "state=krul(ir_threshold=0,fallback=never,recompute_ratio=0.3)")
     meta = llm.state.tiers.meta(conv.id)["state"]
     n, starts, pairs, retained = meta["next_position"], meta["starts"], meta["pairs"], meta["retained"]
     assert len(pairs) == LAYERS // 4 + 1 and all(i > j for i, j in pairs)  # |S| >= N * r_l = 3 -> 2 pairs
@@ -105,7 +105,7 @@ def test_stored_bytes_by_number(llm):
 def test_storage_knob_bounds_the_stored_bytes(llm, storage):
     """krul(storage=s) stores at most s of the full KV, by number, whatever r_c says: the pyramid
     recomputes what it must (tokens recomputed are not stored)."""
-    conv, _, _ = run(llm, f"state=krul(ir_threshold=0,recompute_ratio=0.05,storage={storage})")
+    conv, _, _ = run(llm, f"state=krul(ir_threshold=0,fallback=never,recompute_ratio=0.05,storage={storage})")
     meta = llm.state.tiers.meta(conv.id)["state"]
     n, starts = meta["next_position"], meta["starts"]
     full = full_kv_bytes(llm, n)
@@ -121,7 +121,7 @@ def test_storage_knob_bounds_the_stored_bytes(llm, storage):
 def test_storage_knob_with_every_row_retained_restores_the_resident_state(llm, resident):
     """Half the storage via a deep pyramid plus merged pairs, every merged row retained: lossless,
     so the replies are the resident ones (the pyramid recompute, the merge and the loads together)."""
-    conv, replies, _ = run(llm, "state=krul(ir_threshold=0,storage=0.5,retain_threshold=-1,max_retained=1)")
+    conv, replies, _ = run(llm, "state=krul(ir_threshold=0,fallback=never,storage=0.5,retain_threshold=-1,max_retained=1)")
     meta = llm.state.tiers.meta(conv.id)["state"]
     assert meta["pairs"] and meta["stored_bytes"] <= 0.5 * meta["full_bytes"]
     assert replies == resident
@@ -173,7 +173,7 @@ def test_restore_keeps_the_lossless_parts_exact(llm):
     conv.close()
 
 
-@pytest.mark.parametrize("state", ["krul(ir_threshold=0,recompute_ratio=0.3,{})", "minicache({})",
+@pytest.mark.parametrize("state", ["krul(ir_threshold=0,fallback=never,recompute_ratio=0.3,{})", "minicache({})",
                                    "krul_fix(recompute_ratio=0.2,{})"])
 def test_shared_layers_are_exact_when_every_row_is_retained(llm, resident, state):
     """With retention of every row (threshold below d_min), a merged pair restores both layers' originals: this checks the

@@ -115,7 +115,7 @@ def test_disk_state_survives_a_restart(model_dir, reference, tmp_path, state):
 @pytest.mark.parametrize("recipe,rate,recomputed", [
     ("state=load", 1.0, True),  # a disk of 1 byte/s: the read would take longer than the recompute
     ("state=load", 1e18, False),  # a fast disk: read what was stored
-    ("state=krul(ir_threshold=0)", 1.0, True),
+    ("state=krul(ir_threshold=0,fallback=never)", 1.0, True),
     ("snapkv keep_ratio=0.5,state=load", 1.0, False),  # evicted: a prefill would not rebuild it
 ])
 def test_a_slow_disk_is_recomputed_instead_of_read(model_dir, reference, tmp_path, recipe, rate, recomputed):

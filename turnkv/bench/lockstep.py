@@ -130,6 +130,9 @@ class SharedPrompt:
         if st.window is not None:
             size = st.window.size
             st.window.restore(([q[-size:].clone() for q in queries], [p[-size:].clone() for p in positions]))
+            if st.window.moments is not None:  # a scorer that models every query (ExpectedAttention)
+                for layer, (q, p) in enumerate(zip(queries, positions)):
+                    st.window.moments.add(layer, q, p)
         if st.decode is not None:
             # What the prefill's forward shows a decode selection: a prefill began (a new turn), then
             # every layer's queries. Page statistics (Quest, LServe) are rebuilt from the copied pages

@@ -3,7 +3,7 @@
 - `smoke`: the subset CI runs (tests/bench/test_quality_smoke.py): every task and question position,
   SnapKV under both turn policies against the full cache, short contexts and answers, with the
   embedded SmolLM2; it checks the machinery, not the method ranking.
-- `full`: the committed SmolLM2-135M run (benchmarks/quality/smollm2-hour, made by
+- `full`: the committed SmolLM2-135M run (benchmarks/quality/results/smollm2-hour, made by
   benchmarks/quality/run_smollm2.sh): every task and position, 3 turns, the core recipes under
   recompress and flowkv at keep_ratio 0.2 and 0.5, the other evicting presets at both under
   recompress, and every preset that does not evict at two sizes scaled to the run's length (below),

@@ -53,7 +53,7 @@ class Conversation:
         self.text = ""  # what `tokens` render to
         self.turns: list[Turn] = []
         self.last_reply: Reply | None = None
-        self.method_state = self.recipe.new_state(self.llm.config.num_layers)
+        self.method_state = self.recipe.new_state(self.llm.config.num_layers, self.llm.model.inv_freq)
 
     @property
     def compression_log(self) -> list[dict]:

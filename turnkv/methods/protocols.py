@@ -101,11 +101,15 @@ class Scorer(ABC):
     accumulates_attention : bool, default False
         True: every query the conversation computes adds its attention weights to a mass stored beside
         each key (LayerView.attention_mass), which forces the reference attention path.
+    query_moments : int or None, default None
+        Not None: the engine also keeps the running pre-RoPE moments of every query the conversation
+        computes at positions >= this (LayerView.moments), whatever the window holds.
     """
 
     name: ClassVar[str]
     window: int = 0
     accumulates_attention: ClassVar[bool] = False
+    query_moments: int | None = None
 
     @abstractmethod
     def score(self, view: LayerView) -> torch.Tensor:
@@ -116,7 +120,8 @@ class Scorer(ABC):
         view : turnkv.methods.evict.layer_view.LayerView
             One layer of one conversation: keys, values [H, S, D] (post-RoPE), positions and valid
             [H, S], the observation window (queries [W, Hq, D] at query_positions [W]) when `window`
-            > 0, the accumulated attention_mass [H, S] when `accumulates_attention`, and `target`,
+            > 0, the accumulated attention_mass [H, S] when `accumulates_attention`, the query
+            moments when `query_moments` is not None, and `target`,
             the per-head token count this layer will keep.
 
         Returns

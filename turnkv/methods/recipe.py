@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+import torch
 import yaml
 
 from turnkv.errors import InvalidRequestError
@@ -35,7 +36,7 @@ from turnkv.methods.registry import build
 from turnkv.methods.step_context import StepContext
 from turnkv.methods.terms import format_term, parse_term, parse_value, split_top_level
 from turnkv.methods.turns.recompress import RecompressTurns
-from turnkv.methods.window import QueryWindow
+from turnkv.methods.window import QueryMoments, QueryWindow
 
 EVICTION_KEYS = {"budget", "keep_ratio", "compression_ratio", "schedule", "every"}
 DEFAULT_BUDGET = 1024
@@ -183,13 +184,21 @@ class Recipe:
         return " ".join(parts)
 
     # ---- engine hooks -----------------------------------------------------------------------------
-    def new_state(self, num_layers: int) -> MethodState:
+    def new_state(self, num_layers: int, inv_freq: torch.Tensor | None = None) -> MethodState:
+        """A conversation's method state; `inv_freq` (the model's RoPE frequencies) is needed by a
+        scorer that reads query moments (Scorer.query_moments)."""
         window = self.evict.scorer.window if self.evict is not None else 0
+        moments_from = self.evict.scorer.query_moments if self.evict is not None else None
         self.prefill.bind(num_layers)
         decode = self.decode.new_state(num_layers) if self.selects_decode else None
         if decode is not None and self.static_sparsity is not None:
             decode.exclude_static(self.static_sparsity)  # LServe: streaming heads never select
-        return MethodState(self.state.query_window(num_layers, window), decode=decode,
+        recorder = self.state.query_window(num_layers, max(window, 1 if moments_from is not None else 0))
+        if moments_from is not None:
+            if inv_freq is None:
+                raise ValueError(f"{self.evict.scorer.name} reads query moments: new_state needs inv_freq")
+            recorder.moments = QueryMoments(num_layers, inv_freq, moments_from)
+        return MethodState(recorder, decode=decode,
                            accumulate=self.accumulates_attention,
                            sparse_prefill=self.prefill if self.sparse_prefill else None)
 
@@ -275,11 +284,11 @@ def _preset_table() -> dict[str, dict[str, str]]:
         "knorm": {"evict": "knorm"},
         "expected-attention": {"evict": "expected_attention"},
         "random": {"evict": "random"},
-        "ada-snapkv": {"evict": "snapkv+adakv"},
-        "ada-pyramidkv": {"evict": "pyramidkv+adakv"},
+        "ada-snapkv": {"evict": "snapkv(kernel=7,pooling=max)+adakv"},  # Ada-KV's code's SnapKV
+        "ada-pyramidkv": {"evict": "pyramidkv(kernel=7,pooling=max)+adakv"},
         "ada-expected-attention": {"evict": "expected_attention+adakv"},
         "flowkv": {"evict": "snapkv", "turns": "flowkv"},
-        "flowkv-ada-snapkv": {"evict": "snapkv+adakv", "turns": "flowkv"},
+        "flowkv-ada-snapkv": {"evict": "snapkv(kernel=7,pooling=max)+adakv", "turns": "flowkv"},
         "loopserve": {"prefill": "loopserve", "decode": "loopserve"},
         "loopserve-p": {"prefill": "loopserve"},
         "loopserve-d": {"decode": "loopserve"},
@@ -299,13 +308,13 @@ PRESET_DOCS = {
     "full": "no eviction: the full-cache reference",
     "streaming-llm": "StreamingLLM: 4 sinks + recent tokens",
     "h2o": "H2O: heavy hitters by accumulated attention + recent tokens",
-    "snapkv": "SnapKV: observation-window attention, max-pooled",
+    "snapkv": "SnapKV: observation-window attention, average-pooled",
     "pyramidkv": "PyramidKV: SnapKV scores, budgets falling with depth",
     "tova": "TOVA: attention of the newest query",
     "knorm": "Knorm: smallest key norms",
     "expected-attention": "ExpectedAttention: expected attention of future queries x ||v||",
     "random": "random eviction (control)",
-    "ada-snapkv": "Ada-KV head-wise budgets over SnapKV (Ada-SnapKV)",
+    "ada-snapkv": "Ada-KV head-wise budgets over SnapKV, max-pooled as in Ada-KV's code (Ada-SnapKV)",
     "ada-pyramidkv": "Ada-KV head-wise budgets over PyramidKV (Ada-Pyramid)",
     "ada-expected-attention": "Ada-KV over ExpectedAttention (kvpress's default 'expected_attention')",
     "flowkv": "FlowKV isolation of turns over SnapKV",

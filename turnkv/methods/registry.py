@@ -14,6 +14,7 @@ import inspect
 
 from turnkv.errors import InvalidRequestError
 from turnkv.methods.protocols import Allocator, Decode, Prefill, Scorer, StateStrategy, Turns
+from turnkv.methods.terms import default_values
 
 AXES = ("prefill", "eviction", "decode", "state")
 # Each kind of component, the axis it belongs to, and the interface its classes derive from.
@@ -75,7 +76,7 @@ def describe() -> list[dict]:
     rows = []
     for kind, (axis, _) in KINDS.items():
         for name, cls in sorted(REGISTRY[kind].items()):
-            params = {f.name: f.default for f in dataclasses.fields(cls) if f.init}
+            params = default_values(cls)
             doc = (inspect.getdoc(cls) or "").splitlines()[0] if cls.__doc__ else ""
             rows.append({"axis": axis, "kind": kind, "name": name, "params": params, "doc": doc})
     return rows

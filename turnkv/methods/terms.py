@@ -62,9 +62,22 @@ def parse_value(text: str):
     return text.strip("'\"")
 
 
+def default_values(component_or_class) -> dict:
+    """The value each parameter takes when left out. A component with a `compat` field (which code
+    its rule follows) resolves some defaults per reading: they are read off a fresh instance under
+    the same reading (the class alone: the default reading)."""
+    cls = component_or_class if isinstance(component_or_class, type) else type(component_or_class)
+    defaults = {f.name: f.default for f in fields(cls) if f.init}
+    if "compat" in defaults:
+        compat = defaults["compat"] if cls is component_or_class else component_or_class.compat
+        reference = cls(compat=compat)
+        defaults = {k: v if k == "compat" else getattr(reference, k) for k, v in defaults.items()}
+    return defaults
+
+
 def format_term(component) -> str:
     """A registered component -> its term, naming only the parameters that differ from the defaults."""
     values = {f.name: getattr(component, f.name) for f in fields(component) if f.init}
-    defaults = {f.name: f.default for f in fields(component) if f.init}
+    defaults = default_values(component)
     changed = [f"{k}={v}" for k, v in values.items() if v != defaults[k]]
     return component.name + (f"({','.join(changed)})" if changed else "")

@@ -1,5 +1,6 @@
 """What a forward step records for the methods that score the KV after it: the last queries of each
-layer (the observation window) and their positions."""
+layer (the observation window) and their positions, and, for a scorer that models every query, their
+running pre-RoPE moments."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class QueryWindow:
         self._queries: list[torch.Tensor | None] = [None] * num_layers  # [W, Hq, D]
         self._positions: list[torch.Tensor | None] = [None] * num_layers  # [W]
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # ([L, T, Hq, D], [T])
+        self.moments: QueryMoments | None = None  # set by the recipe for a scorer that reads them
 
     @property
     def queries(self) -> list[torch.Tensor | None]:
@@ -34,7 +36,7 @@ class QueryWindow:
     def record(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> None:
         """q: [T, Hq, D], positions: [T]."""
         self.flush()
-        self._file(layer, q, positions)
+        self._observe(layer, q, positions)
 
     def record_all(self, q: torch.Tensor, positions: torch.Tensor) -> None:
         """Every layer's queries of one step: q [L, T, Hq, D], positions [T] (on q's device or on
@@ -54,7 +56,12 @@ class QueryWindow:
             # finishes the step in flight, and decode runs a step ahead of the host (decode_loop.py).
             positions = positions.pin_memory().to(q.device, non_blocking=True) if q.is_cuda else positions.to(q.device)
         for layer in range(q.shape[0]):
-            self._file(layer, q[layer], positions)
+            self._observe(layer, q[layer], positions)
+
+    def _observe(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> None:
+        if self.moments is not None:
+            self.moments.add(layer, q, positions)
+        self._file(layer, q, positions)
 
     def _file(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> None:
         """Subclasses that keep more than the window hook in here."""
@@ -68,9 +75,12 @@ class QueryWindow:
         self._pending = []
         self._queries = [None] * len(self._queries)
         self._positions = [None] * len(self._positions)
+        if self.moments is not None:
+            self.moments.clear()
 
     def truncate(self, num_positions: int) -> None:
-        """Forget the queries of positions >= num_positions (a rolled-back turn)."""
+        """Forget the queries of positions >= num_positions (a rolled-back turn). The moments are sums:
+        they keep what they added (a turn undone with its snapshot restores them exactly)."""
         self.flush()
         for layer, positions in enumerate(self._positions):
             if positions is not None:
@@ -78,11 +88,70 @@ class QueryWindow:
                 self._queries[layer] = self._queries[layer][keep] if keep.any() else None
                 self._positions[layer] = positions[keep] if keep.any() else None
 
-    def snapshot(self) -> tuple[list, list]:
-        """The current window; filing replaces tensors rather than mutating them, so this is cheap."""
+    def snapshot(self) -> tuple:
+        """The current window (queries, positions), and the moments' state when there are moments;
+        filing replaces tensors rather than mutating them, so this is cheap."""
         self.flush()
-        return list(self._queries), list(self._positions)
+        if self.moments is None:
+            return list(self._queries), list(self._positions)
+        return list(self._queries), list(self._positions), self.moments.state()
 
-    def restore(self, snapshot: tuple[list, list]) -> None:
+    def restore(self, snapshot: tuple) -> None:
         self._pending = []
         self._queries, self._positions = list(snapshot[0]), list(snapshot[1])
+        if self.moments is not None and len(snapshot) > 2:
+            self.moments.set_state(snapshot[2])
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def unrotate(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Post-RoPE queries q [T, Hq, D] at positions [T] -> their pre-RoPE form, in float64."""
+    angles = positions.double()[:, None] * inv_freq.double().to(q.device)
+    cos = torch.cat((angles.cos(), angles.cos()), -1)[:, None]
+    sin = torch.cat((angles.sin(), angles.sin()), -1)[:, None]
+    q = q.double()
+    return q * cos - rotate_half(q) * sin
+
+
+class QueryMoments:
+    """Running moments of every query a conversation computes at positions >= `skip_below`, rotated
+    back to their pre-RoPE form, per layer: the count, the sum [Hq, D] and the sum of outer products
+    [Hq, D, D], in float64 on the queries' device. Adding replaces the tensors (no in-place update),
+    so a state() is a cheap snapshot."""
+
+    def __init__(self, num_layers: int, inv_freq: torch.Tensor, skip_below: int = 0):
+        self.inv_freq = inv_freq
+        self.skip_below = skip_below
+        self.clear(num_layers)
+
+    def clear(self, num_layers: int | None = None) -> None:
+        n = len(self.sums) if num_layers is None else num_layers
+        self.counts: list[torch.Tensor | None] = [None] * n
+        self.sums: list[torch.Tensor | None] = [None] * n
+        self.outers: list[torch.Tensor | None] = [None] * n
+
+    def add(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> None:
+        """q [T, Hq, D] post-RoPE at positions [T] (no host read of either)."""
+        positions = positions.to(q.device)
+        pre = unrotate(q, positions, self.inv_freq)
+        w = (positions >= self.skip_below).double()
+        count, total, outer = w.sum(), torch.einsum("t,thd->hd", w, pre), torch.einsum("t,thd,the->hde", w, pre, pre)
+        if self.counts[layer] is not None:
+            count, total, outer = count + self.counts[layer], total + self.sums[layer], outer + self.outers[layer]
+        self.counts[layer], self.sums[layer], self.outers[layer] = count, total, outer
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(count [], sum [Hq, D], outer-product sum [Hq, D, D]) of `layer`, or None before any query."""
+        if self.counts[layer] is None:
+            return None
+        return self.counts[layer], self.sums[layer], self.outers[layer]
+
+    def state(self) -> tuple[list, list, list]:
+        return list(self.counts), list(self.sums), list(self.outers)
+
+    def set_state(self, state: tuple[list, list, list]) -> None:
+        self.counts, self.sums, self.outers = (list(x) for x in state)

@@ -16,14 +16,21 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from turnkv.kv.snapshot import layout_of
 from turnkv.methods.protocols import StateStrategy
 from turnkv.methods.registry import register
 from turnkv.state import pairing, schedule
 from turnkv.state.base import Stored
 from turnkv.state.estimator import TurnQueries, attention_statistics
+from turnkv.state.load import LoadStrategy
+from turnkv.state.recompute import RecomputeStrategy
 from turnkv.state.split import pack_split, restore_split
+
+# The baselines Krul stores a conversation by when its plan predicts no gain over them.
+FALLBACKS = {"load": LoadStrategy, "recompute": RecomputeStrategy}
 
 
 @dataclass
@@ -53,6 +60,11 @@ class SharedLayers(StateStrategy):
     def pairs(self, ctx, seq, window, clock) -> tuple[list[tuple[int, int]], dict]:
         raise NotImplementedError
 
+    def fallback_for(self, ctx, seq, starts, pairs, tier) -> tuple[StateStrategy, dict] | None:
+        """A baseline to store the conversation by instead of the split plan, with the predictions
+        that chose it; None keeps the plan (default: always)."""
+        return None
+
     def pack(self, ctx, seq, window, tier="cpu") -> Stored:
         c = ctx.config
         timing = {}
@@ -67,6 +79,12 @@ class SharedLayers(StateStrategy):
                                       ctx.element_size, self.allocation, retained_share=self.max_retained,
                                       storage=self.storage)
         clock.lap("schedule_s")
+        fallback = self.fallback_for(ctx, seq, starts, pairs, tier)
+        if fallback is not None:
+            baseline, predicted = fallback
+            stored = baseline.pack(ctx, seq, window, tier)
+            return Stored({**stored.meta, **info, "fallback": baseline.name, "predicted_s": predicted,
+                           "planned_starts": [int(x) for x in starts], "pack_timing": timing}, stored.tensors)
         meta, tensors = pack_split(seq, starts, pairs, self.tau, self.retain_threshold, self.max_retained, clock)
         full = schedule.full_bytes(n, c.num_layers, c.num_kv_heads, c.head_dim, ctx.element_size)
         stored = Stored(meta, tensors).nbytes
@@ -75,6 +93,8 @@ class SharedLayers(StateStrategy):
                        "stored_bytes": stored, "full_bytes": full, "pack_timing": timing}, tensors)
 
     def restore(self, ctx, seq, tokens, meta, tensors):
+        if "fallback" in meta:
+            return FALLBACKS[meta["fallback"]]().restore(ctx, seq, tokens, meta, tensors)
         return restore_split(ctx, seq, tokens, meta, tensors)
 
 
@@ -105,13 +125,25 @@ class KrulStrategy(SharedLayers):
         Turns with more query rows are sampled down to this many (a bounded cost; estimator.py
         documents the approximation); None: always exact.
     tau, retain_threshold, max_retained : MiniCache's SLERP weight and token-retention threshold, and
-        the cap on the retained share (merge.py says why)."""
+        the cap on the retained share (merge.py says why).
+    fallback : "auto" or "never", default "auto"
+        auto: when the plan predicts no gain over `load` (never under a `storage` cap, which it would
+        break) or `recompute` (only where nothing was evicted), the conversation is stored and
+        restored by the faster of them; the stored meta names it ("fallback") with the predictions
+        ("predicted_s"), and the state manager logs a "state_fallback" event. never: always the plan.
+    overhead, overhead_s : float, default 1.4 and 0.025
+        What the plan's restore is predicted to take beyond max(T_C, T_L) of the cost model: the two
+        streams' contention and the un-merging of the pairs (a factor), and the fixed cost of starting
+        them with the returning turn's prompt not overlapped (seconds)."""
 
     ir_threshold: float = 0.3
     region_share: float = 0.1
     estimator: str = "auto"
     estimator_rows: int | None = 512
     estimator_seed: int = 0
+    fallback: str = "auto"
+    overhead: float = 1.4
+    overhead_s: float = 0.025
 
     def __post_init__(self):
         super().__post_init__()
@@ -119,6 +151,31 @@ class KrulStrategy(SharedLayers):
             raise ValueError("estimator is auto, device or cpu")
         if self.estimator_rows is not None and self.estimator_rows < 1:
             raise ValueError("estimator_rows must be positive (or None: exact)")
+        if self.fallback not in ("auto", "never"):
+            raise ValueError("fallback is auto or never")
+        if self.overhead < 1 or self.overhead_s < 0:
+            raise ValueError("overhead must be >= 1 and overhead_s >= 0")
+
+    def fallback_for(self, ctx, seq, starts, pairs, tier):
+        """`load` or `recompute` when the plan's predicted restore, its streams' contention and fixed
+        cost counted (overhead x max(T_C, T_L) + overhead_s), is no faster than theirs; recompute only
+        where a prefill rebuilds the same state (nothing evicted)."""
+        if self.fallback == "never":
+            return None
+        c, cost, n = ctx.config, ctx.cost(tier), seq.next_position
+        stored = schedule.stored_bytes(starts, n, pairs, c.num_kv_heads, c.head_dim, ctx.element_size,
+                                       self.max_retained)
+        plan = max(float(cost.compute_s(starts)), float(cost.load_s(stored)))
+        predicted = {"krul": self.overhead * plan + self.overhead_s}
+        if self.storage is None or self.storage >= 1:
+            full = schedule.full_bytes(n, c.num_layers, c.num_kv_heads, c.head_dim, ctx.element_size)
+            predicted["load"] = float(cost.load_s(full))
+        if layout_of(seq).meta()["recomputable"]:
+            predicted["recompute"] = float(cost.compute_s(np.full(c.num_layers, n)))
+        best = min(predicted, key=predicted.get)
+        if best == "krul":
+            return None
+        return FALLBACKS[best](), predicted
 
     def query_window(self, num_layers, size):
         return TurnQueries(num_layers, size)

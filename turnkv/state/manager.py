@@ -116,6 +116,9 @@ class StateManager:
             return self.tiers.tier_of(conv.id)
         strategy = conv.recipe.state
         stored = strategy.pack(self.ctx, conv.kv, conv.method_state.window, tier)
+        if "fallback" in stored.meta:  # the strategy stored it by a baseline it predicts to be faster
+            self.events.append({"conversation": conv.id, "event": "state_fallback", "strategy": strategy.name,
+                                "to": stored.meta["fallback"], "predicted_s": stored.meta.get("predicted_s")})
         meta = {"strategy": {"name": strategy.name, "params": _params(strategy)}, "state": stored.meta,
                 "conversation": conv.to_record()}
         landed = self.tiers.put(conv.id, meta, stored.tensors, tier)

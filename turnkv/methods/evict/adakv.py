@@ -10,8 +10,10 @@ Parameters
 alpha : float, default 0.2
     The safeguard. With rule "code" (the official code, which produced the paper's LongBench numbers)
     each head gets round((1 - alpha) * f_i + alpha * b) tokens, b the uniform share; with rule "paper"
-    (Algorithm 2 read literally) alpha * f_i + (1 - alpha) * b; with rule "kvpress" each head first
-    keeps its own top floor(alpha * b) tokens and one global top-k fills the rest.
+    (Algorithm 2 read literally) alpha * f_i + (1 - alpha) * b; with rule "kvpress" (kvpress's
+    AdaKVPress) each head first keeps its own top int(alpha * n) tokens, n = the layer's total / H
+    with the window and sinks counted inside it (they are any head's top tokens), and one top-k over
+    the rest of every head fills the layer's total.
 rule : str, default "code"
     Rounding is largest-remainder, so the layer's budget is met exactly (a documented deviation from
     the code, which can miss it by up to H/2).
@@ -53,7 +55,8 @@ class AdaKVAllocator(Allocator):
         competing = torch.where(torch.isfinite(scores), scores.float(), torch.tensor(float("-inf")))
         uniform = budget / H
         if self.rule == "kvpress":
-            forced = torch.minimum(torch.full_like(free, int(self.alpha * uniform)), free)
+            n_safe = int(total // H * self.alpha)  # of each head's top tokens, its protected ones first
+            forced = torch.minimum((n_safe - protected).clamp(min=0), free)
             rest = competing.clone()
             ranks = rest.argsort(dim=1, descending=True).argsort(dim=1)
             rest[ranks < forced[:, None]] = float("-inf")  # each head's forced tokens are already taken

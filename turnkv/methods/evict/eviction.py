@@ -87,6 +87,7 @@ class Eviction:
                 query_positions=window.positions[layer] if window is not None else None,
                 attention_mass=kv.gather_attention_mass(layer) if self.scorer.accumulates_attention else None,
                 inv_freq=inv_freq, next_position=kv.next_position, target=target,
+                moments=window.moments.layer(layer) if window is not None and window.moments is not None else None,
             )
             scores = self.scorer.score(view).float().masked_fill(~candidate, float("-inf"))
             if int(torch.isposinf(scores).sum()) > total:

@@ -1,23 +1,32 @@
 """ExpectedAttention: keep the keys that future queries are expected to attend to.
 
-Based on kvpress's ExpectedAttentionPress (Devoto et al., arXiv 2510.00636). The observation window's
-queries are rotated back to their pre-RoPE form; their mean and covariance model a future query,
-which is rotated by the RoPE averaged over the next `future` positions (counted from the
-conversation's absolute position, as multi-turn use needs). A key's score is its expected softmax
-weight, exp(k.mu/sqrt(d) + k^T Sigma k / (2d)), normalised over the head's keys, times ||v||.
+Based on kvpress's ExpectedAttentionPress (Devoto et al., arXiv 2510.00636), which is the authors'
+code. The queries are rotated back to their pre-RoPE form; their mean and covariance (divided by N)
+model a future query, which is rotated by the RoPE averaged over the next `future` positions (counted
+from the conversation's absolute position, as multi-turn use needs). A key's score is its expected
+softmax weight, exp(k.mu/sqrt(d) + k^T Sigma k / (2d)), normalised over the head's keys other than
+the sinks, averaged over the KV group's query heads, plus `epsilon`, times ||v||. The sinks stay.
 
 Parameters
 ----------
+queries : str, default "all"
+    Which queries the statistics come from. "all": every query the conversation computed, except
+    those at the sink positions (the authors' code: every context query but the sinks), kept as
+    running moments. "window": the last `window` queries only (recent queries model the next
+    ones; no running moments kept).
 window : int, default 64
-    Queries whose statistics model the future ones.
+    Queries recorded for queries="window".
 future : int, default 512
     Future positions the rotation is averaged over.
 sinks : int, default 4
-    First tokens of the conversation that always stay.
+    First tokens of the conversation that always stay; their keys take no part in the softmax and
+    their queries none in the statistics.
 use_covariance : bool, default True
 use_vnorm : bool, default True
 epsilon : float, default 0.0
     Added to the scores before the value-norm rescaling.
+compat : str, default "authors"
+    "kvpress" is the same rule (kvpress ships the authors' code).
 """
 
 from __future__ import annotations
@@ -26,14 +35,13 @@ from dataclasses import dataclass
 
 import torch
 
+from turnkv.methods.evict.compat import COMPATS
 from turnkv.methods.evict.layer_view import LayerView
 from turnkv.methods.protocols import Scorer
 from turnkv.methods.registry import register
+from turnkv.methods.window import rotate_half, unrotate
 
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+QUERIES = ("all", "window")
 
 
 @register("scorer", "expected_attention")
@@ -41,40 +49,65 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class ExpectedAttentionScorer(Scorer):
     """ExpectedAttention: expected weight of future queries (mean/covariance, averaged RoPE) times ||v||."""
 
+    queries: str = "all"
     window: int = 64
     future: int = 512
     sinks: int = 4
     use_covariance: bool = True
     use_vnorm: bool = True
     epsilon: float = 0.0
+    compat: str = "authors"
+
+    def __post_init__(self):
+        if self.queries not in QUERIES:
+            raise ValueError(f"queries must be one of {', '.join(QUERIES)}")
+        if self.compat not in COMPATS:
+            raise ValueError(f"compat must be one of {', '.join(COMPATS)}")
+        if self.future < 1 or self.window < 1 or self.sinks < 0:
+            raise ValueError("future and window must be >= 1, sinks >= 0")
+
+    @property
+    def query_moments(self) -> int | None:
+        return self.sinks if self.queries == "all" else None
+
+    def statistics(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean [Hq, D] and covariance [Hq, D, D] (divided by N) of the pre-RoPE queries, float64."""
+        if self.queries == "all" and view.moments is not None:
+            count, total, outer = (x.double() for x in view.moments)
+            n = count.clamp(min=1)
+            mean = total / n
+            return mean, outer / n - mean[:, :, None] * mean[:, None, :]
+        pre = unrotate(view.queries, view.query_positions, view.inv_freq)  # [W, Hq, D]
+        kept = pre[view.query_positions.to(pre.device) >= self.sinks]
+        pre = kept if kept.shape[0] else pre
+        mean = pre.mean(dim=0)
+        centered = pre - mean
+        return mean, torch.einsum("whd,whe->hde", centered, centered) / pre.shape[0]
 
     def score(self, view: LayerView) -> torch.Tensor:
-        q = view.queries.double()  # [W, Hq, D]
-        D = q.shape[-1]
-        angles = view.query_positions.double()[:, None] * view.inv_freq.double().to(q.device)
-        cos = torch.cat((angles.cos(), angles.cos()), -1)[:, None]
-        sin = torch.cat((angles.sin(), angles.sin()), -1)[:, None]
-        pre_rope = q * cos - rotate_half(q) * sin  # the inverse rotation
-        mean = pre_rope.mean(dim=0)  # [Hq, D]
-        future = torch.arange(view.next_position, view.next_position + self.future, device=q.device).double()
-        f_angles = future[:, None] * view.inv_freq.double().to(q.device)
+        mean, cov = self.statistics(view)
+        D = mean.shape[-1]
+        device = mean.device
+        future = torch.arange(view.next_position, view.next_position + self.future, device=device).double()
+        f_angles = future[:, None] * view.inv_freq.double().to(device)
         c = torch.cat((f_angles.cos(), f_angles.cos()), -1).mean(0)  # averaged rotation: x -> c*x + s*rot(x)
         s = torch.cat((f_angles.sin(), f_angles.sin()), -1).mean(0)
         # Row-vector form: x -> x @ rotation, where rotate_half(x) == x @ rotate_half(I).
-        rotation = torch.diag(c) + rotate_half(torch.eye(D, dtype=torch.float64, device=q.device)) @ torch.diag(s)
+        rotation = torch.diag(c) + rotate_half(torch.eye(D, dtype=torch.float64, device=device)) @ torch.diag(s)
         mu = mean @ rotation  # [Hq, D]
-        keys = view.keys.double()
+        keys = view.keys.double().to(device)
         H = keys.shape[0]
-        G = q.shape[1] // H
+        G = mu.shape[0] // H
         logits = torch.einsum("hgd,hsd->hgs", mu.view(H, G, D), keys) / D**0.5
-        if self.use_covariance and q.shape[0] > 1:
-            centered = pre_rope - mean
-            cov = torch.einsum("whd,whe->hde", centered, centered) / (q.shape[0] - 1)
+        if self.use_covariance:
             cov = rotation.T @ cov @ rotation  # [Hq, D, D]
             quad = torch.einsum("hsd,hgde,hse->hgs", keys, cov.view(H, G, D, D), keys)
             logits = logits + quad / (2 * D)
-        logits = logits.masked_fill(~view.valid[:, None], float("-inf"))
-        scores = logits.softmax(dim=-1).mean(dim=1) + self.epsilon  # [H, S]
+        sink = (view.positions < self.sinks).to(device)
+        competing = view.valid.to(device) & ~sink
+        logits = logits.masked_fill(~competing[:, None], float("-inf"))
+        probs = torch.nan_to_num(logits.softmax(dim=-1), nan=0.0)  # a head of sinks only: no weights
+        scores = probs.mean(dim=1) + self.epsilon  # [H, S]
         if self.use_vnorm:
-            scores = scores * view.values.double().norm(dim=-1)
-        return scores.float().masked_fill(view.positions < self.sinks, float("inf"))
+            scores = scores * view.values.double().to(device).norm(dim=-1)
+        return scores.float().masked_fill(sink, float("inf")).to(view.keys.device)

@@ -2,6 +2,11 @@
 
 Based on Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression"
 (arXiv 2406.11430). Needs no queries, so it is question-agnostic by construction.
+
+Parameters
+----------
+compat : str, default "authors"
+    "kvpress" is the same rule (kvpress's KnormPress is the authors' code).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from turnkv.methods.evict.compat import COMPATS
 from turnkv.methods.evict.layer_view import LayerView
 from turnkv.methods.protocols import Scorer
 from turnkv.methods.registry import register
@@ -19,6 +25,12 @@ from turnkv.methods.registry import register
 @dataclass
 class KnormScorer(Scorer):
     """Knorm: low key norm means high attention; keep the smallest norms."""
+
+    compat: str = "authors"
+
+    def __post_init__(self):
+        if self.compat not in COMPATS:
+            raise ValueError(f"compat must be one of {', '.join(COMPATS)}")
 
     def score(self, view: LayerView) -> torch.Tensor:
         return -view.keys.float().norm(dim=-1)

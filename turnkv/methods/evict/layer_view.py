@@ -17,6 +17,8 @@ class LayerView:
     positions: [H, S] original positions. queries: [W, Hq, D] the observation window (post-RoPE), at
     query_positions [W]. attention_mass: [H, S] what each token has received so far (H2O).
     target: the per-head token count this layer will keep (for scorers that split it, e.g. H2O).
+    moments: (count [], sum [Hq, D], sum of outer products [Hq, D, D]) of every pre-RoPE query the
+    conversation computed at positions >= Scorer.query_moments (float64), or None.
     """
 
     layer: int
@@ -31,6 +33,7 @@ class LayerView:
     inv_freq: torch.Tensor
     next_position: int
     target: int
+    moments: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def window_attention(self) -> torch.Tensor:
         """Softmax weights [Hq, W, S] of the window's queries over every key they could see (fp32)."""

@@ -1,18 +1,23 @@
 """SnapKV: keep the tokens the last prompt queries attend to.
 
 Based on Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation" (arXiv 2404.14469),
-with Ada-KV's GQA handling: the window's attention (softmax over every key it sees) is averaged over
-the window's queries and over the query heads of each KV group, max-pooled along the keys, and the
-window's own tokens always stay.
+as in the authors' code: the window's attention (softmax over every key it sees) is averaged over the
+window's queries, pooled along the keys that precede the window (stride 1, zero padding at both ends,
+an average divided by the kernel width), and the window's own tokens always stay. GQA (which the
+authors' code does not handle) averages the scores over the query heads of each KV group, as kvpress
+and Ada-KV's code do.
 
 Parameters
 ----------
-window : int, default 32
+window : int, default 32 (kvpress: 64)
     Observation window: the last `window` queries score the keys; their tokens are protected.
-kernel : int, default 7
+kernel : int, default 5
     Width of the 1-D pooling along the key axis (odd).
-pooling : str, default "max"
-    "max" (the paper and Ada-KV) or "avg" (kvpress).
+pooling : str, default "avg"
+    "avg" (the authors' code and kvpress) or "max" (the paper's text and Ada-KV's code, which use
+    window 32 and kernel 7: `snapkv(kernel=7,pooling=max)`).
+compat : str, default "authors"
+    "kvpress": kvpress's SnapKVPress defaults (window 64); its keep rule is the authors'.
 """
 
 from __future__ import annotations
@@ -22,23 +27,24 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from turnkv.methods.evict.compat import resolve
 from turnkv.methods.evict.layer_view import LayerView
 from turnkv.methods.protocols import Scorer
 from turnkv.methods.registry import register
 
+DEFAULTS = {"authors": {"window": 32, "kernel": 5}, "kvpress": {"window": 64, "kernel": 5}}
+
 
 def pool_along_keys(scores: torch.Tensor, kernel: int, pooling: str, include: torch.Tensor) -> torch.Tensor:
-    """Pool [H, S] scores along the keys over the `include`d columns only (not the window, not padding)."""
+    """Pool [H, S] scores along the keys, the columns outside `include` (the window, padding) read as
+    absent: -inf for max pooling, 0 for average pooling, which always divides by the kernel width."""
     if kernel <= 1:
         return scores
     pad = kernel // 2
     if pooling == "max":
         masked = scores.masked_fill(~include, float("-inf"))
         return F.max_pool1d(masked[:, None], kernel, stride=1, padding=pad)[:, 0]
-    weight = include.float()[:, None]
-    total = F.avg_pool1d((scores * include)[:, None], kernel, stride=1, padding=pad, count_include_pad=True)
-    count = F.avg_pool1d(weight, kernel, stride=1, padding=pad, count_include_pad=True)
-    return (total / count.clamp(min=1e-12))[:, 0]
+    return F.avg_pool1d((scores * include)[:, None], kernel, stride=1, padding=pad, count_include_pad=True)[:, 0]
 
 
 @register("scorer", "snapkv")
@@ -46,19 +52,23 @@ def pool_along_keys(scores: torch.Tensor, kernel: int, pooling: str, include: to
 class SnapKVScorer(Scorer):
     """SnapKV: attention of the observation window, pooled along the keys; the window stays."""
 
-    window: int = 32
-    kernel: int = 7
-    pooling: str = "max"
+    window: int | None = None
+    kernel: int | None = None
+    pooling: str = "avg"
+    compat: str = "authors"
 
     def __post_init__(self):
+        resolve(self, DEFAULTS)
         if self.window < 1 or self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError("window must be >= 1 and kernel a positive odd number")
         if self.pooling not in ("max", "avg"):
             raise ValueError("pooling must be 'max' or 'avg'")
+        if self.compat == "kvpress" and self.pooling != "avg":
+            raise ValueError("kvpress pools by average only")
 
     def score(self, view: LayerView) -> torch.Tensor:
         attention = view.window_attention().mean(dim=1)  # [Hq, S]
         in_window = view.positions >= view.query_positions.min()
-        # As in the paper's code: the window's own columns take no part in the pooling.
+        # The window's own columns take no part in the pooling (the authors' code pools P[:, :n - window]).
         scores = pool_along_keys(view.group_mean(attention), self.kernel, self.pooling, view.valid & ~in_window)
         return scores.masked_fill(in_window, float("inf"))

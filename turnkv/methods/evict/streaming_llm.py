@@ -7,6 +7,8 @@ Parameters
 ----------
 sinks : int, default 4
     Tokens at the start of the conversation that always stay.
+compat : str, default "authors"
+    "kvpress" is the same rule (kvpress's StreamingLLMPress keeps the sinks and the newest tokens).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from turnkv.methods.evict.compat import COMPATS
 from turnkv.methods.evict.layer_view import LayerView
 from turnkv.methods.protocols import Scorer
 from turnkv.methods.registry import register
@@ -26,6 +29,11 @@ class StreamingLLMScorer(Scorer):
     """StreamingLLM: attention sinks plus the most recent tokens."""
 
     sinks: int = 4
+    compat: str = "authors"
+
+    def __post_init__(self):
+        if self.compat not in COMPATS:
+            raise ValueError(f"compat must be one of {', '.join(COMPATS)}")
 
     def score(self, view: LayerView) -> torch.Tensor:
         recency = view.positions.float()

@@ -88,8 +88,9 @@ class PagedSelection(DecodeSelection, WriteWatcher):
 
     @property
     def selections(self) -> int:
-        """Fresh selections this turn (counted in the last layer, which every scheme selects in)."""
-        return self.state.selections[-1] - self._selections_before
+        """Fresh selections this turn, summed over the layers (a layer whose heads are all streaming
+        heads never selects)."""
+        return sum(self.state.selections) - self._selections_before
 
     def graph_config(self):
         """What the graphed decode keys its buffers and graphs by (engine/graph_selection.py)."""
@@ -99,7 +100,7 @@ class PagedSelection(DecodeSelection, WriteWatcher):
         self.ticks += 1
         if not decoding:  # a prefill changes the pages: a new turn selects afresh
             self.state.invalidate()
-            self.steps, self._selections_before = 0, self.state.selections[-1]
+            self.steps, self._selections_before = 0, sum(self.state.selections)
         else:
             self.steps += 1
 
