@@ -14,6 +14,10 @@ import torch
 from turnkv.errors import InvalidRequestError
 
 
+# The seeds torch.Generator.manual_seed takes.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 256
@@ -34,8 +38,9 @@ class SamplingParams:
             (_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p must be a number in (0, 1]"),
             (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0,
              "top_k must be an integer >= 0"),
-            (self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
-             "seed must be an integer"),
+            (self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                   and SEED_MIN <= self.seed <= SEED_MAX),
+             f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
         ]
         for ok, message in checks:

@@ -32,6 +32,7 @@ from turnkv.state.tier_hook import StateTierHook
 log = logging.getLogger("turnkv.serve")
 
 SESSION_HEADER = "x-session-id"
+MAX_JSON_DEPTH = 64  # arrays and objects inside one another in a request body
 MAX_SESSION_ID = 256
 
 
@@ -52,7 +53,7 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
         log.info("took back %d conversations from the disk tier", adopted)
     scheduler = Scheduler(llm, store, config, metrics)
     metrics.bind(llm, scheduler, store)
-    recipes = Recipes(llm.recipe)
+    recipes = Recipes(llm.recipe, config.head_patterns)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -182,11 +183,12 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
 
 
 class Recipes:
-    """Request recipes, parsed once per distinct string. Only recipe strings: an HTTP request never
-    names a file for the server to read."""
+    """Request recipes, parsed once per distinct string. Only recipe strings, and a file-valued
+    parameter only by a name the operator gave (`named`, --head-pattern NAME=PATH): an HTTP request
+    never makes the server read a file it names, nor learn whether one exists."""
 
-    def __init__(self, default: Recipe):
-        self.default = default
+    def __init__(self, default: Recipe, named: dict[str, str] | None = None):
+        self.default, self.named = default, dict(named or {})
         self.cache: dict[str, tuple[Recipe, str]] = {}
 
     def resolve(self, text: str | None) -> tuple[Recipe, str]:
@@ -196,7 +198,7 @@ class Recipes:
             if "/" in text or "\\" in text or text.strip().endswith((".json", ".yaml", ".yml")):
                 raise InvalidRequestError("recipe files are not accepted over HTTP; send the recipe string")
             try:
-                recipe = Recipe.parse(text)
+                recipe = Recipe.parse(text).with_named_files(self.named)
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"recipe: {e}") from None
             self.cache[text] = (recipe, str(recipe))
@@ -217,13 +219,32 @@ async def read_json(request: Request, limit: int) -> dict:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
         raise APIError(400, f"the request body is not valid UTF-8 (byte {e.start})", code="invalid_utf8") from None
+    too_deep = APIError(400, f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels",
+                        code="invalid_json")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise too_deep from None
+    if json_depth(data) > MAX_JSON_DEPTH:
+        raise too_deep
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     return data
+
+
+def json_depth(value) -> int:
+    """How deep arrays and objects nest in a parsed JSON value (a scalar: 0), without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        todo.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
 
 
 def parse(model, data: dict):

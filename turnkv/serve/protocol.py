@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
+from turnkv.engine.sampling import SEED_MAX, SEED_MIN
+
 Number = StrictInt | StrictFloat
 
 
@@ -60,6 +62,13 @@ class SamplingRequest(Lenient):
         if n != 1:
             raise ValueError("only n=1 is supported")
         return n
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_range(cls, seed):
+        if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}]")
+        return seed
 
     @field_validator("stop")
     @classmethod

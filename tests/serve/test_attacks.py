@@ -1,0 +1,83 @@
+"""Requests that attacked the server: recipes naming files, deeply nested bodies, out-of-range seeds,
+repeated edits of one reply, prompts no pool can hold. Each gets a precise 400 (or keeps its reuse),
+and the server goes on serving."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests.serve.conftest import MODEL, running
+from tests.serve.test_errors import CHAT, HELLO, assert_error, post
+
+SYSTEM = {"role": "system", "content": "You are terse."}
+
+
+def ok(server) -> None:
+    r = post(server, {"model": MODEL, "messages": HELLO, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_a_recipe_over_http_reads_no_file(server, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the server resolves relative paths against its working directory
+    (tmp_path / "secret.tsv").write_text("API_KEY=hunter2\n")
+    answers = []
+    for name in ("secret.tsv", "missing.tsv", "../secret.tsv"):
+        r = post(server, {"model": MODEL, "messages": HELLO, "max_tokens": 2,
+                          "recipe": f"prefill=streaming_heads(pattern={name})"})
+        error = assert_error(r, 400, "invalid_recipe", "recipe")
+        assert "hunter2" not in r.text
+        answers.append(error["message"].replace(name, "NAME"))
+    # An existing file and a missing one get the same answer: nothing tells which files exist.
+    assert answers[0] == answers[1]
+    assert "--head-pattern" in answers[0]
+    ok(server)
+    # Built-in values read nothing and are accepted.
+    r = post(server, {"model": MODEL, "messages": HELLO, "max_tokens": 2,
+                      "recipe": "prefill=streaming_heads(pattern=random)"})
+    assert r.status_code == 200, r.text
+
+
+def test_an_operator_names_the_pattern_files_a_recipe_may_use(serve_llm, tmp_path):
+    pattern = tmp_path / "heads.tsv"
+    pattern.write_text("1\t0\n0\t1\n")  # 2 layers x 2 KV heads; 1 = dense
+    with running(serve_llm, served_model_name=MODEL, head_patterns={"mine": str(pattern)}) as s:
+        r = post(s, {"model": MODEL, "messages": HELLO, "max_tokens": 2,
+                     "recipe": "prefill=streaming_heads(pattern=mine, sink=4, local=8, prefill_local=16)"})
+        assert r.status_code == 200, r.text
+        error = assert_error(post(s, {"model": MODEL, "messages": HELLO, "max_tokens": 2,
+                                      "recipe": "prefill=streaming_heads(pattern=heads.tsv)"}), 400, "invalid_recipe")
+        assert "mine" in error["message"]
+
+
+def test_a_deeply_nested_body_gets_a_400(server):
+    for depth in (100, 100_000):
+        body = b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "extra": ' + \
+            b"[" * depth + b"]" * depth + b"}"
+        error = assert_error(post(server, content=body), 400, "invalid_json")
+        assert "deeper than" in error["message"]
+    ok(server)
+
+
+def test_a_seed_beyond_the_samplers_range_gets_a_400(server):
+    for seed in (1180591620717411303424, -(1 << 64)):
+        assert_error(post(server, {"model": MODEL, "messages": HELLO, "seed": seed, "temperature": 1}), 400,
+                     param="seed")
+    r = post(server, {"model": MODEL, "messages": HELLO, "seed": (1 << 64) - 1, "temperature": 1, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    ok(server)
+
+
+def test_repeated_edits_of_one_reply_keep_reusing_the_first_prompt(serve_llm):
+    with running(serve_llm, served_model_name=MODEL) as s:
+        def cached(messages) -> int:
+            r = httpx.post(s.url + CHAT, json={"model": MODEL, "messages": messages, "max_tokens": 4,
+                                               "temperature": 0}, timeout=30)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        u1, u2 = {"role": "user", "content": "Which planet is red?"}, {"role": "user", "content": "Why?"}
+        assert cached([SYSTEM, u1]) == 0
+        first = cached([SYSTEM, u1, {"role": "assistant", "content": "It is Mars, of course."}, u2])
+        assert first > 0
+        for edit in ("Mars.", "The red one is Mars.", "Mars!"):
+            assert cached([SYSTEM, u1, {"role": "assistant", "content": edit}, u2]) == first
