@@ -13,7 +13,6 @@ import torch
 
 from turnkv.errors import InvalidRequestError
 
-
 # The seeds torch.Generator.manual_seed takes.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
