@@ -96,6 +96,17 @@ class Scheduler:
         with self.cond:
             self.accepting = False
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is queued or running (at most `timeout` s); True if none is."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while self.waiting or self.num_running:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.alive:
+                    return False
+                self.cond.wait(min(left, 0.05))
+        return True
+
     def stop(self, timeout: float) -> None:
         """Refuse new requests, let the admitted ones finish (up to `timeout`), then stop the worker, which
         hands idle conversations to the durable tier (store.shutdown)."""
