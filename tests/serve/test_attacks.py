@@ -81,3 +81,40 @@ def test_repeated_edits_of_one_reply_keep_reusing_the_first_prompt(serve_llm):
         assert first > 0
         for edit in ("Mars.", "The red one is Mars.", "Mars!"):
             assert cached([SYSTEM, u1, {"role": "assistant", "content": edit}, u2]) == first
+
+
+def test_a_prompt_no_pool_can_hold_gets_a_400_not_a_retry(chat_model_dir):
+    import turnkv
+
+    small = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="96KiB")  # 192 tokens of one conversation
+    with running(small, served_model_name=MODEL) as s:
+        big = [{"role": "user", "content": "word " * 300}]  # inside the 512-token context, over the pool
+        error = assert_error(post(s, {"model": MODEL, "messages": big, "max_tokens": 2}), 400,
+                             "context_length_exceeded")
+        assert "KV pool" in error["message"] and "never fit" in error["message"]
+        ok(s)
+
+
+def test_a_request_that_outgrows_the_pool_moves_idle_conversations_out_and_keeps_its_reply(chat_model_dir):
+    import turnkv
+
+    small = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="96KiB", state_cpu_memory="1MiB")
+    with running(small, served_model_name=MODEL) as s:
+        client = s.client()
+        for i in range(2):  # idle conversations holding pages
+            client.chat.completions.create(model=MODEL, max_tokens=20, temperature=0, extra_body={"ignore_eos": True},
+                                           messages=[{"role": "user", "content": f"Story {i}, please."}])
+        assert s.store.count("gpu") == 2
+        r = client.chat.completions.create(model=MODEL, max_tokens=150, temperature=0, extra_body={"ignore_eos": True},
+                                           messages=[{"role": "user", "content": "A long one."}])
+        assert r.usage.completion_tokens == 150 and r.choices[0].finish_reason == "length"
+        # The idle conversations went to the CPU tier, not away.
+        assert s.metric("turnkv:conversation_evictions_total", reason="offloaded") >= 1
+        assert s.metric("turnkv:conversation_evictions_total", reason="dropped") == 0
+        # Nothing left to move: a request longer than the pool ends where the pool does, its reply kept.
+        s.scheduler.flush()
+        r = client.chat.completions.create(model=MODEL, max_tokens=400, temperature=0, extra_body={"ignore_eos": True},
+                                           messages=[{"role": "user", "content": "Longer still."}])
+        assert r.choices[0].finish_reason == "length"
+        assert 100 < r.usage.completion_tokens < 400
+        assert r.usage.prompt_tokens + r.usage.completion_tokens <= small.pool.sequence_capacity + 1

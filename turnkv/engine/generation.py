@@ -99,6 +99,14 @@ class Generation:
             piece += self.detok.flush()
         return piece
 
+    def end(self, reason: str) -> str:
+        """Stop after the tokens accepted so far (the caller can run no further step); returns the
+        text held back until now (a stop string's possible start, an incomplete character)."""
+        if self.finish_reason is not None:
+            return ""
+        self.finish_reason = reason
+        return self.detok.flush() if self.detok is not None else ""
+
     def _at_length(self, num_tokens: int, next_position: int) -> bool:
         return num_tokens >= self.params.max_new_tokens or next_position + 1 >= self.max_positions
 

@@ -64,6 +64,11 @@ class Job:
         if room < 1:
             raise ContextLengthError(f"the prompt is {total} tokens and the model's context is {llm.max_model_len}; "
                                      f"shorten the messages")
+        capacity = llm.pool.sequence_capacity
+        if total >= capacity:
+            raise ContextLengthError(f"the prompt is {total} tokens and the whole KV pool holds {capacity} tokens of "
+                                     f"one conversation: it can never fit; shorten the messages (or start the "
+                                     f"server with more --kv-memory)")
         if self.max_tokens is not None and self.max_tokens > room:
             raise ContextLengthError(f"max_tokens is {self.max_tokens} but the prompt ({total} tokens) leaves room for "
                                      f"{room} in the model's context of {llm.max_model_len}")

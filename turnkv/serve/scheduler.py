@@ -12,8 +12,9 @@ Each iteration:
 4. ONE batched decode step runs over every decoding request: a single runner.decode call over all
    their sequences (one call per group when recipes differ in what the step must record).
 When the KV pool is full, idle conversations leave it, least recently used first, and the step is
-retried. With none left, a prompt waits for running requests to finish, and a decode step fails its
-newest request (503) so that the others go on.
+retried. With none left, a prompt waits for running requests to finish, and a decode step ends its
+newest request where it is (finish_reason "length", its reply kept) so that the others go on. A
+prompt that no pool of this size can hold is refused at admission (400).
 """
 
 from __future__ import annotations
@@ -255,16 +256,21 @@ class Scheduler:
 
     def _decode_step(self, batch: list, jobs: dict):
         """decode_loop.forward over `batch` (turns; jobs maps id(turn) to its request); on a full
-        pool, evict idle conversations, then the newest request, until the step fits. Returns the
+        pool, idle conversations move to the tiers (or are dropped), then the newest request ends,
+        until the step fits. A request ended so keeps the reply it has generated, with
+        finish_reason "length" (the pool, like the context, holds no more of it). Returns the
         logits of the turns still in `batch`."""
         while True:
             try:
                 return self._with_room(lambda: decode_loop.forward(self.llm, batch))
-            except KVCacheFullError as e:
+            except KVCacheFullError:
                 victim = max(batch, key=lambda t: jobs[id(t)].arrived)
                 batch.remove(victim)
                 self.decoding.remove(jobs[id(victim)])
-                self._fail(jobs[id(victim)], e)
+                piece = victim.gen.end("length")
+                if piece:
+                    jobs[id(victim)].sink("text", piece)
+                self._finish(jobs[id(victim)])
                 if not batch:
                     return []
 
