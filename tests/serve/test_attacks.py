@@ -118,3 +118,25 @@ def test_a_request_that_outgrows_the_pool_moves_idle_conversations_out_and_keeps
         assert r.choices[0].finish_reason == "length"
         assert 100 < r.usage.completion_tokens < 400
         assert r.usage.prompt_tokens + r.usage.completion_tokens <= small.pool.sequence_capacity + 1
+
+
+def test_the_chat_template_and_the_tokenizer_run_off_the_model_worker(serve_llm, server, monkeypatch):
+    import threading
+
+    tokenizer, seen = serve_llm.tokenizer, []
+
+    def recorded(fn):
+        def call(*args, **kwargs):
+            seen.append(threading.current_thread().name)
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", recorded(tokenizer.apply_chat_template))
+    monkeypatch.setattr(tokenizer, "encode", recorded(tokenizer.encode))
+    many = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(2001)]
+    r = post(server, {"model": MODEL, "messages": many, "max_tokens": 2})
+    assert r.status_code in (200, 400), r.text  # 400: over the context; rendered and encoded all the same
+    r = post(server, {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2}, path="/v1/completions")
+    assert r.status_code == 200, r.text
+    assert seen and "turnkv-worker" not in seen
+    assert any(name.startswith("turnkv-encode") for name in seen)

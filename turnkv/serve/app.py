@@ -23,7 +23,7 @@ from turnkv.methods.recipe import Recipe
 from turnkv.serve import protocol
 from turnkv.serve.config import ServeConfig
 from turnkv.serve.errors import APIError, from_engine, install_handlers, validation_error
-from turnkv.serve.job import Job, Outcome, check_max_tokens
+from turnkv.serve.job import Job, Outcome, Rendered, check_max_tokens, render_chat
 from turnkv.serve.metrics import Metrics
 from turnkv.serve.scheduler import Scheduler
 from turnkv.serve.store import ConversationStore, TierHook
@@ -76,6 +76,14 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
                            code="invalid_api_key")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+
+    def render(messages: list[dict]) -> Rendered:
+        try:
+            return render_chat(llm.require_tokenizer(), messages)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param="messages") from None
+        except Exception as e:  # the template raised on these messages (jinja's raise_exception)
+            raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
 
     @app.get("/health")
     async def health():
@@ -132,7 +140,8 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
         req = parse(protocol.ChatCompletionRequest, await read_json(request, config.max_body_bytes))
         session = session_id(request)
         messages = [m.as_template_message() for m in req.messages]
-        stream, job = await submit(request, req, messages=messages, session=session)
+        rendered = await asyncio.to_thread(render, messages)  # off the event loop and off the model worker
+        stream, job = await submit(request, req, messages=messages, session=session, rendered=rendered)
         rid, created = protocol.new_id("chatcmpl"), int(time.time())
         headers = {"X-Session-Id": session} if session else {}
         if req.stream:

@@ -25,40 +25,82 @@ class Outcome:
     completion_tokens: int
 
 
+@dataclass
+class Rendered:
+    """A chat as its template renders it, worked out on the HTTP side (off the model worker)."""
+
+    text: str  # the whole chat with the generation prompt
+    system_text: str | None  # the system message alone (a first message with role "system"), or None
+
+
+def render_chat(tokenizer, messages: list[dict], **template_options) -> Rendered:
+    text = chat_template.render(tokenizer, messages, **template_options)
+    system = None
+    if messages[0]["role"] == "system":
+        system = chat_template.render(tokenizer, messages[:1], add_generation_prompt=False, **template_options)
+    return Rendered(text, system)
+
+
 class Job:
-    """Created on the HTTP side; every method after __init__ runs on the worker thread."""
+    """Created on the HTTP side; claim(), ready() and the methods after them run on the worker
+    thread, encode() on the scheduler's encoder thread (tokenizing never stalls decode steps)."""
 
     def __init__(self, sink: Callable[[str, object], None], sampling: dict, max_tokens: int | None,
                  default_max_tokens: int, recipe, recipe_key: str, messages: list[dict] | None = None,
-                 prompt: str | list[int] | None = None, session: str | None = None):
+                 prompt: str | list[int] | None = None, session: str | None = None,
+                 rendered: Rendered | None = None):
         self.sink, self.sampling = sink, sampling
         self.max_tokens, self.default_max_tokens = max_tokens, default_max_tokens
         self.recipe, self.recipe_key, self.session = recipe, recipe_key, session
-        self.messages, self.prompt_input = messages, prompt
+        self.messages, self.prompt_input, self.rendered = messages, prompt, rendered
         self.arrived = time.perf_counter()
         self.cancelled = False  # set by the HTTP side when the client goes away
         self.entry = None  # the store's entry for chat requests
         self.conv: Conversation | None = None
         self.turn: TurnRun | None = None
         self.last_token_at: float | None = None
+        self.pieces: list = []  # what encode() tokenizes: text pieces, or the raw prompt
+        self.encoding = None  # the encoder's future while the request is tokenized
 
     @property
     def is_chat(self) -> bool:
         return self.messages is not None
 
     # ---- admission ---------------------------------------------------------------------------------
-    def prepare(self, llm, store) -> None:
-        """Find the conversation, work out the tokens to prefill, and check they fit."""
-        if self.is_chat:
-            tokenizer = llm.require_tokenizer()
-            self.full_text = chat_template.render(tokenizer, self.messages)
-            claim = store.claim(self.full_text, self.recipe, self.recipe_key, self.session)
-            self.entry, self.conv = claim.entry, claim.entry.conv
-            self.keep = claim.keep
-            self.new_ids, self.system_mark = self._encode_rest(tokenizer, claim.keep_chars)
-        else:
+    def claim(self, llm, store) -> None:
+        """Find the conversation (worker thread) and decide what is left to tokenize after its kept
+        prefix: the first turn of a chat with a system prompt in two pieces, so that the system prompt
+        ends on a token boundary a recipe (FlowKV) can compress at, as Conversation.stream does."""
+        if not self.is_chat:
             self.conv = Conversation(llm, None, self.recipe)  # a container for the KV and recipe state
-            self.keep, self.new_ids, self.system_mark = 0, llm.encode(self.prompt_input), None
+            self.keep, self.system_chars, self.pieces = 0, None, [self.prompt_input]
+            return
+        llm.require_tokenizer()
+        text, system = self.rendered.text, self.rendered.system_text
+        claim = store.claim(text, self.recipe, self.recipe_key, self.session)
+        self.entry, self.conv, self.keep = claim.entry, claim.entry.conv, claim.keep
+        self.system_chars = None
+        kept_chars = claim.keep_chars
+        if (not self.conv.turns and system is not None and kept_chars < len(system)
+                and text.startswith(system)):
+            self.system_chars = len(system)
+            self.pieces = [text[kept_chars : len(system)], text[len(system) :]]
+        else:
+            self.pieces = [text[kept_chars:]]
+
+    def encode(self, llm) -> list[list[int]]:
+        """The token ids of each piece claim() left (encoder thread; touches nothing shared)."""
+        if not self.is_chat:
+            return [llm.encode(self.pieces[0])]
+        return [chat_template.encode(llm.tokenizer, piece) for piece in self.pieces]
+
+    def ready(self, llm, encoded: list[list[int]]) -> None:
+        """Check the tokens fit and begin the turn (worker thread)."""
+        self.new_ids = [t for ids in encoded for t in ids]
+        self.system_mark = None
+        if self.system_chars is not None:
+            self.system_mark = (self.keep + len(encoded[0]), self.system_chars)
+        self.full_text = self.rendered.text if self.is_chat else ""
         total = self.keep + len(self.new_ids)
         room = llm.max_model_len - total
         if room < 1:
@@ -78,21 +120,8 @@ class Job:
         else:
             segment_end = len(self.new_ids)  # a raw prompt is one finished segment, as in LLM.generate
         inputs = TurnInput(self.keep, self.new_ids, segment_end, None, self.messages if self.is_chat else None,
-                           self.full_text if self.is_chat else "")
+                           self.full_text)
         self.turn = TurnRun(self.conv, inputs, llm.new_generation(self.conv.kv, params)).begin()
-
-    def _encode_rest(self, tokenizer, kept_chars: int):
-        """The tokens after the kept prefix. A conversation's first turn is encoded in two pieces, the
-        system prompt and the rest, so the system prompt ends on a token boundary a recipe (FlowKV)
-        can compress at; Conversation.stream does the same."""
-        text = self.full_text
-        if not self.conv.turns and self.messages[0]["role"] == "system":
-            system_text = chat_template.render(tokenizer, self.messages[:1], add_generation_prompt=False)
-            if kept_chars < len(system_text) and text.startswith(system_text):
-                head = chat_template.encode(tokenizer, text[kept_chars : len(system_text)])
-                tail = chat_template.encode(tokenizer, text[len(system_text) :])
-                return head + tail, (self.keep + len(head), len(system_text))
-        return chat_template.encode(tokenizer, text[kept_chars:]), None
 
     # ---- running -----------------------------------------------------------------------------------
     @property
@@ -123,6 +152,7 @@ class Job:
     def abandon(self, store) -> None:
         """Undo whatever this request wrote (failure or disconnect) and give the conversation back;
         the job can then be admitted again from the start."""
+        self.encoding = None
         if self.conv is None:
             return
         if self.turn is not None:
