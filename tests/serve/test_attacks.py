@@ -140,3 +140,34 @@ def test_the_chat_template_and_the_tokenizer_run_off_the_model_worker(serve_llm,
     assert r.status_code == 200, r.text
     assert seen and "turnkv-worker" not in seen
     assert any(name.startswith("turnkv-encode") for name in seen)
+
+
+def test_a_restarted_server_under_a_compressing_recipe_gives_the_uninterrupted_reply(chat_model_dir, tmp_path):
+    import turnkv
+
+    recipe = "ada-snapkv budget=40"
+    turns = ["Tell me a long story about the sea and its ships.", "And the mountains behind the harbour?",
+             "Which is older?"]
+
+    def run(s, messages, turn):
+        messages.append({"role": "user", "content": turn})
+        r = post(s, {"model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+                     "recipe": recipe})
+        assert r.status_code == 200, r.text
+        messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    def llm(disk=None):
+        return turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="16MiB",
+                          state_disk_dir=None if disk is None else str(disk))
+
+    with running(llm(), served_model_name=MODEL) as s:
+        want = [SYSTEM]
+        cached = [run(s, want, turn) for turn in turns]
+    got = [SYSTEM]
+    with running(llm(tmp_path), served_model_name=MODEL) as s:
+        for turn in turns[:2]:
+            run(s, got, turn)
+    with running(llm(tmp_path), served_model_name=MODEL) as s:
+        assert run(s, got, turns[2]) == cached[2] > 0
+    assert got == want

@@ -83,6 +83,25 @@ class QueryWindow:
         self.flush()
         return list(self._queries), list(self._positions)
 
+    def to_tensors(self, prefix: str = "window") -> dict[str, torch.Tensor]:
+        """The window as named tensors, stored with the KV when a conversation leaves the device:
+        `{prefix}.q.{layer}` [W, Hq, D] and `{prefix}.pos.{layer}` [W] for each layer that has one."""
+        self.flush()
+        out = {}
+        for layer, (q, positions) in enumerate(zip(self._queries, self._positions)):
+            if q is not None:
+                out[f"{prefix}.q.{layer}"], out[f"{prefix}.pos.{layer}"] = q, positions
+        return out
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor], device, prefix: str = "window") -> None:
+        """The window to_tensors() stored (copied onto `device`: the stored tensors may be reused)."""
+        self._pending = []
+        for layer in range(len(self._queries)):
+            q = tensors.get(f"{prefix}.q.{layer}")
+            self._queries[layer] = None if q is None else q.to(device, copy=True)
+            pos = tensors.get(f"{prefix}.pos.{layer}")
+            self._positions[layer] = None if pos is None else pos.to(device, copy=True)
+
     def restore(self, snapshot: tuple[list, list]) -> None:
         self._pending = []
         self._queries, self._positions = list(snapshot[0]), list(snapshot[1])
