@@ -13,7 +13,7 @@ MESSAGES = ["Hello, who are you? Tell me a long story about the sea.",
             "Tell me about the sea and the mountains and rivers.", "And about mountains?"]
 SYSTEM = "You are a storyteller."
 EVICTING = [name for name, spec in _preset_table().items() if "evict" in spec]
-SAMPLING = dict(max_new_tokens=24, ignore_eos=True)
+SAMPLING = {"max_new_tokens": 24, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")

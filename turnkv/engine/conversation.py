@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from turnkv.engine.llm import LLM
 
 
-NOT_STORED = ("logprobs", "token_times")  # Reply fields a stored record leaves out
+NOT_STORED = ("logprobs", "token_times", "token_logprobs")  # Reply fields a stored record leaves out
 
 
 @dataclass

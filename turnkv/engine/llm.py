@@ -147,9 +147,13 @@ class LLM:
     # ---- building blocks the conversation uses ------------------------------------------------
     def sampling_params(self, **kwargs) -> SamplingParams:
         try:
-            return SamplingParams(**kwargs)
+            params = SamplingParams(**kwargs)
         except TypeError as e:
             raise InvalidRequestError(f"unknown sampling option: {e}") from None
+        vocab = self.vocab_limit or self.config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequestError(f"logit_bias names token {max(params.logit_bias)}; the vocabulary has {vocab}")
+        return params
 
     def require_tokenizer(self):
         if self.tokenizer is None:

@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
@@ -82,7 +83,7 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
             return render_chat(llm.require_tokenizer(), messages)
         except InvalidRequestError as e:
             raise APIError(400, str(e), param="messages") from None
-        except Exception as e:  # the template raised on these messages (jinja's raise_exception)
+        except TemplateError as e:  # the template refused these messages (its raise_exception)
             raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
 
     @app.get("/health")
@@ -110,6 +111,9 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
         if req.model is not None and req.model != model_name:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_name!r}",
                            type="not_found_error", param="model", code="model_not_found")
+        refused = req.refused_field()
+        if refused is not None:
+            raise APIError(400, f"{refused} is not supported by this server", param=refused, code="unsupported_field")
         try:
             recipe, key = recipes.resolve(req.recipe)
         except InvalidRequestError as e:
@@ -153,15 +157,22 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
                     body["usage"] = usage
                 return body
 
-            return sse(scheduler, job, stream, chunk({"role": "assistant", "content": ""}),
-                       lambda text: chunk({"content": text}),
+            def text_chunk(delta):
+                body = chunk({"content": delta.text})
+                if req.logprobs:
+                    body["choices"][0]["logprobs"] = protocol.chat_logprobs(llm.tokenizer, delta.logprobs)
+                return body
+
+            return sse(scheduler, job, stream, chunk({"role": "assistant", "content": ""}), text_chunk,
                        lambda o: [chunk(finish=o.finish_reason)] + (
                            [chunk(usage=usage_of(o), choices=False)] if req.include_usage else []), headers)
         outcome = await finish(request, scheduler, job, stream)
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": model_name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": outcome.text},
-                         "logprobs": None, "finish_reason": outcome.finish_reason}],
+                         "logprobs": None if outcome.logprobs is None else
+                         protocol.chat_logprobs(llm.tokenizer, outcome.logprobs),
+                         "finish_reason": outcome.finish_reason}],
             "usage": usage_of(outcome)}, headers=headers)
 
     @v1.post("/completions")
@@ -179,11 +190,23 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
             return body
 
         if req.stream:
-            return sse(scheduler, job, stream, None, lambda text: chunk(text),
+            offset = [0]
+
+            def text_chunk(delta):
+                body = chunk(delta.text)
+                if req.logprobs is not None:
+                    lp = protocol.completion_logprobs(llm.tokenizer, delta.logprobs, offset[0])
+                    offset[0] += sum(len(t) for t in lp["tokens"])
+                    body["choices"][0]["logprobs"] = lp
+                return body
+
+            return sse(scheduler, job, stream, None, text_chunk,
                        lambda o: [chunk(finish=o.finish_reason)] + (
                            [chunk(usage=usage_of(o), choices=False)] if req.include_usage else []), {})
         outcome = await finish(request, scheduler, job, stream)
         body = chunk(outcome.text, outcome.finish_reason)
+        if outcome.logprobs is not None:
+            body["choices"][0]["logprobs"] = protocol.completion_logprobs(llm.tokenizer, outcome.logprobs)
         body["usage"] = usage_of(outcome)
         return JSONResponse(body)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from turnkv.engine import chat_template
 from turnkv.engine.conversation import Conversation
+from turnkv.engine.logits import TokenLogprob
 from turnkv.engine.turn import TurnInput, TurnRun
 from turnkv.errors import ContextLengthError, InvalidRequestError
 
@@ -23,6 +24,16 @@ class Outcome:
     prompt_tokens: int  # the whole prompt, reused tokens included (OpenAI's usage.prompt_tokens)
     cached_tokens: int
     completion_tokens: int
+    logprobs: list[TokenLogprob] | None = None  # per generated token (but an end-of-sequence token), if asked
+
+
+@dataclass
+class Delta:
+    """A "text" event: text that became final, and the log-probabilities of the tokens generated
+    since the last event (when the request asked for them)."""
+
+    text: str
+    logprobs: list[TokenLogprob]
 
 
 @dataclass
@@ -61,6 +72,7 @@ class Job:
         self.last_token_at: float | None = None
         self.pieces: list = []  # what encode() tokenizes: text pieces, or the raw prompt
         self.encoding = None  # the encoder's future while the request is tokenized
+        self.logprobs_sent = 0  # generated tokens whose log-probabilities went out in a "text" event
 
     @property
     def is_chat(self) -> bool:
@@ -137,10 +149,25 @@ class Job:
         return self.turn.take(logits), self.turn.done
 
     # ---- ending ------------------------------------------------------------------------------------
+    def emit(self, piece: str) -> None:
+        """Send the text a step made final, with the log-probabilities of the tokens since the last
+        event when the request asked for them."""
+        entries = self._logprobs(self.logprobs_sent)
+        self.logprobs_sent = len(self.turn.gen.token_ids)
+        if piece or entries:
+            self.sink("text", Delta(piece, entries))
+
+    def _logprobs(self, start: int) -> list[TokenLogprob]:
+        gen = self.turn.gen
+        if gen.token_logprobs is None:
+            return []
+        return [e for e in gen.token_logprobs[start:] if e.token not in gen.eos_ids]
+
     def finish(self, store) -> Outcome:
         reply = self.turn.finish()
+        logprobs = self._logprobs(0) if self.turn.gen.token_logprobs is not None else None
         outcome = Outcome(reply.text, reply.finish_reason, self.keep + len(self.new_ids), self.turn.cached,
-                          reply.completion_tokens)
+                          reply.completion_tokens, logprobs)
         if not self.is_chat:
             self.conv.close()
             return outcome

@@ -1,18 +1,30 @@
 """Request bodies of the OpenAI API, as pydantic models, and the response objects the routes build.
 
-Unknown fields are accepted and ignored (clients send new OpenAI fields long before servers know
-them). Fields with a value the engine cannot honour are rejected with a 400 instead of being ignored.
+Fields unknown to the OpenAI API are accepted and ignored (clients send new fields long before
+servers know them, and metadata such as `user` changes no output). OpenAI fields the engine cannot
+honour (UNSUPPORTED), or values of a known field it cannot honour, are rejected with a 400 that
+names the field, never ignored.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
-from turnkv.engine.sampling import SEED_MAX, SEED_MIN
+from turnkv.engine.sampling import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN
 
 Number = StrictInt | StrictFloat
 
@@ -55,6 +67,39 @@ class SamplingRequest(Lenient):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
     recipe: StrictStr | None = None  # a KV-compression recipe for this conversation (turnkv methods --presets)
+    frequency_penalty: Number | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: Number | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[StrictStr, Number] | None = None  # token id (as a string) -> bias in [-100, 100]
+
+    # OpenAI fields whose effect the engine does not have: a request that sets one gets a 400.
+    unsupported: ClassVar[tuple[str, ...]] = ()
+
+    def refused_field(self) -> str | None:
+        """The first OpenAI field set to a value this server cannot honour, or None."""
+        extra = self.model_extra or {}
+        for name in self.unsupported:
+            value = extra.get(name)
+            if value is not None and value is not False and value != [] and value != ["text"]:
+                return name
+        return None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, bias):
+        if bias is None:
+            return None
+        out = {}
+        for key, value in bias.items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values are in [-100, 100], got {value}")
+            out[int(key)] = float(value)
+        return out
+
+    def top_logprobs_kept(self) -> int | None:
+        """How many alternatives to keep per token (0: only the chosen one), None: no logprobs."""
+        return None
 
     @field_validator("n")
     @classmethod
@@ -85,7 +130,10 @@ class SamplingRequest(Lenient):
         """Keyword arguments of turnkv's SamplingParams (max_new_tokens is set once the prompt is known)."""
         return dict(temperature=float(self.temperature or 0.0),
                     top_p=float(self.top_p if self.top_p is not None else 1.0), top_k=self.top_k or 0,
-                    seed=self.seed, stop=list(self.stop or []), ignore_eos=self.ignore_eos)
+                    seed=self.seed, stop=list(self.stop or []), ignore_eos=self.ignore_eos,
+                    frequency_penalty=float(self.frequency_penalty or 0.0),
+                    presence_penalty=float(self.presence_penalty or 0.0), logit_bias=self.logit_bias or None,
+                    logprobs=self.top_logprobs_kept())
 
     @property
     def include_usage(self) -> bool:
@@ -95,6 +143,20 @@ class SamplingRequest(Lenient):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    unsupported: ClassVar[tuple[str, ...]] = ("audio", "modalities", "prediction", "web_search_options",
+                                              "functions", "function_call", "reasoning_effort", "verbosity")
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def top_logprobs_kept(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -102,6 +164,17 @@ class ChatCompletionRequest(SamplingRequest):
 
 class CompletionRequest(SamplingRequest):
     prompt: StrictStr | list[StrictInt] | list[StrictStr]
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    unsupported: ClassVar[tuple[str, ...]] = ("echo", "suffix", "best_of")
+
+    def refused_field(self) -> str | None:
+        if (self.model_extra or {}).get("best_of") == 1:
+            return None
+        return super().refused_field()
+
+    def top_logprobs_kept(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -129,3 +202,30 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 def model_card(name: str, max_model_len: int) -> dict:
     return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "turnkv", "root": name,
             "parent": None, "max_model_len": max_model_len, "permission": []}
+
+
+def _token_text(tokenizer, token: int) -> str:
+    return tokenizer.decode([token], skip_special_tokens=False)
+
+
+def chat_logprobs(tokenizer, entries) -> dict:
+    """OpenAI's chat `logprobs` object for TokenLogprob entries."""
+
+    def one(token: int, logprob: float) -> dict:
+        text = _token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def completion_logprobs(tokenizer, entries, text_offset: int = 0) -> dict:
+    """OpenAI's legacy completions `logprobs` object; offsets count from `text_offset`."""
+    tokens, offsets = [], []
+    for e in entries:
+        offsets.append(text_offset)
+        tokens.append(_token_text(tokenizer, e.token))
+        text_offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets}

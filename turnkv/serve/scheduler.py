@@ -258,8 +258,7 @@ class Scheduler:
         m.labels(m.ttft).observe(now - job.arrived)
         job.last_token_at = now
         job.sink("start", None)
-        if piece:
-            job.sink("text", piece)
+        job.emit(piece)
         if done:
             self._finish(job)
         else:
@@ -283,8 +282,7 @@ class Scheduler:
                     continue
                 self.metrics.labels(self.metrics.itl).observe(now - job.last_token_at)
                 job.last_token_at = now
-                if piece:
-                    job.sink("text", piece)
+                job.emit(piece)
                 if turn.done:
                     self.decoding.remove(job)
                     self._finish(job)
@@ -302,9 +300,7 @@ class Scheduler:
                 victim = max(batch, key=lambda t: jobs[id(t)].arrived)
                 batch.remove(victim)
                 self.decoding.remove(jobs[id(victim)])
-                piece = victim.gen.end("length")
-                if piece:
-                    jobs[id(victim)].sink("text", piece)
+                jobs[id(victim)].emit(victim.gen.end("length"))
                 self._finish(jobs[id(victim)])
                 if not batch:
                     return []
