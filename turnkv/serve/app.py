@@ -15,16 +15,16 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from turnkv.errors import InvalidRequestError
 from turnkv.methods.recipe import Recipe
+from turnkv.serve import chat as chat_requests
 from turnkv.serve import protocol
 from turnkv.serve.config import ServeConfig
 from turnkv.serve.errors import APIError, from_engine, install_handlers, validation_error
-from turnkv.serve.job import Job, Outcome, Rendered, check_max_tokens, render_chat
+from turnkv.serve.job import Job, Outcome, check_max_tokens
 from turnkv.serve.metrics import Metrics
 from turnkv.serve.scheduler import Scheduler
 from turnkv.serve.store import ConversationStore, TierHook
@@ -77,14 +77,6 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
                            code="invalid_api_key")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
-
-    def render(messages: list[dict]) -> Rendered:
-        try:
-            return render_chat(llm.require_tokenizer(), messages)
-        except InvalidRequestError as e:
-            raise APIError(400, str(e), param="messages") from None
-        except TemplateError as e:  # the template refused these messages (its raise_exception)
-            raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
 
     @app.get("/health")
     async def health():
@@ -143,12 +135,14 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
     async def chat(request: Request):
         req = parse(protocol.ChatCompletionRequest, await read_json(request, config.max_body_bytes))
         session = session_id(request)
-        messages = [m.as_template_message() for m in req.messages]
-        rendered = await asyncio.to_thread(render, messages)  # off the event loop and off the model worker
-        stream, job = await submit(request, req, messages=messages, session=session, rendered=rendered)
+        plan = await asyncio.to_thread(chat_requests.plan, llm, req)  # rendering and grammar: off the loop and the worker
+        stream, job = await submit(request, req, messages=plan.messages, session=session, rendered=plan.rendered,
+                                   grammar=plan.grammar)
         rid, created = protocol.new_id("chatcmpl"), int(time.time())
         headers = {"X-Session-Id": session} if session else {}
         if req.stream:
+            reply = chat_requests.StreamedReply(plan)
+
             def chunk(delta=None, finish=None, usage=None, choices=True):
                 body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
                         "choices": [{"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}]
@@ -158,21 +152,29 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
                 return body
 
             def text_chunk(delta):
-                body = chunk({"content": delta.text})
+                content = reply.content(delta.text)
+                if not content and not (req.logprobs and delta.logprobs):
+                    return None
+                body = chunk({"content": content})
                 if req.logprobs:
                     body["choices"][0]["logprobs"] = protocol.chat_logprobs(llm.tokenizer, delta.logprobs)
                 return body
 
-            return sse(scheduler, job, stream, chunk({"role": "assistant", "content": ""}), text_chunk,
-                       lambda o: [chunk(finish=o.finish_reason)] + (
-                           [chunk(usage=usage_of(o), choices=False)] if req.include_usage else []), headers)
+            def closing(o):
+                deltas, finish_reason = reply.closing(o.finish_reason)
+                return [chunk(d) for d in deltas] + [chunk(finish=finish_reason)] + (
+                    [chunk(usage=usage_of(o), choices=False)] if req.include_usage else [])
+
+            return sse(scheduler, job, stream, chunk({"role": "assistant", "content": ""}), text_chunk, closing,
+                       headers)
         outcome = await finish(request, scheduler, job, stream)
+        message, finish_reason = chat_requests.message(plan, outcome.text, outcome.finish_reason)
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": outcome.text},
+            "choices": [{"index": 0, "message": message,
                          "logprobs": None if outcome.logprobs is None else
                          protocol.chat_logprobs(llm.tokenizer, outcome.logprobs),
-                         "finish_reason": outcome.finish_reason}],
+                         "finish_reason": finish_reason}],
             "usage": usage_of(outcome)}, headers=headers)
 
     @v1.post("/completions")
@@ -378,7 +380,9 @@ def sse(scheduler: Scheduler, job: Job, stream: Stream, opening: dict | None, te
             while True:
                 kind, payload = await stream.next()
                 if kind == "text":
-                    yield line(text_chunk(payload))
+                    body = text_chunk(payload)
+                    if body is not None:
+                        yield line(body)
                 elif kind == "done":
                     for c in closing(payload):
                         yield line(c)

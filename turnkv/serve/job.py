@@ -59,11 +59,12 @@ class Job:
     def __init__(self, sink: Callable[[str, object], None], sampling: dict, max_tokens: int | None,
                  default_max_tokens: int, recipe, recipe_key: str, messages: list[dict] | None = None,
                  prompt: str | list[int] | None = None, session: str | None = None,
-                 rendered: Rendered | None = None):
+                 rendered: Rendered | None = None, grammar=None):
         self.sink, self.sampling = sink, sampling
         self.max_tokens, self.default_max_tokens = max_tokens, default_max_tokens
         self.recipe, self.recipe_key, self.session = recipe, recipe_key, session
         self.messages, self.prompt_input, self.rendered = messages, prompt, rendered
+        self.grammar = grammar  # a compiled grammar (engine/grammar.py) the reply must follow, or None
         self.arrived = time.perf_counter()
         self.cancelled = False  # set by the HTTP side when the client goes away
         self.entry = None  # the store's entry for chat requests
@@ -133,7 +134,8 @@ class Job:
             segment_end = len(self.new_ids)  # a raw prompt is one finished segment, as in LLM.generate
         inputs = TurnInput(self.keep, self.new_ids, segment_end, None, self.messages if self.is_chat else None,
                            self.full_text)
-        self.turn = TurnRun(self.conv, inputs, llm.new_generation(self.conv.kv, params)).begin()
+        constraint = None if self.grammar is None else self.grammar.constraint()
+        self.turn = TurnRun(self.conv, inputs, llm.new_generation(self.conv.kv, params, constraint=constraint)).begin()
 
     # ---- running -----------------------------------------------------------------------------------
     @property

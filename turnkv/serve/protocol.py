@@ -38,14 +38,84 @@ class TextPart(Lenient):
     text: StrictStr
 
 
+class FunctionCall(Lenient):
+    name: StrictStr
+    arguments: StrictStr  # a JSON text
+
+
+class MessageToolCall(Lenient):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Lenient):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    tool_call_id: StrictStr | None = None  # tool messages: the call they answer
+    name: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _roles(self):
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def as_template_message(self) -> dict:
-        """The {role, content} the chat template renders; "developer" is the newer name of "system"."""
+        """The message the chat template renders; "developer" is the newer name of "system"."""
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
+
+
+class FunctionDefinition(Lenient):
+    name: StrictStr = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: StrictStr | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: StrictBool | None = None
+
+
+class Tool(Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Lenient):
+    name: StrictStr
+
+
+class NamedToolChoice(Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(Lenient):
+    name: StrictStr = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: StrictStr | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format json_schema needs a json_schema object")
+        return self
 
 
 class StreamOptions(Lenient):
@@ -145,6 +215,10 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: ResponseFormat | None = None
 
     unsupported: ClassVar[tuple[str, ...]] = ("audio", "modalities", "prediction", "web_search_options",
                                               "functions", "function_call", "reasoning_effort", "verbosity")
@@ -153,7 +227,22 @@ class ChatCompletionRequest(SamplingRequest):
     def _top_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
+        if self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        if self.tools and self.response_format is not None and self.response_format.type != "text" \
+                and self.tool_choice not in (None, "none"):
+            raise ValueError("response_format cannot be combined with tools a reply may call")
         return self
+
+    @property
+    def tools_active(self) -> bool:
+        """Whether the reply may hold tool calls (they are then parsed out of it)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def top_logprobs_kept(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
