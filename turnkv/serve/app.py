@@ -133,7 +133,7 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
 
     @v1.post("/chat/completions")
     async def chat(request: Request):
-        req = parse(protocol.ChatCompletionRequest, await read_json(request, config.max_body_bytes))
+        req = await read_request(request, protocol.ChatCompletionRequest, config.max_body_bytes)
         session = session_id(request)
         plan = await asyncio.to_thread(chat_requests.plan, llm, req)  # rendering and grammar: off the loop and the worker
         stream, job = await submit(request, req, messages=plan.messages, session=session, rendered=plan.rendered,
@@ -179,7 +179,7 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
 
     @v1.post("/completions")
     async def completions(request: Request):
-        req = parse(protocol.CompletionRequest, await read_json(request, config.max_body_bytes))
+        req = await read_request(request, protocol.CompletionRequest, config.max_body_bytes)
         stream, job = await submit(request, req, prompt=req.prompt)
         rid, created = protocol.new_id("cmpl"), int(time.time())
 
@@ -240,7 +240,14 @@ class Recipes:
 
 
 # ---- request reading ----------------------------------------------------------------------------------
-async def read_json(request: Request, limit: int) -> dict:
+async def read_request(request: Request, model, limit: int):
+    """The body as a `model`: read on the event loop, decoded and validated in a thread (a large
+    body takes tens of milliseconds to parse, which would delay every stream's next event)."""
+    body = await read_body(request, limit)
+    return await asyncio.to_thread(lambda: parse(model, decode_json(body)))
+
+
+async def read_body(request: Request, limit: int) -> bytearray:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"the request body is {declared} bytes; the limit is {limit}", code="body_too_large")
@@ -249,6 +256,10 @@ async def read_json(request: Request, limit: int) -> dict:
         body += piece
         if len(body) > limit:
             raise APIError(413, f"the request body exceeds the limit of {limit} bytes", code="body_too_large")
+    return body
+
+
+def decode_json(body: bytearray) -> dict:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -109,12 +109,7 @@ class Job:
 
     def ready(self, llm, encoded: list[list[int]]) -> None:
         """Check the tokens fit and begin the turn (worker thread)."""
-        self.new_ids = [t for ids in encoded for t in ids]
-        self.system_mark = None
-        if self.system_chars is not None:
-            self.system_mark = (self.keep + len(encoded[0]), self.system_chars)
-        self.full_text = self.rendered.text if self.is_chat else ""
-        total = self.keep + len(self.new_ids)
+        total = self.keep + sum(len(ids) for ids in encoded)
         room = llm.max_model_len - total
         if room < 1:
             raise ContextLengthError(f"the prompt is {total} tokens and the model's context is {llm.max_model_len}; "
@@ -127,6 +122,11 @@ class Job:
         if self.max_tokens is not None and self.max_tokens > room:
             raise ContextLengthError(f"max_tokens is {self.max_tokens} but the prompt ({total} tokens) leaves room for "
                                      f"{room} in the model's context of {llm.max_model_len}")
+        self.new_ids = [t for ids in encoded for t in ids]
+        self.system_mark = None
+        if self.system_chars is not None:
+            self.system_mark = (self.keep + len(encoded[0]), self.system_chars)
+        self.full_text = self.rendered.text if self.is_chat else ""
         params = llm.sampling_params(**self.sampling, max_new_tokens=self.max_tokens or min(self.default_max_tokens, room))
         if self.is_chat:
             segment_end = self.system_mark[0] if self.system_mark else 0
