@@ -15,7 +15,7 @@ from turnkv.errors import TurnkvError
 from turnkv.methods.evict.eviction import SCHEDULES
 from turnkv.methods.recipe import PRESET_DOCS, Recipe, presets
 from turnkv.methods.registry import describe
-from turnkv.serve.config import API_KEY_ENV, ServeConfig
+from turnkv.serve.config import API_KEY_ENV, ServeConfig, parse_head_pattern
 from turnkv.serve.server import serve
 from turnkv.sizes import parse_bytes
 
@@ -147,6 +147,13 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _head_pattern(spec: str) -> tuple[str, str]:
+    try:
+        return parse_head_pattern(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_serve(args) -> int:
     import logging
     import os
@@ -158,7 +165,8 @@ def cmd_serve(args) -> int:
                          served_model_name=args.served_model_name, max_running=args.max_running,
                          max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk,
                          max_body_bytes=args.max_body_bytes, default_max_tokens=args.max_tokens,
-                         reuse=not args.no_reuse, drain_timeout_s=args.drain_timeout)
+                         reuse=not args.no_reuse, drain_timeout_s=args.drain_timeout,
+                         head_patterns=dict(args.head_pattern or []))
 
     # _load's engine plus the state tiers idle conversations move to when the KV pool fills.
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory, tokenizer=args.tokenizer,
@@ -260,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--state-disk-memory", default=None, help="cap on the disk tier, e.g. 20GiB (default: none)")
     srv.add_argument("--no-tiers", action="store_true",
                      help="drop idle conversations evicted from the KV pool instead of moving them to the tiers")
+    srv.add_argument("--head-pattern", action="append", type=_head_pattern, metavar="NAME=PATH",
+                     help="a head-pattern file requests may name in a recipe (streaming_heads(pattern=NAME)); "
+                          "repeatable. A recipe sent over HTTP reads no other file")
     srv.add_argument("--log-level", default="info")
     srv.set_defaults(func=cmd_serve)
 

@@ -14,8 +14,10 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from turnkv.cli import build_parser
+from turnkv.serve import ServeConfig
 
 
 def free_port() -> int:
@@ -82,3 +84,14 @@ def test_sigterm_drains_in_flight_streams_then_exits(chat_model_dir, tmp_path):
     assert len(manifests) == 1
     record = json.loads(manifests[0].read_text())["conversation"]
     assert record["messages"][-1]["role"] == "assistant" and len(record["tokens"]) > 400
+
+
+def test_head_patterns_are_named_at_start(tmp_path):
+    args = build_parser().parse_args(["serve", "--head-pattern", "smol=/srv/p.json", "--head-pattern", "duo=/srv/duo"])
+    assert args.head_pattern == [("smol", "/srv/p.json"), ("duo", "/srv/duo")]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--head-pattern", "no-equals-sign"])
+    with pytest.raises(ValueError, match="does not exist"):
+        ServeConfig(head_patterns={"smol": str(tmp_path / "missing.json")})
+    with pytest.raises(ValueError, match="letters"):
+        ServeConfig(head_patterns={"a/b": str(tmp_path)})

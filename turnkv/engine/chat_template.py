@@ -12,10 +12,13 @@ from __future__ import annotations
 from turnkv.errors import InvalidRequestError
 
 
-def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+    """The chat as text; `tools` (OpenAI tool definitions) go to a template that renders them."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError("this model's tokenizer has no chat template; use generate() with a raw prompt")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    options = {} if tools is None else {"tools": tools}
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **options)
 
 
 def encode(tokenizer, text: str) -> list[int]:

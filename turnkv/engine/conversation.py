@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from turnkv.engine.llm import LLM
 
 
-NOT_STORED = ("logprobs", "token_times")  # Reply fields a stored record leaves out
+NOT_STORED = ("logprobs", "token_times", "token_logprobs")  # Reply fields a stored record leaves out
 
 
 @dataclass
@@ -250,6 +250,7 @@ class Conversation:
         return {
             "system": self.system, "recipe": str(self.recipe), "messages": self.messages, "tokens": self.tokens,
             "text": self.text, "frozen_upto": self.method_state.frozen_upto,
+            "since_compression": self.method_state.since_compression,
             "turns": [{"start": t.start, "prompt_end": t.prompt_end, "end": t.end, "system_end": t.system_end,
                        "reply": {f.name: getattr(t.reply, f.name) for f in fields(t.reply) if f.name not in NOT_STORED}}
                       for t in self.turns],
@@ -265,4 +266,5 @@ class Conversation:
                       for t in record["turns"]]
         conv.last_reply = conv.turns[-1].reply if conv.turns else None
         conv.method_state.frozen_upto = record["frozen_upto"]
+        conv.method_state.since_compression = record.get("since_compression", 0)
         return conv

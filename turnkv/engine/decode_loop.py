@@ -92,7 +92,7 @@ def _can_run_ahead(llm, turns: list[TurnRun]) -> bool:
         ctx = t.context
         if ctx.accumulate or (ctx.selector is not None and ctx.window is not None):
             return False
-        if t.gen.forced is not None or t.gen.logprobs is not None:
+        if not t.gen.runs_ahead:
             return False
     # Every step must replay from the graphs, up to the last position a generation can reach.
     last = max(t.seq.next_position + t.gen.params.max_new_tokens for t in turns)

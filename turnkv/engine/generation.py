@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from turnkv.engine.detokenizer import IncrementalDetokenizer
+from turnkv.engine.logits import Constraint, LogitsProcessor, TokenLogprob, token_logprob
 from turnkv.engine.sampling import SamplingParams, sample
 from turnkv.kv.sequence import SequenceKV
 
@@ -29,6 +30,8 @@ class Reply:
     logprobs: torch.Tensor | None = None  # [completion_tokens, V] when asked for (fidelity metrics)
     # Seconds from the turn's start at which each token was accepted (read on the host).
     token_times: list[float] | None = None
+    # Per generated token when SamplingParams.logprobs is set: its log-probability and alternatives.
+    token_logprobs: list[TokenLogprob] | None = None
 
     @property
     def time_per_token_s(self) -> float:
@@ -44,12 +47,19 @@ class Generation:
 
     def __init__(self, seq: SequenceKV, params: SamplingParams, tokenizer, eos_ids: set[int],
                  vocab_limit: int | None, max_positions: int, device: torch.device,
-                 forced: list[int] | None = None, keep_logprobs: bool = False):
+                 forced: list[int] | None = None, keep_logprobs: bool = False,
+                 constraint: Constraint | None = None):
         self.seq, self.params = seq, params
         # Teacher forcing: feed these tokens instead of sampling (to compare distributions along a
         # reference answer); keep_logprobs records each step's log-softmax.
         self.forced = forced
         self.logprobs: list[torch.Tensor] | None = [] if keep_logprobs else None
+        # Log-probabilities of the model's distribution (before penalties, biases or a grammar).
+        self.token_logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.processor = None
+        if params.processes_logits or constraint is not None:
+            self.processor = LogitsProcessor(params.frequency_penalty, params.presence_penalty, params.logit_bias,
+                                             device, constraint)
         self.eos_ids = set() if params.ignore_eos else eos_ids
         self.vocab_limit, self.max_positions = vocab_limit, max_positions
         self.detok = IncrementalDetokenizer(tokenizer, params.stop) if tokenizer is not None else None
@@ -73,7 +83,17 @@ class Generation:
             self.logprobs.append(logits.float().log_softmax(-1).cpu())
         if self.forced is not None:
             return self.forced[len(self.token_ids)]
-        return int(sample(logits, self.params, self.generator))
+        processed = logits if self.processor is None else self.processor.apply(logits)
+        token = int(sample(processed, self.params, self.generator))
+        if self.token_logprobs is not None:
+            self.token_logprobs.append(token_logprob(logits, token, self.params.logprobs))
+        return token
+
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether a step may be launched before this generation's last token is read (nothing it
+        samples with depends on the tokens before)."""
+        return self.forced is None and self.logprobs is None and self.token_logprobs is None and self.processor is None
 
     def accept(self, token: int, ahead: bool = False) -> str:
         """Record a sampled token; return the text it made final. Sets finish_reason when done.
@@ -83,8 +103,12 @@ class Generation:
         self.token_ids.append(token)
         self.token_times.append(time.perf_counter())
         piece = ""
-        if token in self.eos_ids:
+        if self.processor is not None:
+            self.processor.accept(token)
+        if token in self.eos_ids or (self.processor is not None and self.processor.finished):
             self.finish_reason = "stop"
+            if token not in self.eos_ids and self.detok is not None:
+                piece = self.detok.push(token)
         elif self.detok is not None:
             piece = self.detok.push(token)
             if self.detok.stopped:
@@ -98,6 +122,14 @@ class Generation:
         if self.finish_reason is not None and self.detok is not None:
             piece += self.detok.flush()
         return piece
+
+    def end(self, reason: str) -> str:
+        """Stop after the tokens accepted so far (the caller can run no further step); returns the
+        text held back until now (a stop string's possible start, an incomplete character)."""
+        if self.finish_reason is not None:
+            return ""
+        self.finish_reason = reason
+        return self.detok.flush() if self.detok is not None else ""
 
     def _at_length(self, num_tokens: int, next_position: int) -> bool:
         return num_tokens >= self.params.max_new_tokens or next_position + 1 >= self.max_positions
@@ -127,4 +159,5 @@ class Generation:
             kv_bytes=self.seq.bytes(),
             logprobs=torch.stack(self.logprobs) if self.logprobs else None,
             token_times=[t - self.started for t in self.token_times],
+            token_logprobs=None if self.token_logprobs is None else list(self.token_logprobs),
         )

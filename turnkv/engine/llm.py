@@ -10,6 +10,7 @@ import torch
 from turnkv.engine import decode_loop
 from turnkv.engine.conversation import Conversation
 from turnkv.engine.generation import Generation, Reply
+from turnkv.engine.grammar import Grammars
 from turnkv.engine.runner import ModelRunner
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.turn import TurnInput, TurnRun
@@ -134,9 +135,22 @@ class LLM:
     # ---- building blocks the conversation uses ------------------------------------------------
     def sampling_params(self, **kwargs) -> SamplingParams:
         try:
-            return SamplingParams(**kwargs)
+            params = SamplingParams(**kwargs)
         except TypeError as e:
             raise InvalidRequestError(f"unknown sampling option: {e}") from None
+        vocab = self.vocab_limit or self.config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequestError(f"logit_bias names token {max(params.logit_bias)}; the vocabulary has {vocab}")
+        return params
+
+    @property
+    def grammars(self):
+        """Compiles the grammars structured output follows, for this engine's tokenizer
+        (engine/grammar.py; needs xgrammar)."""
+        if getattr(self, "_grammars", None) is None:
+            self._grammars = Grammars(self.require_tokenizer(), self.vocab_limit or self.config.vocab_size,
+                                      self.eos_ids)
+        return self._grammars
 
     def require_tokenizer(self):
         if self.tokenizer is None:

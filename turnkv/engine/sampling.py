@@ -13,6 +13,10 @@ import torch
 
 from turnkv.errors import InvalidRequestError
 
+# The seeds torch.Generator.manual_seed takes.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass
 class SamplingParams:
@@ -23,6 +27,10 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    frequency_penalty: float = 0.0  # subtracted per earlier occurrence of a token in this generation
+    presence_penalty: float = 0.0  # subtracted once from every token this generation produced
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    logprobs: int | None = None  # keep each token's log-probability and this many alternatives (0..20)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -34,13 +42,30 @@ class SamplingParams:
             (_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p must be a number in (0, 1]"),
             (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0,
              "top_k must be an integer >= 0"),
-            (self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
-             "seed must be an integer"),
+            (self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                   and SEED_MIN <= self.seed <= SEED_MAX),
+             f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
+            (_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             "frequency_penalty must be a number in [-2, 2]"),
+            (_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             "presence_penalty must be a number in [-2, 2]"),
+            (self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+                isinstance(k, int) and not isinstance(k, bool) and k >= 0 and _is_number(v) and -100 <= v <= 100
+                for k, v in self.logit_bias.items())),
+             "logit_bias must map token ids (integers >= 0) to numbers in [-100, 100]"),
+            (self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+                                       and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+             f"logprobs (the alternatives kept per token) must be an integer in [0, {MAX_TOP_LOGPROBS}]"),
         ]
         for ok, message in checks:
             if not ok:
                 raise InvalidRequestError(message)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether a row of logits changes before sampling (penalties, biases)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
 
     @property
     def greedy(self) -> bool:

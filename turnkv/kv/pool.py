@@ -85,6 +85,11 @@ class PagePool:
         """K and V bytes of one page (scales included)."""
         return self.page_size * self.token_bytes
 
+    @property
+    def sequence_capacity(self) -> int:
+        """The most tokens one sequence can hold, every page its own (all heads keep every token)."""
+        return self.num_pages // self.num_kv_heads * self.page_size
+
     def free_pages(self, layer: int) -> int:
         return int(self._top[layer])
 

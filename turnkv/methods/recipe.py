@@ -166,6 +166,22 @@ class Recipe:
             recipe = replace(recipe, evict=_with_eviction_params(recipe.evict, evict_params))
         return recipe
 
+    def with_named_files(self, named: dict[str, str]) -> Recipe:
+        """This recipe with every file-valued parameter (a component's `file_params`) resolved through
+        `named` (name -> path, chosen by whoever runs the engine). A value that is neither a built-in
+        (such as pattern=random) nor one of those names raises InvalidRequestError without touching
+        the filesystem: a recipe from an untrusted client reads only the files its operator named."""
+        changes = {}
+        for axis in ("prefill", "turns", "decode", "state"):
+            component = _named_files(getattr(self, axis), named)
+            if component is not getattr(self, axis):
+                changes[axis] = component
+        if self.evict is not None:
+            scorer, allocator = _named_files(self.evict.scorer, named), _named_files(self.evict.allocator, named)
+            if scorer is not self.evict.scorer or allocator is not self.evict.allocator:
+                changes["evict"] = replace(self.evict, scorer=scorer, allocator=allocator)
+        return replace(self, **changes) if changes else self
+
     def __str__(self) -> str:
         parts = [f"prefill={format_term(self.prefill)}"]
         if self.evict is not None:
@@ -346,6 +362,24 @@ def preset(name: str) -> Recipe:
 
 def presets() -> dict[str, Recipe]:
     return {name: preset(name) for name in _preset_table()}
+
+
+def _named_files(component, named: dict[str, str]):
+    """`component` with its file-valued parameters mapped through `named` (see Recipe.with_named_files)."""
+    changes = {}
+    for param, builtins in getattr(type(component), "file_params", {}).items():
+        value = getattr(component, param)
+        if value in builtins:
+            continue
+        if isinstance(value, str) and value in named:
+            changes[param] = named[value]
+            continue
+        allowed = ", ".join(sorted(named)) or "none were named"
+        builtin = ", ".join(repr(b) for b in builtins if b is not None)
+        raise InvalidRequestError(
+            f"{component.name}: {param} must be {builtin} or the name of a file the server was started with "
+            f"(--head-pattern NAME=PATH: {allowed}); a request never names a file itself")
+    return replace(component, **changes) if changes else component
 
 
 # ---- parsing helpers --------------------------------------------------------------------------------

@@ -96,6 +96,37 @@ class QueryWindow:
             return list(self._queries), list(self._positions)
         return list(self._queries), list(self._positions), self.moments.state()
 
+    def to_tensors(self, prefix: str = "window") -> dict[str, torch.Tensor]:
+        """The window as named tensors, stored with the KV when a conversation leaves the device:
+        `{prefix}.q.{layer}` [W, Hq, D] and `{prefix}.pos.{layer}` [W] for each layer that has one, and
+        with moments `{prefix}.moments.{count,sum,outer}.{layer}` ([], [Hq, D], [Hq, D, D] float64)."""
+        self.flush()
+        out = {}
+        for layer, (q, positions) in enumerate(zip(self._queries, self._positions)):
+            if q is not None:
+                out[f"{prefix}.q.{layer}"], out[f"{prefix}.pos.{layer}"] = q, positions
+        if self.moments is not None:
+            for name, per_layer in zip(("count", "sum", "outer"), self.moments.state()):
+                for layer, value in enumerate(per_layer):
+                    if value is not None:
+                        out[f"{prefix}.moments.{name}.{layer}"] = value
+        return out
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor], device, prefix: str = "window") -> None:
+        """The window to_tensors() stored (copied onto `device`: the stored tensors may be reused)."""
+        self._pending = []
+        for layer in range(len(self._queries)):
+            q = tensors.get(f"{prefix}.q.{layer}")
+            self._queries[layer] = None if q is None else q.to(device, copy=True)
+            pos = tensors.get(f"{prefix}.pos.{layer}")
+            self._positions[layer] = None if pos is None else pos.to(device, copy=True)
+        if self.moments is not None:
+            n = len(self._queries)
+            state = [[tensors.get(f"{prefix}.moments.{name}.{layer}") for layer in range(n)]
+                     for name in ("count", "sum", "outer")]
+            self.moments.set_state(tuple([None if t is None else t.to(device, copy=True) for t in per_layer]
+                                         for per_layer in state))
+
     def restore(self, snapshot: tuple) -> None:
         self._pending = []
         self._queries, self._positions = list(snapshot[0]), list(snapshot[1])

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from turnkv.errors import InvalidRequestError
 from turnkv.methods.recipe import Recipe
+from turnkv.serve import chat as chat_requests
 from turnkv.serve import protocol
 from turnkv.serve.config import ServeConfig
 from turnkv.serve.errors import APIError, from_engine, install_handlers, validation_error
@@ -32,6 +33,7 @@ from turnkv.state.tier_hook import StateTierHook
 log = logging.getLogger("turnkv.serve")
 
 SESSION_HEADER = "x-session-id"
+MAX_JSON_DEPTH = 64  # arrays and objects inside one another in a request body
 MAX_SESSION_ID = 256
 
 
@@ -52,7 +54,7 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
         log.info("took back %d conversations from the disk tier", adopted)
     scheduler = Scheduler(llm, store, config, metrics)
     metrics.bind(llm, scheduler, store)
-    recipes = Recipes(llm.recipe)
+    recipes = Recipes(llm.recipe, config.head_patterns)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -101,6 +103,9 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
         if req.model is not None and req.model != model_name:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_name!r}",
                            type="not_found_error", param="model", code="model_not_found")
+        refused = req.refused_field()
+        if refused is not None:
+            raise APIError(400, f"{refused} is not supported by this server", param=refused, code="unsupported_field")
         try:
             recipe, key = recipes.resolve(req.recipe)
         except InvalidRequestError as e:
@@ -128,13 +133,16 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
 
     @v1.post("/chat/completions")
     async def chat(request: Request):
-        req = parse(protocol.ChatCompletionRequest, await read_json(request, config.max_body_bytes))
+        req = await read_request(request, protocol.ChatCompletionRequest, config.max_body_bytes)
         session = session_id(request)
-        messages = [m.as_template_message() for m in req.messages]
-        stream, job = await submit(request, req, messages=messages, session=session)
+        plan = await asyncio.to_thread(chat_requests.plan, llm, req)  # rendering and grammar: off the loop and the worker
+        stream, job = await submit(request, req, messages=plan.messages, session=session, rendered=plan.rendered,
+                                   grammar=plan.grammar)
         rid, created = protocol.new_id("chatcmpl"), int(time.time())
         headers = {"X-Session-Id": session} if session else {}
         if req.stream:
+            reply = chat_requests.StreamedReply(plan)
+
             def chunk(delta=None, finish=None, usage=None, choices=True):
                 body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
                         "choices": [{"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}]
@@ -143,20 +151,35 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
                     body["usage"] = usage
                 return body
 
-            return sse(scheduler, job, stream, chunk({"role": "assistant", "content": ""}),
-                       lambda text: chunk({"content": text}),
-                       lambda o: [chunk(finish=o.finish_reason)] + (
-                           [chunk(usage=usage_of(o), choices=False)] if req.include_usage else []), headers)
+            def text_chunk(delta):
+                content = reply.content(delta.text)
+                if not content and not (req.logprobs and delta.logprobs):
+                    return None
+                body = chunk({"content": content})
+                if req.logprobs:
+                    body["choices"][0]["logprobs"] = protocol.chat_logprobs(llm.tokenizer, delta.logprobs)
+                return body
+
+            def closing(o):
+                deltas, finish_reason = reply.closing(o.finish_reason)
+                return [chunk(d) for d in deltas] + [chunk(finish=finish_reason)] + (
+                    [chunk(usage=usage_of(o), choices=False)] if req.include_usage else [])
+
+            return sse(scheduler, job, stream, chunk({"role": "assistant", "content": ""}), text_chunk, closing,
+                       headers)
         outcome = await finish(request, scheduler, job, stream)
+        message, finish_reason = chat_requests.message(plan, outcome.text, outcome.finish_reason)
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": outcome.text},
-                         "logprobs": None, "finish_reason": outcome.finish_reason}],
+            "choices": [{"index": 0, "message": message,
+                         "logprobs": None if outcome.logprobs is None else
+                         protocol.chat_logprobs(llm.tokenizer, outcome.logprobs),
+                         "finish_reason": finish_reason}],
             "usage": usage_of(outcome)}, headers=headers)
 
     @v1.post("/completions")
     async def completions(request: Request):
-        req = parse(protocol.CompletionRequest, await read_json(request, config.max_body_bytes))
+        req = await read_request(request, protocol.CompletionRequest, config.max_body_bytes)
         stream, job = await submit(request, req, prompt=req.prompt)
         rid, created = protocol.new_id("cmpl"), int(time.time())
 
@@ -169,11 +192,23 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
             return body
 
         if req.stream:
-            return sse(scheduler, job, stream, None, lambda text: chunk(text),
+            offset = [0]
+
+            def text_chunk(delta):
+                body = chunk(delta.text)
+                if req.logprobs is not None:
+                    lp = protocol.completion_logprobs(llm.tokenizer, delta.logprobs, offset[0])
+                    offset[0] += sum(len(t) for t in lp["tokens"])
+                    body["choices"][0]["logprobs"] = lp
+                return body
+
+            return sse(scheduler, job, stream, None, text_chunk,
                        lambda o: [chunk(finish=o.finish_reason)] + (
                            [chunk(usage=usage_of(o), choices=False)] if req.include_usage else []), {})
         outcome = await finish(request, scheduler, job, stream)
         body = chunk(outcome.text, outcome.finish_reason)
+        if outcome.logprobs is not None:
+            body["choices"][0]["logprobs"] = protocol.completion_logprobs(llm.tokenizer, outcome.logprobs)
         body["usage"] = usage_of(outcome)
         return JSONResponse(body)
 
@@ -182,11 +217,12 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
 
 
 class Recipes:
-    """Request recipes, parsed once per distinct string. Only recipe strings: an HTTP request never
-    names a file for the server to read."""
+    """Request recipes, parsed once per distinct string. Only recipe strings, and a file-valued
+    parameter only by a name the operator gave (`named`, --head-pattern NAME=PATH): an HTTP request
+    never makes the server read a file it names, nor learn whether one exists."""
 
-    def __init__(self, default: Recipe):
-        self.default = default
+    def __init__(self, default: Recipe, named: dict[str, str] | None = None):
+        self.default, self.named = default, dict(named or {})
         self.cache: dict[str, tuple[Recipe, str]] = {}
 
     def resolve(self, text: str | None) -> tuple[Recipe, str]:
@@ -196,7 +232,7 @@ class Recipes:
             if "/" in text or "\\" in text or text.strip().endswith((".json", ".yaml", ".yml")):
                 raise InvalidRequestError("recipe files are not accepted over HTTP; send the recipe string")
             try:
-                recipe = Recipe.parse(text)
+                recipe = Recipe.parse(text).with_named_files(self.named)
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"recipe: {e}") from None
             self.cache[text] = (recipe, str(recipe))
@@ -204,7 +240,14 @@ class Recipes:
 
 
 # ---- request reading ----------------------------------------------------------------------------------
-async def read_json(request: Request, limit: int) -> dict:
+async def read_request(request: Request, model, limit: int):
+    """The body as a `model`: read on the event loop, decoded and validated in a thread (a large
+    body takes tens of milliseconds to parse, which would delay every stream's next event)."""
+    body = await read_body(request, limit)
+    return await asyncio.to_thread(lambda: parse(model, decode_json(body)))
+
+
+async def read_body(request: Request, limit: int) -> bytearray:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"the request body is {declared} bytes; the limit is {limit}", code="body_too_large")
@@ -213,17 +256,40 @@ async def read_json(request: Request, limit: int) -> dict:
         body += piece
         if len(body) > limit:
             raise APIError(413, f"the request body exceeds the limit of {limit} bytes", code="body_too_large")
+    return body
+
+
+def decode_json(body: bytearray) -> dict:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
         raise APIError(400, f"the request body is not valid UTF-8 (byte {e.start})", code="invalid_utf8") from None
+    too_deep = APIError(400, f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels",
+                        code="invalid_json")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise too_deep from None
+    if json_depth(data) > MAX_JSON_DEPTH:
+        raise too_deep
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     return data
+
+
+def json_depth(value) -> int:
+    """How deep arrays and objects nest in a parsed JSON value (a scalar: 0), without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        todo.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
 
 
 def parse(model, data: dict):
@@ -325,7 +391,9 @@ def sse(scheduler: Scheduler, job: Job, stream: Stream, opening: dict | None, te
             while True:
                 kind, payload = await stream.next()
                 if kind == "text":
-                    yield line(text_chunk(payload))
+                    body = text_chunk(payload)
+                    if body is not None:
+                        yield line(body)
                 elif kind == "done":
                     for c in closing(payload):
                         yield line(c)

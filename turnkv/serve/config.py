@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
 
 API_KEY_ENV = "TURNKV_API_KEY"
 
@@ -21,6 +23,9 @@ class ServeConfig:
     default_max_tokens: int = 256
     reuse: bool = True  # keep conversations between requests (off: every request prefills from scratch)
     drain_timeout_s: float = 30.0
+    # Head-pattern files a request's recipe may name (streaming_heads(pattern=NAME)): NAME -> path.
+    # A recipe sent over HTTP reads no other file.
+    head_patterns: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         for name in ("max_running", "prefill_chunk", "max_body_bytes", "default_max_tokens"):
@@ -28,3 +33,19 @@ class ServeConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.max_waiting < 0:
             raise ValueError("max_waiting must be at least 0")
+        for name, path in self.head_patterns.items():
+            if not PATTERN_NAME.fullmatch(name):
+                raise ValueError(f"head pattern name {name!r}: use letters, digits, '_', '-' and '.'")
+            if not Path(path).exists():
+                raise ValueError(f"head pattern {name}: {path} does not exist")
+
+
+PATTERN_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def parse_head_pattern(spec: str) -> tuple[str, str]:
+    """"NAME=PATH" (the --head-pattern flag) -> (NAME, PATH)."""
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--head-pattern takes NAME=PATH, got {spec!r}")
+    return name, path

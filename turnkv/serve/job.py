@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from turnkv.engine import chat_template
 from turnkv.engine.conversation import Conversation
+from turnkv.engine.logits import TokenLogprob
 from turnkv.engine.turn import TurnInput, TurnRun
 from turnkv.errors import ContextLengthError, InvalidRequestError
 
@@ -23,71 +24,118 @@ class Outcome:
     prompt_tokens: int  # the whole prompt, reused tokens included (OpenAI's usage.prompt_tokens)
     cached_tokens: int
     completion_tokens: int
+    logprobs: list[TokenLogprob] | None = None  # per generated token (but an end-of-sequence token), if asked
+
+
+@dataclass
+class Delta:
+    """A "text" event: text that became final, and the log-probabilities of the tokens generated
+    since the last event (when the request asked for them)."""
+
+    text: str
+    logprobs: list[TokenLogprob]
+
+
+@dataclass
+class Rendered:
+    """A chat as its template renders it, worked out on the HTTP side (off the model worker)."""
+
+    text: str  # the whole chat with the generation prompt
+    system_text: str | None  # the system message alone (a first message with role "system"), or None
+
+
+def render_chat(tokenizer, messages: list[dict], **template_options) -> Rendered:
+    text = chat_template.render(tokenizer, messages, **template_options)
+    system = None
+    if messages[0]["role"] == "system":
+        system = chat_template.render(tokenizer, messages[:1], add_generation_prompt=False, **template_options)
+    return Rendered(text, system)
 
 
 class Job:
-    """Created on the HTTP side; every method after __init__ runs on the worker thread."""
+    """Created on the HTTP side; claim(), ready() and the methods after them run on the worker
+    thread, encode() on the scheduler's encoder thread (tokenizing never stalls decode steps)."""
 
     def __init__(self, sink: Callable[[str, object], None], sampling: dict, max_tokens: int | None,
                  default_max_tokens: int, recipe, recipe_key: str, messages: list[dict] | None = None,
-                 prompt: str | list[int] | None = None, session: str | None = None):
+                 prompt: str | list[int] | None = None, session: str | None = None,
+                 rendered: Rendered | None = None, grammar=None):
         self.sink, self.sampling = sink, sampling
         self.max_tokens, self.default_max_tokens = max_tokens, default_max_tokens
         self.recipe, self.recipe_key, self.session = recipe, recipe_key, session
-        self.messages, self.prompt_input = messages, prompt
+        self.messages, self.prompt_input, self.rendered = messages, prompt, rendered
+        self.grammar = grammar  # a compiled grammar (engine/grammar.py) the reply must follow, or None
         self.arrived = time.perf_counter()
         self.cancelled = False  # set by the HTTP side when the client goes away
         self.entry = None  # the store's entry for chat requests
         self.conv: Conversation | None = None
         self.turn: TurnRun | None = None
         self.last_token_at: float | None = None
+        self.pieces: list = []  # what encode() tokenizes: text pieces, or the raw prompt
+        self.encoding = None  # the encoder's future while the request is tokenized
+        self.logprobs_sent = 0  # generated tokens whose log-probabilities went out in a "text" event
 
     @property
     def is_chat(self) -> bool:
         return self.messages is not None
 
     # ---- admission ---------------------------------------------------------------------------------
-    def prepare(self, llm, store) -> None:
-        """Find the conversation, work out the tokens to prefill, and check they fit."""
-        if self.is_chat:
-            tokenizer = llm.require_tokenizer()
-            self.full_text = chat_template.render(tokenizer, self.messages)
-            claim = store.claim(self.full_text, self.recipe, self.recipe_key, self.session)
-            self.entry, self.conv = claim.entry, claim.entry.conv
-            self.keep = claim.keep
-            self.new_ids, self.system_mark = self._encode_rest(tokenizer, claim.keep_chars)
-        else:
+    def claim(self, llm, store) -> None:
+        """Find the conversation (worker thread) and decide what is left to tokenize after its kept
+        prefix: the first turn of a chat with a system prompt in two pieces, so that the system prompt
+        ends on a token boundary a recipe (FlowKV) can compress at, as Conversation.stream does."""
+        if not self.is_chat:
             self.conv = Conversation(llm, None, self.recipe)  # a container for the KV and recipe state
-            self.keep, self.new_ids, self.system_mark = 0, llm.encode(self.prompt_input), None
-        total = self.keep + len(self.new_ids)
+            self.keep, self.system_chars, self.pieces = 0, None, [self.prompt_input]
+            return
+        llm.require_tokenizer()
+        text, system = self.rendered.text, self.rendered.system_text
+        claim = store.claim(text, self.recipe, self.recipe_key, self.session)
+        self.entry, self.conv, self.keep = claim.entry, claim.entry.conv, claim.keep
+        self.system_chars = None
+        kept_chars = claim.keep_chars
+        if (not self.conv.turns and system is not None and kept_chars < len(system)
+                and text.startswith(system)):
+            self.system_chars = len(system)
+            self.pieces = [text[kept_chars : len(system)], text[len(system) :]]
+        else:
+            self.pieces = [text[kept_chars:]]
+
+    def encode(self, llm) -> list[list[int]]:
+        """The token ids of each piece claim() left (encoder thread; touches nothing shared)."""
+        if not self.is_chat:
+            return [llm.encode(self.pieces[0])]
+        return [chat_template.encode(llm.tokenizer, piece) for piece in self.pieces]
+
+    def ready(self, llm, encoded: list[list[int]]) -> None:
+        """Check the tokens fit and begin the turn (worker thread)."""
+        total = self.keep + sum(len(ids) for ids in encoded)
         room = llm.max_model_len - total
         if room < 1:
             raise ContextLengthError(f"the prompt is {total} tokens and the model's context is {llm.max_model_len}; "
                                      f"shorten the messages")
+        capacity = llm.pool.sequence_capacity
+        if total >= capacity:
+            raise ContextLengthError(f"the prompt is {total} tokens and the whole KV pool holds {capacity} tokens of "
+                                     f"one conversation: it can never fit; shorten the messages (or start the "
+                                     f"server with more --kv-memory)")
         if self.max_tokens is not None and self.max_tokens > room:
             raise ContextLengthError(f"max_tokens is {self.max_tokens} but the prompt ({total} tokens) leaves room for "
                                      f"{room} in the model's context of {llm.max_model_len}")
+        self.new_ids = [t for ids in encoded for t in ids]
+        self.system_mark = None
+        if self.system_chars is not None:
+            self.system_mark = (self.keep + len(encoded[0]), self.system_chars)
+        self.full_text = self.rendered.text if self.is_chat else ""
         params = llm.sampling_params(**self.sampling, max_new_tokens=self.max_tokens or min(self.default_max_tokens, room))
         if self.is_chat:
             segment_end = self.system_mark[0] if self.system_mark else 0
         else:
             segment_end = len(self.new_ids)  # a raw prompt is one finished segment, as in LLM.generate
         inputs = TurnInput(self.keep, self.new_ids, segment_end, None, self.messages if self.is_chat else None,
-                           self.full_text if self.is_chat else "")
-        self.turn = TurnRun(self.conv, inputs, llm.new_generation(self.conv.kv, params)).begin()
-
-    def _encode_rest(self, tokenizer, kept_chars: int):
-        """The tokens after the kept prefix. A conversation's first turn is encoded in two pieces, the
-        system prompt and the rest, so the system prompt ends on a token boundary a recipe (FlowKV)
-        can compress at; Conversation.stream does the same."""
-        text = self.full_text
-        if not self.conv.turns and self.messages[0]["role"] == "system":
-            system_text = chat_template.render(tokenizer, self.messages[:1], add_generation_prompt=False)
-            if kept_chars < len(system_text) and text.startswith(system_text):
-                head = chat_template.encode(tokenizer, text[kept_chars : len(system_text)])
-                tail = chat_template.encode(tokenizer, text[len(system_text) :])
-                return head + tail, (self.keep + len(head), len(system_text))
-        return chat_template.encode(tokenizer, text[kept_chars:]), None
+                           self.full_text)
+        constraint = None if self.grammar is None else self.grammar.constraint()
+        self.turn = TurnRun(self.conv, inputs, llm.new_generation(self.conv.kv, params, constraint=constraint)).begin()
 
     # ---- running -----------------------------------------------------------------------------------
     @property
@@ -103,10 +151,25 @@ class Job:
         return self.turn.take(logits), self.turn.done
 
     # ---- ending ------------------------------------------------------------------------------------
+    def emit(self, piece: str) -> None:
+        """Send the text a step made final, with the log-probabilities of the tokens since the last
+        event when the request asked for them."""
+        entries = self._logprobs(self.logprobs_sent)
+        self.logprobs_sent = len(self.turn.gen.token_ids)
+        if piece or entries:
+            self.sink("text", Delta(piece, entries))
+
+    def _logprobs(self, start: int) -> list[TokenLogprob]:
+        gen = self.turn.gen
+        if gen.token_logprobs is None:
+            return []
+        return [e for e in gen.token_logprobs[start:] if e.token not in gen.eos_ids]
+
     def finish(self, store) -> Outcome:
         reply = self.turn.finish()
+        logprobs = self._logprobs(0) if self.turn.gen.token_logprobs is not None else None
         outcome = Outcome(reply.text, reply.finish_reason, self.keep + len(self.new_ids), self.turn.cached,
-                          reply.completion_tokens)
+                          reply.completion_tokens, logprobs)
         if not self.is_chat:
             self.conv.close()
             return outcome
@@ -118,6 +181,7 @@ class Job:
     def abandon(self, store) -> None:
         """Undo whatever this request wrote (failure or disconnect) and give the conversation back;
         the job can then be admitted again from the start."""
+        self.encoding = None
         if self.conv is None:
             return
         if self.turn is not None:

@@ -1,16 +1,30 @@
 """Request bodies of the OpenAI API, as pydantic models, and the response objects the routes build.
 
-Unknown fields are accepted and ignored (clients send new OpenAI fields long before servers know
-them). Fields with a value the engine cannot honour are rejected with a 400 instead of being ignored.
+Fields unknown to the OpenAI API are accepted and ignored (clients send new fields long before
+servers know them, and metadata such as `user` changes no output). OpenAI fields the engine cannot
+honour (UNSUPPORTED), or values of a known field it cannot honour, are rejected with a 400 that
+names the field, never ignored.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
+
+from turnkv.engine.sampling import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN
 
 Number = StrictInt | StrictFloat
 
@@ -24,14 +38,84 @@ class TextPart(Lenient):
     text: StrictStr
 
 
+class FunctionCall(Lenient):
+    name: StrictStr
+    arguments: StrictStr  # a JSON text
+
+
+class MessageToolCall(Lenient):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Lenient):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    tool_call_id: StrictStr | None = None  # tool messages: the call they answer
+    name: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _roles(self):
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def as_template_message(self) -> dict:
-        """The {role, content} the chat template renders; "developer" is the newer name of "system"."""
+        """The message the chat template renders; "developer" is the newer name of "system"."""
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
+
+
+class FunctionDefinition(Lenient):
+    name: StrictStr = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: StrictStr | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: StrictBool | None = None
+
+
+class Tool(Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Lenient):
+    name: StrictStr
+
+
+class NamedToolChoice(Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(Lenient):
+    name: StrictStr = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: StrictStr | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format json_schema needs a json_schema object")
+        return self
 
 
 class StreamOptions(Lenient):
@@ -53,6 +137,39 @@ class SamplingRequest(Lenient):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
     recipe: StrictStr | None = None  # a KV-compression recipe for this conversation (turnkv methods --presets)
+    frequency_penalty: Number | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: Number | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[StrictStr, Number] | None = None  # token id (as a string) -> bias in [-100, 100]
+
+    # OpenAI fields whose effect the engine does not have: a request that sets one gets a 400.
+    unsupported: ClassVar[tuple[str, ...]] = ()
+
+    def refused_field(self) -> str | None:
+        """The first OpenAI field set to a value this server cannot honour, or None."""
+        extra = self.model_extra or {}
+        for name in self.unsupported:
+            value = extra.get(name)
+            if value is not None and value is not False and value != [] and value != ["text"]:
+                return name
+        return None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, bias):
+        if bias is None:
+            return None
+        out = {}
+        for key, value in bias.items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values are in [-100, 100], got {value}")
+            out[int(key)] = float(value)
+        return out
+
+    def top_logprobs_kept(self) -> int | None:
+        """How many alternatives to keep per token (0: only the chosen one), None: no logprobs."""
+        return None
 
     @field_validator("n")
     @classmethod
@@ -60,6 +177,13 @@ class SamplingRequest(Lenient):
         if n != 1:
             raise ValueError("only n=1 is supported")
         return n
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_range(cls, seed):
+        if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}]")
+        return seed
 
     @field_validator("stop")
     @classmethod
@@ -76,7 +200,10 @@ class SamplingRequest(Lenient):
         """Keyword arguments of turnkv's SamplingParams (max_new_tokens is set once the prompt is known)."""
         return dict(temperature=float(self.temperature or 0.0),
                     top_p=float(self.top_p if self.top_p is not None else 1.0), top_k=self.top_k or 0,
-                    seed=self.seed, stop=list(self.stop or []), ignore_eos=self.ignore_eos)
+                    seed=self.seed, stop=list(self.stop or []), ignore_eos=self.ignore_eos,
+                    frequency_penalty=float(self.frequency_penalty or 0.0),
+                    presence_penalty=float(self.presence_penalty or 0.0), logit_bias=self.logit_bias or None,
+                    logprobs=self.top_logprobs_kept())
 
     @property
     def include_usage(self) -> bool:
@@ -86,6 +213,39 @@ class SamplingRequest(Lenient):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: ResponseFormat | None = None
+
+    unsupported: ClassVar[tuple[str, ...]] = ("audio", "modalities", "prediction", "web_search_options",
+                                              "functions", "function_call", "reasoning_effort", "verbosity")
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
+        if self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        if self.tools and self.response_format is not None and self.response_format.type != "text" \
+                and self.tool_choice not in (None, "none"):
+            raise ValueError("response_format cannot be combined with tools a reply may call")
+        return self
+
+    @property
+    def tools_active(self) -> bool:
+        """Whether the reply may hold tool calls (they are then parsed out of it)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def top_logprobs_kept(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -93,6 +253,17 @@ class ChatCompletionRequest(SamplingRequest):
 
 class CompletionRequest(SamplingRequest):
     prompt: StrictStr | list[StrictInt] | list[StrictStr]
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    unsupported: ClassVar[tuple[str, ...]] = ("echo", "suffix", "best_of")
+
+    def refused_field(self) -> str | None:
+        if (self.model_extra or {}).get("best_of") == 1:
+            return None
+        return super().refused_field()
+
+    def top_logprobs_kept(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -120,3 +291,30 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 def model_card(name: str, max_model_len: int) -> dict:
     return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "turnkv", "root": name,
             "parent": None, "max_model_len": max_model_len, "permission": []}
+
+
+def _token_text(tokenizer, token: int) -> str:
+    return tokenizer.decode([token], skip_special_tokens=False)
+
+
+def chat_logprobs(tokenizer, entries) -> dict:
+    """OpenAI's chat `logprobs` object for TokenLogprob entries."""
+
+    def one(token: int, logprob: float) -> dict:
+        text = _token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def completion_logprobs(tokenizer, entries, text_offset: int = 0) -> dict:
+    """OpenAI's legacy completions `logprobs` object; offsets count from `text_offset`."""
+    tokens, offsets = [], []
+    for e in entries:
+        offsets.append(text_offset)
+        tokens.append(_token_text(tokenizer, e.token))
+        text_offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets}

@@ -3,8 +3,10 @@ pool has a single writer.
 
 Each iteration:
 1. requests whose client went away are dropped, and their turn undone;
-2. waiting requests are admitted while the batch has room: each finds its conversation (the store)
-   and is checked against the context;
+2. waiting requests are admitted while the batch has room: each finds its conversation (the store),
+   then its new tokens are encoded on the encoder thread (a huge request never stalls decode steps;
+   its chat template was rendered on the HTTP side), and once they are, it is checked against the
+   context and the pool;
 3. prompts prefill in slices of `prefill_chunk` tokens. While other requests decode, one slice runs
    per iteration (chunked prefill: a long prompt delays running decodes by one slice per step, never
    by its whole prefill); when nothing decodes, admitted prompts prefill in full. Slice boundaries
@@ -12,8 +14,9 @@ Each iteration:
 4. ONE batched decode step runs over every decoding request: a single runner.decode call over all
    their sequences (one call per group when recipes differ in what the step must record).
 When the KV pool is full, idle conversations leave it, least recently used first, and the step is
-retried. With none left, a prompt waits for running requests to finish, and a decode step fails its
-newest request (503) so that the others go on.
+retried. With none left, a prompt waits for running requests to finish, and a decode step ends its
+newest request where it is (finish_reason "length", its reply kept) so that the others go on. A
+prompt that no pool of this size can hold is refused at admission (400).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 from turnkv.engine import decode_loop
 from turnkv.errors import KVCacheFullError
@@ -36,6 +40,7 @@ class Scheduler:
         self.llm, self.store, self.config, self.metrics = llm, store, config, metrics
         self.cond = threading.Condition()
         self.waiting: deque[Job] = deque()
+        self.encoding: list[Job] = []  # admitted, their new tokens being encoded
         self.prefilling: list[Job] = []
         self.decoding: list[Job] = []
         self.accepting = True
@@ -49,7 +54,7 @@ class Scheduler:
     # ---- HTTP side -----------------------------------------------------------------------------------
     @property
     def num_running(self) -> int:
-        return len(self.prefilling) + len(self.decoding)
+        return len(self.encoding) + len(self.prefilling) + len(self.decoding)
 
     @property
     def num_waiting(self) -> int:
@@ -89,12 +94,24 @@ class Scheduler:
         return self._flush_count
 
     def start(self) -> None:
+        self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="turnkv-encode")
         self.thread = threading.Thread(target=self._run, name="turnkv-worker", daemon=True)
         self.thread.start()
 
     def begin_drain(self) -> None:
         with self.cond:
             self.accepting = False
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is queued or running (at most `timeout` s); True if none is."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while self.waiting or self.num_running:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.alive:
+                    return False
+                self.cond.wait(min(left, 0.05))
+        return True
 
     def stop(self, timeout: float) -> None:
         """Refuse new requests, let the admitted ones finish (up to `timeout`), then stop the worker, which
@@ -113,12 +130,12 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self.cond:
-                while not (self.waiting or self.num_running or self._stop or self._flush_asked):
+                while not self._has_work():
                     self.cond.wait(1.0)
                     self._expire()
                 if self._stop:
                     break
-                gone = [j for j in (*self.waiting, *self.prefilling, *self.decoding) if j.cancelled]
+                gone = [j for j in (*self.waiting, *self.encoding, *self.prefilling, *self.decoding) if j.cancelled]
             # A cancelled request counts as running until its turn is undone and its KV is back.
             for job in gone:
                 self.metrics.labels(self.metrics.failed, "disconnected").inc()
@@ -134,19 +151,35 @@ class Scheduler:
             self._expire()
             try:
                 self._admit(admitted)
+                self._encoded()
                 self._prefill()
                 self._decode()
             except Exception as e:  # a bug, not bad input: fail what is in flight and keep serving
                 log.exception("worker step failed")
-                for job in [*self.prefilling, *self.decoding]:
+                for job in [*self.encoding, *self.prefilling, *self.decoding]:
                     self._fail(job, e)
+                self.encoding, self.prefilling, self.decoding = [], [], []
             with self.cond:
                 self.cond.notify_all()  # stop() waits for the queue to empty
-        for job in [*self.waiting, *self.prefilling, *self.decoding]:
+        for job in [*self.waiting, *self.encoding, *self.prefilling, *self.decoding]:
             self._fail(job, APIError(503, "the server stopped", type="server_error"))
+        self.encoder.shutdown(wait=True, cancel_futures=True)
         kept, dropped = self.store.shutdown()
         if kept or dropped:
             log.info("stopped: %d idle conversations kept in the durable tier, %d dropped", kept, dropped)
+
+    def _has_work(self) -> bool:
+        """Whether the worker has something to do now (under the lock)."""
+        if self._stop or self._flush_asked or self.prefilling or self.decoding:
+            return True
+        if any(j.cancelled or j.encoding.done() for j in self.encoding):
+            return True
+        room = self.num_running < self.config.max_running
+        return any(j.cancelled or (room and not self.store.session_busy(j.session)) for j in self.waiting)
+
+    def _wake(self, *_) -> None:
+        with self.cond:
+            self.cond.notify()
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -174,10 +207,24 @@ class Scheduler:
     def _admit(self, jobs: list[Job]) -> None:
         for job in jobs:
             try:
-                self._with_room(lambda j=job: j.prepare(self.llm, self.store))
+                self._with_room(lambda j=job: j.claim(self.llm, self.store))
             except Exception as e:
                 self._fail(job, e)
                 continue
+            job.encoding = self.encoder.submit(job.encode, self.llm)
+            self.encoding.append(job)
+            job.encoding.add_done_callback(self._wake)
+
+    def _encoded(self) -> None:
+        """Requests whose tokens are encoded begin their turn, and prefill from the next slice on."""
+        for job in [j for j in self.encoding if j.encoding.done()]:
+            self.encoding.remove(job)
+            try:
+                job.ready(self.llm, job.encoding.result())
+            except Exception as e:
+                self._fail(job, e)
+                continue
+            job.encoding = None
             self.prefilling.append(job)
 
     def _prefill(self) -> None:
@@ -211,8 +258,7 @@ class Scheduler:
         m.labels(m.ttft).observe(now - job.arrived)
         job.last_token_at = now
         job.sink("start", None)
-        if piece:
-            job.sink("text", piece)
+        job.emit(piece)
         if done:
             self._finish(job)
         else:
@@ -236,24 +282,26 @@ class Scheduler:
                     continue
                 self.metrics.labels(self.metrics.itl).observe(now - job.last_token_at)
                 job.last_token_at = now
-                if piece:
-                    job.sink("text", piece)
+                job.emit(piece)
                 if turn.done:
                     self.decoding.remove(job)
                     self._finish(job)
 
     def _decode_step(self, batch: list, jobs: dict):
         """decode_loop.forward over `batch` (turns; jobs maps id(turn) to its request); on a full
-        pool, evict idle conversations, then the newest request, until the step fits. Returns the
+        pool, idle conversations move to the tiers (or are dropped), then the newest request ends,
+        until the step fits. A request ended so keeps the reply it has generated, with
+        finish_reason "length" (the pool, like the context, holds no more of it). Returns the
         logits of the turns still in `batch`."""
         while True:
             try:
                 return self._with_room(lambda: decode_loop.forward(self.llm, batch))
-            except KVCacheFullError as e:
+            except KVCacheFullError:
                 victim = max(batch, key=lambda t: jobs[id(t)].arrived)
                 batch.remove(victim)
                 self.decoding.remove(jobs[id(victim)])
-                self._fail(jobs[id(victim)], e)
+                jobs[id(victim)].emit(victim.gen.end("length"))
+                self._finish(jobs[id(victim)])
                 if not batch:
                     return []
 
@@ -289,7 +337,7 @@ class Scheduler:
         job.sink("error", error)
 
     def _remove(self, job: Job) -> None:
-        for queue in (self.waiting, self.prefilling, self.decoding):
+        for queue in (self.waiting, self.encoding, self.prefilling, self.decoding):
             if job in queue:
                 queue.remove(job)
 

@@ -1,13 +1,14 @@
 """Running the app under uvicorn, with a graceful drain on SIGTERM/SIGINT: /health turns 503 at once
-(so a router stops sending), new requests get 503, admitted ones finish, idle conversations go to the
-disk tier (when the engine has one: a server started over the same directory continues them), then
-the process exits 0."""
+(so a router stops sending), new requests get 503 while the listener stays open, admitted ones finish,
+then the listener closes, idle conversations go to the disk tier (when the engine has one: a server
+started over the same directory continues them), and the process exits 0."""
 
 from __future__ import annotations
 
 import ipaddress
 import logging
 import signal
+import threading
 
 import uvicorn
 
@@ -18,17 +19,33 @@ log = logging.getLogger("turnkv.serve")
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, scheduler):
+    """uvicorn with a drain: the first SIGTERM/SIGINT turns /health and new requests to 503 while the
+    listener stays open and running requests finish (up to the scheduler's drain timeout); only then
+    does uvicorn close the listener and shut down. A second signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, scheduler, drain_timeout_s: float):
         super().__init__(config)
-        self.scheduler = scheduler
+        self.scheduler, self.drain_timeout_s = scheduler, drain_timeout_s
+        self.draining: threading.Thread | None = None
 
     def handle_exit(self, sig, frame) -> None:
+        if self.draining is not None:  # a second signal: stop now
+            self._exit(sig, frame)
+            return
         self.scheduler.begin_drain()
+        self.draining = threading.Thread(target=self._drain, args=(sig, frame), name="turnkv-drain", daemon=True)
+        self.draining.start()
+
+    def _drain(self, sig, frame) -> None:
+        self.scheduler.wait_idle(self.drain_timeout_s)
+        self._exit(sig, frame)
+
+    def _exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
         # uvicorn re-raises the signal once it has shut down; after a completed drain SIGTERM is the
         # normal way to stop, so the process exits 0 instead of "killed by SIGTERM".
         captured = getattr(self, "_captured_signals", None)
-        if captured is not None and sig == signal.SIGTERM:
+        if captured is not None and sig == signal.SIGTERM and sig in captured:
             captured.remove(sig)
 
 
@@ -49,4 +66,4 @@ def serve(llm, config: ServeConfig, idle_ttl_s: float | None = None, log_level: 
                     config.host)
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
                         timeout_graceful_shutdown=int(config.drain_timeout_s))
-    DrainingServer(uv, app.state.scheduler).run()
+    DrainingServer(uv, app.state.scheduler, config.drain_timeout_s).run()

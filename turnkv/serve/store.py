@@ -110,7 +110,7 @@ class Entry:
         """Roll the conversation back to the clean boundary (tokens, chars)."""
         self.conv.cut(tokens, chars)
         self.marks = [m for m in self.marks if m[0] <= tokens]
-        if not self.conv.turns:
+        if chars < self.anchor:  # inside the first prompt: the next turn's prompt becomes the anchor
             self.anchor = 0
 
     def record_turn(self, system: tuple[int, int] | None, prompt: tuple[int, int]) -> None:

@@ -83,6 +83,9 @@ class StateManager:
                 # The tensors are gone; the history beside them is not. Recompute it (uncompressed).
                 strategy, tensors, state = Recompute(), {}, full_layout_meta(c.num_layers, c.num_kv_heads, n)
                 self.events.append({"conversation": conv.id, "event": "corrupt_state_recomputed", "error": str(e)})
+        window = conv.method_state.window
+        if window is not None and "window.stored" in state:  # the observation window left with the KV
+            window.load_tensors(tensors, self.llm.device)
         self._pending[conv.id] = strategy.restore(self.ctx, conv.kv, conv.tokens, state, tensors)
         self.resident[conv.id] = conv
         # The stored entry stays until the restore's copies are done (after_turn): its host memory
@@ -115,13 +118,17 @@ class StateManager:
                 self.tiers.demote(conv.id)
             return self.tiers.tier_of(conv.id)
         strategy = conv.recipe.state
-        stored = strategy.pack(self.ctx, conv.kv, conv.method_state.window, tier)
+        window = conv.method_state.window
+        stored = strategy.pack(self.ctx, conv.kv, window, tier)
         if "fallback" in stored.meta:  # the strategy stored it by a baseline it predicts to be faster
             self.events.append({"conversation": conv.id, "event": "state_fallback", "strategy": strategy.name,
                                 "to": stored.meta["fallback"], "predicted_s": stored.meta.get("predicted_s")})
-        meta = {"strategy": {"name": strategy.name, "params": _params(strategy)}, "state": stored.meta,
+        tensors, state = stored.tensors, stored.meta
+        if window is not None:  # it decides what later compressions keep: it goes where the KV goes
+            tensors, state = {**tensors, **window.to_tensors()}, {**state, "window.stored": True}
+        meta = {"strategy": {"name": strategy.name, "params": _params(strategy)}, "state": state,
                 "conversation": conv.to_record()}
-        landed = self.tiers.put(conv.id, meta, stored.tensors, tier)
+        landed = self.tiers.put(conv.id, meta, tensors, tier)
         conv.kv.free()
         del self.resident[conv.id]
         return landed

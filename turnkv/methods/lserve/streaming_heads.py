@@ -18,6 +18,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -49,6 +50,9 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
     a recipe term (loopserve, minference(vertical=500), a_shape(local=2048), ...), composed with the streaming
     heads as LServe does past 128K: the dense heads' queries and keys go to that method alone, which
     selects and attends over them (its lines on the line kernel); None: full attention."""
+
+    # Parameters whose value names a file, with the values that do not (Recipe.with_named_files).
+    file_params: ClassVar[dict[str, tuple]] = {"pattern": (None, "random")}
 
     pattern: str | None = None
     ratio: float | None = None
