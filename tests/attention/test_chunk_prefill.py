@@ -168,7 +168,7 @@ def test_step_takes_the_kernel_when_enabled(monkeypatch):
     from turnkv.kv.sequence import SequenceKV
 
     L, H, G, D, page = 2, 2, 2, 16, 4
-    pool = PagePool(L, H, D, 64, page_size=page, dtype=torch.float32)
+    pool = PagePool(L, H, D, 64, page_size=page, dtype=torch.float32, device=DEVICE)
     seq = SequenceKV(pool)
     gen = torch.Generator().manual_seed(1)
 
@@ -176,7 +176,7 @@ def test_step_takes_the_kernel_when_enabled(monkeypatch):
         monkeypatch.setattr(chunk, "ENABLED", kernel)
         monkeypatch.setattr(chunk, "FORCE", kernel)
         slots = seq.reserve(T)
-        positions = torch.arange(seq.next_position - T, seq.next_position)[None]
+        positions = torch.arange(seq.next_position - T, seq.next_position, device=DEVICE)[None]
         return Step(pool, [seq], [slots], positions)
 
     def attend(s, T, q, k, v):
@@ -184,12 +184,12 @@ def test_step_takes_the_kernel_when_enabled(monkeypatch):
 
     T0 = 13
     s0 = step(T0, False)
-    q0, k0, v0 = (torch.randn(L, 1, T0, n, D, generator=gen) for n in (H * G, H, H))
+    q0, k0, v0 = (torch.randn(L, 1, T0, n, D, generator=gen).to(DEVICE) for n in (H * G, H, H))
     attend(s0, T0, q0, k0, v0)
     # Uneven heads: head 1 of layer 0 drops its first five entries (as a compression would).
     seq.keep(0, [torch.arange(T0), torch.arange(5, T0)])
     T = 6
-    q, k, v = (torch.randn(L, 1, T, n, D, generator=gen) for n in (H * G, H, H))
+    q, k, v = (torch.randn(L, 1, T, n, D, generator=gen).to(DEVICE) for n in (H * G, H, H))
     s_kernel = step(T, True)
     assert s_kernel.chunk_kernel
     got = attend(s_kernel, T, q, k, v)
@@ -199,6 +199,39 @@ def test_step_takes_the_kernel_when_enabled(monkeypatch):
     want = attend(s_ref, T, q, k, v)
     for a, b in zip(got, want):
         assert relative_error(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("family,overrides", [("llama", {}), ("mistral", {"sliding_window": 8})])
+def test_later_chunks_and_turns_match_transformers(tmp_path, monkeypatch, family, overrides):
+    """A tiny model prefilled in chunks of 8 over two turns, with the kernel forced on, gives
+    transformers' logits of the whole sequence at once (a sliding window included)."""
+    from tests.conftest import save_tiny
+    from turnkv.attention.triton import chunk_prefill
+    from turnkv.engine.runner import ModelRunner
+    from turnkv.kv.pool import PagePool
+    from turnkv.kv.sequence import SequenceKV
+    from turnkv.model.load import load_model
+
+    hf = save_tiny(tmp_path, family, **overrides)
+    model = load_model(str(tmp_path), dtype="float32").model.to(DEVICE)
+    calls = []
+    launch = chunk_prefill.chunk_attention
+    monkeypatch.setattr(chunk_prefill, "chunk_attention", lambda *a, **k: calls.append(a[0].shape) or launch(*a, **k))
+    monkeypatch.setattr(chunk, "ENABLED", True)
+    monkeypatch.setattr(chunk, "FORCE", True)
+    ids = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf.to(DEVICE)(ids[None].to(DEVICE)).logits[0].cpu()
+    c = model.config
+    pool = PagePool(c.num_layers, c.num_kv_heads, c.head_dim, 64, 4, torch.float32, DEVICE)
+    runner = ModelRunner(model, pool, prefill_chunk=8, cuda_graphs=False)
+    seq = SequenceKV(pool)
+    first = runner.prefill(seq, ids[:18].tolist(), all_logits=True)  # chunks of 8, 8, 2
+    second = runner.prefill(seq, ids[18:].tolist(), all_logits=True)  # a later turn: 8, 4
+    ours = torch.cat([first, second]).cpu()
+    # Every chunk after the first; with a window the first too (Step's fresh path has no window).
+    assert len(calls) == (5 if c.sliding_window else 4) * c.num_layers
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
 
 
 # ---- the GPU lane: engine tiles, bf16 ---------------------------------------------------------------
