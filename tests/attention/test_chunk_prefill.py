@@ -160,15 +160,16 @@ def test_choose_splits():
     assert choose_splits(8, 128, 131072, 132) == 1  # a 4K chunk fills the GPU
 
 
-def test_step_takes_the_kernel_when_enabled(monkeypatch):
+@pytest.mark.parametrize("kv_dtype", [None, "int8", "fp8"])
+def test_step_takes_the_kernel_when_enabled(monkeypatch, kv_dtype):
     """Step's later-chunk path through the kernel (forced on CPU) equals the reference path, uneven
-    heads and a partial last page included."""
+    heads, a partial last page and quantized pools included."""
     from turnkv.engine.step import Step
     from turnkv.kv.pool import PagePool
     from turnkv.kv.sequence import SequenceKV
 
     L, H, G, D, page = 2, 2, 2, 16, 4
-    pool = PagePool(L, H, D, 64, page_size=page, dtype=torch.float32, device=DEVICE)
+    pool = PagePool(L, H, D, 64, page_size=page, dtype=torch.float32, device=DEVICE, kv_dtype=kv_dtype)
     seq = SequenceKV(pool)
     gen = torch.Generator().manual_seed(1)
 
