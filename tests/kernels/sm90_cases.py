@@ -19,6 +19,7 @@ from unittest import mock
 import torch
 
 from turnkv.attention.triton import (
+    chunk_prefill,
     decode,
     diagonals,
     greedy,
@@ -213,6 +214,41 @@ def _decode_other():
     _decode(m, codes=INT8, dtype=FP32)
     with pdl_off():
         _decode(m)
+
+
+# ---- paged chunk attention: later chunks and turns (attention/triton/chunk_prefill.py) ----------------
+
+def _chunk(m: Model, T=512, history=131072, codes=None, dtype=BF16, window=None, B=1):
+    """chunk_attention of T new tokens over `history` kept ones per head, as Step launches it: q a view of
+    the decoder's fused q/k/v rows, int64 tables and lengths, split as on an H100."""
+    H, D = m.kv_heads, m.head_dim
+    length = history + T
+    block_m = chunk_prefill.launch_config(dtype, D)["block_m"]
+    splits = chunk_prefill.choose_splits(B * H, -(-m.group * T // block_m), length, SMS)
+    pages = 64
+    store = codes or dtype
+    scales = dict(k_scale=e(pages, PAGE, dtype=FP32), v_scale=e(pages, PAGE, dtype=FP32)) if codes else {}
+    windowed = dict(window=window, key_positions=z(pages, PAGE, dtype=I64), query_positions=z(B, T, dtype=I64)) \
+        if window else {}
+    q = e(B, T, m.heads + 2 * H, D, dtype=dtype)[:, :, : m.heads].transpose(1, 2)
+    chunk_prefill.chunk_attention(q, e(pages, PAGE, D, dtype=store), e(pages, PAGE, D, dtype=store),
+                                  z(B, H, -(-length // PAGE), dtype=I64), z(B, H, dtype=I64), splits, **scales,
+                                  **windowed)
+
+
+for _name, _m in MODELS.items():
+    # Turn k+1 (512 over 128K: split), a short turn (64: split further), a long chunk (4K: unsplit).
+    case(f"chunk_prefill/{_name}")(lambda m=_m: (_chunk(m), _chunk(m, T=64), _chunk(m, T=4096)))
+    case(f"chunk_prefill/{_name}/int8+fp8")(lambda m=_m: (_chunk(m, codes=INT8), _chunk(m, T=4096, codes=FP8)))
+    case(f"chunk_prefill/{_name}/window")(lambda m=_m: (_chunk(m, window=4096), _chunk(m, T=4096, window=4096)))
+
+
+@case("chunk_prefill/llama8b/fp16+fp32")
+def _chunk_other():
+    m = MODELS["llama8b"]
+    _chunk(m, dtype=FP16)  # an fp16 model
+    _chunk(m, dtype=FP32)  # an fp32 model: FP32_CONFIG, ieee dots
+    _chunk(m, T=4096, dtype=FP32, codes=INT8)
 
 
 # ---- prefill line attention (attention/triton/lines.py) ----------------------------------------------

@@ -86,6 +86,8 @@ H100_VARIANTS = {
     "skinny matmul on tensor cores, 2..8 rows": ("gemv._skinny_matmul[BLOCK_M=16", "DOT=True", "GDC=True"),
     "skinny matmul at M = 1": ("gemv._skinny_matmul[M=1, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048",),
     "decode split for 132 SMs": ("decode._decode_chunk[H=8", "NUM_SPLITS=66"),
+    "chunk attention split, engine tiles": ("chunk_prefill._chunk_attention[H=8, G=4, D=128", "BLOCK_M=128",
+                                            "SPLIT=True", "PRECISION='tf32'"),
 }
 
 

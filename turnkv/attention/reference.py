@@ -78,7 +78,8 @@ def causal_suffix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S), scale=scale, enable_gqa=True)
 
 
-def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
+def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float | None = None) -> torch.Tensor:
     """Softmax weights [B, Hq, T, S] of the same attention, for scorers and tests."""
     B, Hq, T, D = q.shape
     H = k.shape[1]
@@ -110,3 +111,28 @@ def indexed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         key_pos = gather_pages(key_positions, table, S)
         mask = mask & (key_pos > (query_positions[:, None, None] - window))
     return attention(q[:, :, None], keys, values, mask[:, :, None], scale)[:, :, 0]
+
+
+def paged_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                lengths: torch.Tensor, scale: float | None = None, window: int | None = None,
+                key_positions: torch.Tensor | None = None, query_positions: torch.Tensor | None = None,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """A chunk of T new queries per sequence, q [B, Hq, T, D], over the first lengths[b, h] entries named
+    by table [B, H, P] in one layer's pool [num_pages, page_size, D], the T new tokens being the last T
+    entries of every head (already stored): query t sees entries j <= lengths - T + t (causal_mask).
+    With a window, only keys whose position (key_positions [num_pages, page_size]) is above
+    query_positions [B, T] - window. A quantized pool passes its codes and per-slot scales k_scale /
+    v_scale [num_pages, page_size], dequantized after the gather into q's dtype. -> [B, Hq, T, D].
+    The contract of the Triton kernel in turnkv/attention/triton/chunk_prefill.py."""
+    T = q.shape[2]
+    S = int(lengths.max())
+    keys = gather_pages(k_cache, table, S)
+    values = gather_pages(v_cache, table, S)
+    if k_scale is not None:
+        keys = dequantize(keys, gather_pages(k_scale, table, S), q.dtype)
+        values = dequantize(values, gather_pages(v_scale, table, S), q.dtype)
+    mask = causal_mask(lengths.long(), T, S)
+    if window is not None:
+        key_pos = gather_pages(key_positions, table, S)
+        mask = mask & (key_pos[:, :, None, :] > query_positions[:, None, :, None] - window)
+    return attention(q, keys.to(q.dtype), values.to(q.dtype), mask, scale)

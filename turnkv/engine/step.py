@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from turnkv.attention import decode, lines, reference
+from turnkv.attention import chunk, decode, lines, reference
 from turnkv.engine import selection
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
@@ -70,6 +70,9 @@ class Step:
             self.lengths = self.lengths.to(torch.int32)
             self.splits = decode.num_splits(pool.device, len(seqs) * pool.num_kv_heads, max(self.max_len),
                                            pool.kv_dtype)
+        # Later chunks and later turns (T > 1 over kept history) read the pool in place through the paged
+        # chunk kernel where it is switched on (attention/chunk.py); H2O's accumulation needs the weights.
+        self.chunk_kernel = num_new > 1 and not self.fresh and not accumulate and chunk.uses_kernel(pool.device)
         if self.pattern is not None:
             before = [s.next_position - num_new for s in seqs]
             self.span = (min(before), max(before) + num_new)  # host ints: no device read per layer
@@ -121,6 +124,14 @@ class Step:
                 self.splits, window=self.sliding_window, key_positions=self.pool.positions[layer],
                 query_positions=self.query_positions[:, 0], **self.pool.scale_kwargs(layer))
             return out[:, None]
+        if self.chunk_kernel:
+            splits = chunk.num_splits(q.device, B * self.pool.num_kv_heads, T, Hq // self.pool.num_kv_heads,
+                                      self.max_len[layer], q.dtype)
+            out = chunk.paged_chunk(
+                q, self.pool.k[layer], self.pool.v[layer], self.tables[layer], self.lengths[layer], splits,
+                window=self.sliding_window, key_positions=self.pool.positions[layer],
+                query_positions=self.query_positions, **self.pool.scale_kwargs(layer))
+            return out.transpose(1, 2)
         S = self.max_len[layer]
         keys = self.pool.gather(layer, self.tables[layer], S, "k")
         values = self.pool.gather(layer, self.tables[layer], S, "v")

@@ -1,0 +1,264 @@
+"""Paged chunk attention: T new queries of each sequence over everything its heads keep in the paged
+store (kept history plus the chunk itself, already written), read through the page tables in place.
+
+Contract (reference.paged_chunk): head h of sequence b holds lengths[b, h] entries, the T new tokens
+last; entry j lives at slot table[b, h, j // PAGE] * PAGE + j % PAGE of one layer's pool. New token t
+sees the entries j <= lengths[b, h] - T + t (all kept history, the chunk up to itself); with a sliding
+window only those whose position is above query_positions[b, t] - window. Heads may hold different
+numbers of entries (compressed, uneven heads); lengths need not be a multiple of the page size.
+
+One program = one block of BLOCK_M query rows of one (sequence, KV head), over one split of its keys:
+- GQA packing: the G query heads of a group are folded into the rows, token-major (row r is token
+  r // G of query head h * G + r % G), so each K/V tile is loaded once for the whole group and a block
+  spans BLOCK_M / G consecutive tokens (its causal diagonal stays narrow).
+- The keys a block needs, [0, lengths - T + last token + 1), are cut into `num_splits` ranges of
+  whole BLOCK_N tiles. Each range is walked in two loops: tiles every row of the block sees in full
+  (no causal mask, no bounds checks), then the tiles across the block's diagonal (masked).
+- With one split the program writes the normalised output; with several it writes its normalised
+  partial and log2-sum-exp, and _merge_splits combines them by log-sum-exp. Splits fill the GPU when
+  few blocks exist (a short chunk over a long history).
+
+Quantized pools (turnkv/kv/quant.py): int8 / fp8 e4m3 codes with one fp32 scale per slot. The codes
+are loaded narrow and cast to the query's dtype in registers (exact: |code| <= 448 fits bf16 / fp16);
+key scales multiply the scores, value scales the probabilities (sum_j p_j s_j c_j).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# Launch settings per head dim for 16-bit queries (benchmarks/prefill/chunk_attention.py --sweep times
+# the alternatives); fp32 queries take FP32_CONFIG, small enough for fp32 tiles in registers.
+DEFAULT_CONFIG = dict(block_m=128, block_n=64, num_warps=8, num_stages=3)
+FP32_CONFIG = dict(block_m=64, block_n=32, num_warps=4, num_stages=2)
+# Keys per split at least; splits aim at PROGRAMS_PER_SM programs per SM (choose_splits).
+MIN_SPLIT_KEYS = 1024
+PROGRAMS_PER_SM = 2
+
+
+@triton.jit
+def _tiles(acc, m, row_sum, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table, key_pos_ptr, lo, hi, last_visible, lowest,
+           scale_log2, d, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+           HAS_WINDOW: tl.constexpr, QUANT: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax of the block's rows over the key tiles [lo, hi) (lo a multiple of BLOCK_N).
+    MASKED: keys past hi and past a row's last_visible entry weigh 0; otherwise every row sees every
+    key of [lo, hi) and hi - lo is a multiple of BLOCK_N."""
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        if MASKED:
+            valid = n < hi
+            page = tl.load(table + n // PAGE, mask=valid, other=0)
+        else:
+            page = tl.load(table + n // PAGE)
+        slot = page.to(tl.int64) * PAGE + n % PAGE
+        if MASKED:
+            k = tl.load(k_ptr + slot[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptr + slot[:, None] * D + d[None, :])
+        if QUANT:
+            k_scale = tl.load(ks_ptr + slot)  # in bounds: page 0 where masked
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION).to(tl.float32)
+            s = s * (k_scale * scale_log2)[None, :]
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2
+        if MASKED:
+            keep = n[None, :] <= last_visible[:, None]
+            if HAS_WINDOW:
+                keep = keep & (tl.load(key_pos_ptr + slot)[None, :] > lowest[:, None])
+            s = tl.where(keep, s, float("-inf"))
+        elif HAS_WINDOW:
+            s = tl.where(tl.load(key_pos_ptr + slot)[None, :] > lowest[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # A row that has seen only masked keys keeps m = -inf; shift by 0 then so exp2 gives 0, not NaN.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - shift[:, None])
+        alpha = tl.exp2(m - shift)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_ptr + slot[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptr + slot[:, None] * D + d[None, :])
+        if QUANT:
+            v_scale = tl.load(vs_ptr + slot)
+            pv = tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv.to(tl.float32)
+        m = m_new
+    return acc, m, row_sum
+
+
+@triton.jit
+def _chunk_attention(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lengths_ptr, key_pos_ptr, query_pos_ptr,
+    out_ptr, part_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_qt, stride_tb, stride_th, stride_lb, stride_ob, stride_oh, stride_ot,
+    T, num_blocks_m, num_splits, scale_log2, window,
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    QUANT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    # The last row blocks (most keys on the diagonal) first.
+    block = num_blocks_m - 1 - pid // num_splits
+    split = pid % num_splits
+    length = tl.load(lengths_ptr + b * stride_lb + h).to(tl.int32)
+
+    r = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = r // G
+    row_ok = t < T
+    hq = h * G + r % G
+    first_t = (block * BLOCK_M) // G
+    last_t = tl.minimum((block * BLOCK_M + BLOCK_M - 1) // G, T - 1)
+    last_visible = length - T + t  # [BLOCK_M]: a row's last visible entry
+    # Keys the block needs, and the prefix every one of its rows sees.
+    kv_end = tl.maximum(tl.minimum(length - T + last_t + 1, length), 0)
+    full_end = tl.maximum(tl.minimum(length - T + first_t + 1, kv_end), 0)
+    per_split = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+    start = tl.minimum(split * per_split, kv_end)
+    end = tl.minimum(start + per_split, kv_end)
+    mid = start + tl.maximum(tl.minimum(end, full_end) - start, 0) // BLOCK_N * BLOCK_N
+
+    d = tl.arange(0, D)
+    b64 = b.to(tl.int64)
+    q = tl.load(q_ptr + b64 * stride_qb + hq[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    lowest = last_visible  # unused without a window
+    if HAS_WINDOW:
+        # Keys at or below this position are outside a row's window.
+        lowest = tl.load(query_pos_ptr + b64 * T + t, mask=row_ok, other=0).to(tl.int64) - window
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    table = table_ptr + b64 * stride_tb + h * stride_th
+    acc, m, row_sum = _tiles(acc, m, row_sum, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table, key_pos_ptr, start, mid,
+                             last_visible, lowest, scale_log2, d, D, PAGE, BLOCK_N, False, HAS_WINDOW, QUANT, PRECISION)
+    acc, m, row_sum = _tiles(acc, m, row_sum, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table, key_pos_ptr, mid, end,
+                             last_visible, lowest, scale_log2, d, D, PAGE, BLOCK_N, True, HAS_WINDOW, QUANT, PRECISION)
+
+    out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+    if SPLIT:
+        # Partials [B, Hq, T, num_splits, D] (fp32, normalised) and their log2-sum-exp [B, Hq, T, num_splits].
+        row = ((b64 * H * G + hq) * T + t) * num_splits + split
+        tl.store(part_ptr + row[:, None] * D + d[None, :], out, mask=row_ok[:, None])
+        lse = tl.where(row_sum > 0, m + tl.log2(tl.where(row_sum > 0, row_sum, 1.0)), float("-inf"))
+        tl.store(lse_ptr + row, lse, mask=row_ok)
+    else:
+        tl.store(out_ptr + b64 * stride_ob + hq[:, None] * stride_oh + t[:, None] * stride_ot + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_splits(part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, stride_ot, rows, T, num_splits,
+                  Hq: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """out[b, hq, t] = the splits' partials weighted by exp2(lse); rows = B * Hq * T, in that order."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < rows
+    r64 = r.to(tl.int64)
+    d = tl.arange(0, D)
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    w_sum = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, D], tl.float32)
+    for s in range(num_splits):
+        lse = tl.load(lse_ptr + r64 * num_splits + s, mask=r_ok, other=float("-inf"))
+        m_new = tl.maximum(m, lse)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - shift)
+        w = tl.exp2(lse - shift)
+        part = tl.load(part_ptr + (r64 * num_splits + s)[:, None] * D + d[None, :], mask=r_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + part * w[:, None]
+        w_sum = w_sum * alpha + w
+        m = m_new
+    out = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
+    b = r64 // (Hq * T)
+    hq = (r64 // T) % Hq
+    t = r64 % T
+    row = b * stride_ob + hq * stride_oh + t * stride_ot
+    tl.store(out_ptr + row[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=r_ok[:, None])
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the kernel takes these shapes: a power-of-two head dim from 16 to 256, contiguous pages."""
+    D = q.shape[-1]
+    return 16 <= D <= 256 and D & (D - 1) == 0 and q.stride(-1) == 1 and k_cache.is_contiguous()
+
+
+def launch_config(dtype: torch.dtype, D: int, config: dict | None = None) -> dict:
+    launch = dict(FP32_CONFIG if dtype == torch.float32 else DEFAULT_CONFIG)
+    if D > 128:
+        launch.update(block_m=64, block_n=32)
+    return {**launch, **(config or {})}
+
+
+def choose_splits(batch_kv_heads: int, num_blocks_m: int, max_keys: int, num_sms: int,
+                  programs_per_sm: int = PROGRAMS_PER_SM, min_keys: int = MIN_SPLIT_KEYS) -> int:
+    """Splits of each block's keys: enough programs for `programs_per_sm` per SM, none shorter than
+    `min_keys` keys (each split costs a partial's write and read in the merge)."""
+    programs = batch_kv_heads * num_blocks_m
+    want = math.ceil(programs_per_sm * num_sms / max(programs, 1))
+    return max(1, min(want, max_keys // min_keys, 64))
+
+
+def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                    lengths: torch.Tensor, num_splits: int = 1, scale: float | None = None,
+                    window: int | None = None, key_positions: torch.Tensor | None = None,
+                    query_positions: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                    config: dict | None = None) -> torch.Tensor:
+    """q [B, Hq, T, D] (last dim contiguous) over one layer's pool k_cache, v_cache [num_pages, PAGE, D]
+    through table [B, H, P] and lengths [B, H] (int32 or int64) -> [B, Hq, T, D] in q's dtype, a view of
+    a [B, T, Hq, D] tensor (or into `out`, any [B, Hq, T, D] view with a contiguous last dim).
+    window: keys whose position (key_positions [num_pages, PAGE]) is at or below query_positions
+    [B, T] - window are not seen. k_scale, v_scale [num_pages, PAGE] fp32: the scales of int8 / fp8
+    codes. num_splits: key splits per block (choose_splits). config: block_m, block_n, num_warps,
+    num_stages (launch_config's defaults)."""
+    B, Hq, T, D = q.shape
+    H = table.shape[1]
+    G = Hq // H
+    page = k_cache.shape[1]
+    assert supports(q, k_cache) and v_cache.is_contiguous() and table.stride(-1) == 1 and lengths.stride(-1) == 1
+    quantized = k_scale is not None
+    if quantized:
+        assert k_scale.is_contiguous() and v_scale.is_contiguous() and k_scale.dtype == v_scale.dtype == torch.float32
+    else:
+        k_scale = v_scale = lengths  # unused
+    if out is None:
+        out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)
+    launch = launch_config(q.dtype, D, config)
+    block_m = launch["block_m"]
+    num_blocks_m = triton.cdiv(G * T, block_m)
+    split = num_splits > 1
+    if split:
+        part = torch.empty(B * Hq * T * num_splits * D, device=q.device, dtype=torch.float32)
+        lse = torch.empty(B * Hq * T * num_splits, device=q.device, dtype=torch.float32)
+    else:
+        part = lse = out  # unused
+    has_window = window is not None
+    key_pos = key_positions if has_window else lengths
+    query_pos = query_positions.contiguous() if has_window else lengths
+    scale = D**-0.5 if scale is None else scale
+    _chunk_attention[(num_blocks_m * num_splits, B * H)](
+        q, k_cache, v_cache, k_scale, v_scale, table, lengths, key_pos, query_pos, out, part, lse,
+        q.stride(0), q.stride(1), q.stride(2), table.stride(0), table.stride(1), lengths.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        T, num_blocks_m, num_splits, scale * LOG2E, window or 0,
+        H=H, G=G, D=D, PAGE=page, BLOCK_M=block_m, BLOCK_N=launch["block_n"], SPLIT=split,
+        HAS_WINDOW=has_window, QUANT=quantized,
+        # fp32 stays fp32: tensor cores would round the inputs to TF32.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+    )
+    if split:
+        rows, block_r = B * Hq * T, 32
+        _merge_splits[(triton.cdiv(rows, block_r),)](part, lse, out, out.stride(0), out.stride(1), out.stride(2),
+                                                     rows, T, num_splits, Hq=Hq, D=D, BLOCK_R=block_r, num_warps=4)
+    return out
