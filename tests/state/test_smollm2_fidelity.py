@@ -15,7 +15,7 @@ MESSAGES = ["My name is Ada and I keep bees in Lyon. Remember the number 7261. H
 def smol(embedded_model):
     import turnkv
 
-    return turnkv.LLM()
+    return turnkv.LLM(device="cpu")  # the thresholds below were measured in fp32 on CPU
 
 
 def replay(llm, recipe, reference=None):
@@ -30,14 +30,11 @@ def replay(llm, recipe, reference=None):
     return out, stored, full
 
 
-# What each lossy restore measured on the returning turn's 16 greedy tokens, by the device the
-# embedded model runs on (fp32 on CPU, bf16 on CUDA), and the margins the test allows: one token of
-# agreement (1/16), and a quarter more KL. SmolLM2's adjacent layers are nearly orthogonal, so merging
-# them is lossy; a change that loses more than the margin fails here.
-MEASURED = {  # device: recipe: (greedy agreement, mean KL in nats, stored / full KV)
-    "cpu": {"state=krul(fallback=never)": (0.375, 0.84, 0.767), "state=minicache": (0.1875, 1.57, 0.796)},
-    "cuda": {"state=krul(fallback=never)": (0.375, 0.84, 0.767), "state=minicache": (0.1875, 1.57, 0.796)},
-}
+# What each lossy restore measured on the returning turn's 16 greedy tokens (fp32, on CPU), and the
+# margins the test allows: one token of agreement (1/16), and a quarter more KL. SmolLM2's adjacent
+# layers are nearly orthogonal, so merging them is lossy; a change that loses more than the margin
+# fails here. recipe: (greedy agreement, mean KL in nats, stored / full KV)
+MEASURED = {"state=krul(fallback=never)": (0.375, 0.84, 0.767), "state=minicache": (0.1875, 1.57, 0.796)}
 AGREEMENT_MARGIN, KL_MARGIN = 1 / 16, 1.25
 
 
@@ -47,7 +44,7 @@ def test_smollm2_restore_fidelity(smol, record_property):
     tokens = [t for t, _ in ref]
     load, stored, full = replay(smol, "state=load", tokens)
     assert greedy_agreement(load[1][1], tokens[1]) == 1.0 and stored == full
-    for recipe, (agreement, kl, kept) in MEASURED[smol.device.type].items():
+    for recipe, (agreement, kl, kept) in MEASURED.items():
         got, stored, full = replay(smol, recipe, tokens)
         measured = (greedy_agreement(got[1][1], tokens[1]), mean_kl(ref[1][1], got[1][1]), stored / full)
         record_property(recipe, measured)
