@@ -1,30 +1,10 @@
 """Rule checks for formatting instructions, in the manner of IFEval's checkers (which Multi-IF uses).
 
-An instruction is a dict with a "kind" and its parameters:
-
-| kind | parameters | passes when the response |
-|---|---|---|
-| lowercase | | has no capital letter |
-| uppercase | | has no lowercase letter |
-| min_words, max_words | n | has at least / at most n words (runs of word characters) |
-| min_sentences, max_sentences | n | has at least / at most n sentences (split at . ! ? and line breaks) |
-| include | words | names every word (case-insensitive) |
-| exclude | word (or words) | never uses the word(s) (whole words, case-insensitive) |
-| end | phrase | ends with the phrase (case-insensitive, outer double quotes ignored) |
-| start | phrase | starts with the phrase (likewise) |
-| quotes | | is wrapped in double quotation marks |
-| no_commas | | has no comma |
-| postscript | marker ("P.S." by default) | holds the marker as a word, "P.S." or "P. S." (case-insensitive) |
-| bullets | n | has exactly n markdown bullet lines ("* " or "- ") |
-| json | | parses as JSON (a surrounding ``` fence is allowed) |
-| title | | holds a title in double angular brackets, <<like this>> |
-
-A blank response fails every check: saying nothing is not following an instruction.
-
-IFEval's instruction ids for these families (as Multi-IF files name them, with IFEval's arguments,
-e.g. {"kind": "length_constraints:number_words", "relation": "less than", "num_words": 80}) are
-checked by the same rules; IFEval's other families are not implemented and raise ValueError.
-"""
+check(instruction, response) -> bool. An instruction is a dict with a "kind" (a key of CHECKS:
+lowercase, uppercase, min/max_words, min/max_sentences, include, exclude, end, start, quotes,
+no_commas, postscript, bullets, json, title) and its parameters, or one of IFEval's instruction ids
+for these families with IFEval's arguments (IFEVAL maps them; other families raise ValueError).
+A blank response fails every check. The rules, kind by kind: docs/benchmarks.md#instruction-checks"""
 
 from __future__ import annotations
 

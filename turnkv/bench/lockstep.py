@@ -1,37 +1,11 @@
 """Conversations driven a turn at a time and several together, for the quality runner.
 
-On a CPU, decoding one conversation reads every weight of the model for one token (bound by memory
-bandwidth); a batch of 16 conversations reads them once for 16 tokens. The quality suite runs dozens
-of recipes over the same conversation, so it drives them together. Every turn is the engine's
-TurnRun (engine/turn.py): each conversation prefills its own prompt (prefill is compute-bound,
-nothing to share), then every unfinished one decodes in lockstep through the engine's step loop
-(engine/decode_loop.step: one batched forward per token for each kind of step, plain, H2O's
-attention accumulation, decode selection, then each conversation's recipe hook and token).
-
-Three exact shortcuts on top, each only where it cannot change what is computed:
-
-- Teacher forcing without decode hooks (`chunkable`): feeding a reference answer token by token and
-  prefilling it as one chunk with every position's logits are the same computation (dense causal
-  attention over the same keys, the same queries recorded in the observation window, the same
-  attention mass accumulated), so a forced turn of such a recipe is one forward, not 48. Recipes
-  whose decode differs from a dense prefill (decode selection, eviction on the decode schedule,
-  streaming heads trimmed every step) are forced step by step, in the batch.
-- Forking at the first divergence: a recipe's free run and its teacher-forced run are the same
-  computation until the free run's greedy token first differs from the reference answer. The free
-  run keeps its log-probs while they agree; at the first difference the conversation is cloned
-  (KV, observation window, attention mass, decode selection state, the recipe's bookkeeping) and the
-  clone continues on the reference answer. A recipe that reproduces the full cache's answers needs
-  no forced run at all. A recipe whose state cannot be cloned (LServe's page selection, reused across
-  steps by page id) replays its forced run from the first turn afterwards, only if it diverged.
-- A shared first prompt: the first turn's prompt (system prompt and first message) is the same for
-  every recipe with a dense prefill; it is prefilled once per accumulation mode and copied into each
-  conversation's KV with the queries its window would have recorded.
-
-What is not exact: a batched decode step multiplies a [B, hidden] activation where one conversation
-alone multiplies [1, hidden], so logits differ by float rounding (about 1e-6 relative), which can flip
-a greedy choice between two near-tied tokens. tests/bench/test_lockstep.py checks each path against
-the engine's own conversations.
-"""
+Every turn is the engine's TurnRun: each conversation prefills its own prompt, then the unfinished ones
+decode in lockstep through engine/decode_loop.step. Three exact shortcuts: teacher forcing as one chunk
+for recipes without decode hooks (`chunkable`), forking the forced run off the free run at its first
+divergence from the reference, and one prefill of the shared first prompt. Batched steps differ from
+single ones only by float rounding (tests/bench/test_lockstep.py checks each path).
+Design: docs/architecture.md#the-quality-runner"""
 
 from __future__ import annotations
 

@@ -1,25 +1,11 @@
 """`turnkv bench quality`: multi-turn conversations through each recipe, every turn scored, with
 fidelity to the full-cache run of the same model.
 
-For each instance, question position and recipe, the turns are fed in order with the model's own
-answers in the history (a free run), and each reply is scored. With fidelity on, the recipe is also
-run with the full-cache run's answers teacher-forced, to measure how far its next-token
-distributions drift from the full cache's along the same answer.
-
-How it runs (turnkv/bench/lockstep.py): the full-cache references run first, then the recipes'
-conversations in chunks of at most `batch` recipes with one kind of decode step, prompts
-prefilled one by one and decode steps batched; the teacher-forced run shares the free run's
-computation up to its first divergence from the reference, prefills forced answers as one chunk where
-the recipe does nothing per decode step, and the first prompt is prefilled once for every recipe with
-a dense prefill. `workers` > 1 cuts the (instance, recipe) jobs into that many consecutive parts of
-about equal cost, one process each (its own engine, torch threads = cores / workers).
-`lockstep=False` runs every conversation on its own through Conversation.send, the engine's path:
-the reference the lockstep results are tested against.
-
-Results go to a JSONL file, one line per turn; a rerun skips what that file already holds, so an
-interrupted run resumes. Everything is deterministic under greedy decoding and the task seed, for
-given recipes, workers and batch size (batching changes float rounding, not the computation).
-"""
+Per instance, question position and recipe: a free run (the model's own answers in the history), each
+reply scored, and with fidelity on a run teacher-forced along the full-cache answers, measuring how far
+the next-token distributions drift. Runs in lockstep (turnkv/bench/lockstep.py) unless lockstep=False.
+Results: a JSONL file, one line per turn, resumed on rerun; deterministic for given recipes, workers and
+batch size. Design: docs/architecture.md#the-quality-runner"""
 
 from __future__ import annotations
 

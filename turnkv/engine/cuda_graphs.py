@@ -1,23 +1,11 @@
 """Decode steps replayed from CUDA graphs, one per batch-size bucket (as nano-vllm does).
 
-A decode step launches a few hundred small kernels; at batch 1 the CPU cannot issue them as fast as
-the GPU runs them. A graph records the whole step once and replays it with one launch. Everything
-that changes between steps lives in static buffers the graph reads. The attention kernel reads the
-lengths on the device and its grid is fixed, so one graph serves any lengths up to its capacity.
-
-The host side of a step is one upload: the new tokens' slots, the lengths, the positions and the
-page-table cells that changed since the last step go into a pinned buffer and cross in one
-asynchronous copy; the graph itself scatters them into place. Nothing in a step waits for the GPU,
-so the CPU prepares step n+1 while step n runs (a copy from pageable memory would wait).
-
-A head whose table SequenceKV.drop_pages shifted (streaming heads dropping their ring's oldest page)
-changed in more cells than one append: those cells (the head's columns from the first one the drop
-rewrote) cross in a second asynchronous copy from pinned memory, only on the steps that have any, and
-are scattered outside the graph on the same stream before it runs (`table_changes` says which).
-
-Rows of a bucket beyond the live batch get length 0 (their attention reads nothing) and write their
-K/V into a page set aside for that purpose.
-"""
+Everything that changes between steps lives in static buffers the graph reads; one graph serves any
+lengths up to its capacity. Per step the host makes one asynchronous upload from pinned memory (new
+slots, lengths, positions, changed page-table cells; the graph scatters them), plus a second one for
+tables that SequenceKV.drop_pages shifted (`table_changes`). Rows beyond the live batch get length 0
+and write their K/V into a page set aside for them. Nothing in a step waits for the GPU.
+Design: docs/architecture.md#cuda-graphs"""
 
 from __future__ import annotations
 

@@ -1,34 +1,11 @@
 """The step loop: every caller decodes its turns (engine/turn.py) through it.
 
-step() is one batched decode step, as nano-vllm's LLMEngine.step: schedule the turns into batches
-that can share a forward (batches()), run each (forward()), then postprocess each turn's row
-(the recipe's per-step hook, then the token). decode() runs steps until every turn is done, one step
-ahead of the host where it can:
-
-Reading a sampled token on the host waits for the GPU to finish its step, and the next step's host
-work (detokenising, stop checks, the step's metadata) then runs while the GPU idles, about a tenth
-of a batch-1 step (benchmarks/decode/README.md). So where decode replays from CUDA graphs, the loop
-launches step k with step k-1's tokens still on the device, and reads step k-1's tokens while step k
-runs.
-
-What that costs is exactness bookkeeping, not results. A generation that stops at step k-1's token
-(an end-of-sequence token, a stop string: only known once the token is read) had step k launched for
-nothing: its token's reservation is undone and the step's output dropped. A step's bookkeeping, which
-later steps or turns see (the observation window's queries, the recipe's per-step hook), runs only
-once the step is known to count, and before the next step is launched: the device sees the same
-operations in the same order as one step at a time. Stops by length are known ahead and never cost
-an extra step.
-
-A decode selection's state advances at launch (its step counter, the queries it keeps, the page
-statistics that fold the step's key in): a step launched for nothing is undone there too
-(`discard_step`). A conversation that both selects and records an eviction window runs one step at
-a time, since an eager fallback step of its selection would leave the window nothing to read.
-
-The loop runs one step at a time (reading every token before the next step) where running ahead
-would change what is computed or cannot be undone: teacher forcing and kept log-probabilities (they
-read each step's logits), attention accumulation (H2O: every step adds to the kept mass), and steps
-that do not replay from the graphs.
-"""
+step() is one batched decode step: batches() groups the turns that can share a forward, forward() runs
+each batch, then each turn's row is postprocessed (the recipe's per-step hook, then the token).
+decode() runs steps until every turn is done; where steps replay from CUDA graphs it launches step k
+before reading step k-1's tokens, and undoes a step launched for nothing (discard_step), so the device
+sees the same operations in the same order as one step at a time.
+Design: docs/architecture.md#the-decode-step-loop"""
 
 from __future__ import annotations
 

@@ -1,22 +1,11 @@
 """The disk tier: one safetensors file per stored conversation and a small JSON manifest beside it.
 
-Crash safety comes from ordering, not locks. A write puts the tensors in a new file under a temporary
-name, fsyncs it, renames it into place, then does the same for the manifest, which names the
-tensors file and the SHA-256 of each of its 64 MiB chunks. The manifest rename is the commit point: a process killed at any
-moment leaves either the old manifest (whose tensors file is still there) or the new one. Files no
-manifest names, and temporaries, are removed when the store is opened.
-
-The manifest also carries the conversation's token history (and whatever else the caller puts in
-it), so a tensors file found truncated or corrupt is not a lost conversation: it is recomputed.
-
-Checksums per chunk: a read fetches the chunks on a thread pool, each thread hashing the chunk it
-has just read (os.preadv and hashlib release the GIL), into one buffer whose tensors are views, not
-copies: hashing on the reading threads costs little beside the read, while safetensors' load from
-bytes, which copies every tensor out, costs about as much as the read itself. The
-store keeps the read rate it observes (`read_rate`, bytes/s, also in a small file beside the
-entries), so a returning conversation can be recomputed instead where that is faster (state/manager).
-Manifests written with one whole-file "sha256" (format 1) are still read.
-"""
+A write renames the fsynced tensors file, then the manifest (the commit point) into place, so a killed
+writer leaves the old entry or the new one; unnamed files and temporaries are removed on open. The
+manifest names the tensors file, the SHA-256 of each 64 MiB chunk (checked on read: CorruptStateError)
+and the caller's data (the token history). Reads return views of one buffer, hashed as read; the store
+keeps the observed `read_rate` (bytes/s). Manifests with one whole-file "sha256" (format 1) still read.
+Design: docs/state.md#the-disk-tier"""
 
 from __future__ import annotations
 

@@ -1,24 +1,11 @@
 """turnkv on Ray Serve: one engine per replica, and an ingress that sends each conversation to one
 replica, where its KV lives (`pip install 'turnkv[ray]'`).
 
-    from ray import serve
-    from turnkv.serve.ray import build_app
-
-    serve.run(build_app("path/to/model", num_replicas=4, llm_options={"kv_memory": "8GiB"}), route_prefix="/")
-
-Clients talk to Ray's HTTP proxy as to `turnkv serve`. The ingress (`Router`) reads each request and
-keys it by its X-Session-Id header or, without one, by a hash of the conversation's opening messages
-(up to the first user message, which every later turn sends again). The engine deployment's request
-router (`SessionAffinityRouter`) sends each key to one replica by rendezvous hashing over the live
-replicas, so a replica joining or leaving moves only the keys it gains or loses; a moved
-conversation starts afresh on its new replica (correct, only slower). Requests without a key (GET
-/v1/models, /health, /metrics) go to any replica.
-
-Each replica is an `Engine`: an LLM and the app of `turnkv serve` (create_app), with its state tiers,
-called in-process for each request the Router forwards.
-With `llm_options["state_disk_dir"]` each replica gets its own subdirectory (by replica rank), and a
-replica that restarts with the same rank continues the conversations it left there.
-"""
+build_app(model, num_replicas, llm_options, config) -> a Ray Serve application. The ingress (`Router`)
+keys a request by its X-Session-Id header, else by a hash of the messages up to the first user message;
+`SessionAffinityRouter` maps keys to live replicas by rendezvous hashing; each replica (`Engine`) runs
+the app of `turnkv serve` in-process, with its own state_disk_dir subdirectory by replica rank.
+Design and usage: docs/serving.md#ray-serve"""
 
 from __future__ import annotations
 

@@ -1,32 +1,12 @@
 """Conversations kept between requests, and how a request finds the one it continues.
 
-A request's messages render (chat template) to a text. A stored conversation knows the text its
-tokens render to and its *clean boundaries*: token counts where its tokens were made by one encode
-call or one reply (the start, the end of the system prompt, the end of each turn's prompt, the end of
-each reply). A request reuses the conversation's KV up to the last boundary inside the text the two
-share; the conversation is rolled back to it, and the rest of the request is encoded from there, as
-a turn-by-turn run would encode it. So reuse never serves stale KV and never changes how a request is
-tokenized: an edited earlier message is served from the longest valid prefix.
-
-Who may continue what:
-- with an X-Session-Id header, the conversation pinned to that session, wherever the request
-  diverges from it;
-- otherwise the idle, unpinned conversation sharing the longest prefix, if the request keeps at least
-  its first turn's prompt: a new chat that only shares the system prompt starts a conversation of its
-  own instead of cutting short another client's;
-- under a compressing recipe, only a request that extends the conversation exactly (the usual case:
-  the client sends back the reply it got). Its kept tokens were chosen with the later text in view,
-  so after an edit they are not what a fresh run would keep, and the request starts afresh.
-
-When the KV pool fills, idle conversations leave it least recently used first: through a TierHook
-(by default the state manager's CPU and disk tiers, turnkv/state/tier_hook.py) or, without one, they
-are dropped. When the tiers are full too, the least recently used idle conversation is dropped, and
-counted. At shutdown idle conversations go to a tier that outlives the process (the disk), and a
-store started over it takes them back (`adopt`), so a restart loses no conversation.
-
-A pinned conversation's tier key is derived from its session id (`session_key`), so a restarted
-server finds it by the header alone and the raw header is never written to disk.
-"""
+A request reuses a stored conversation's KV up to its last clean boundary (a token count where its
+tokens were made by one encode call or one reply) inside the text the two share, and is encoded from
+there: reuse never serves stale KV nor changes tokenization. With X-Session-Id it continues the pinned
+conversation; otherwise the idle unpinned one sharing the longest prefix (keeping its first prompt), or
+under a compressing recipe only one it extends exactly. Idle conversations leave a full pool LRU-first
+through a TierHook, and are dropped (counted) when the tiers are full too.
+Design: docs/architecture.md#the-serving-store"""
 
 from __future__ import annotations
 

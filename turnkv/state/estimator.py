@@ -1,31 +1,12 @@
 """Krul's token-wise heterogeneous attention similarity estimator, from recorded queries.
 
-Krul needs, per conversation, each layer's I-R score (attention mass on the first and last 10% of
-the tokens) and the Euclidean distance between every two layers' attention maps, per head. The paper
-copies each prefill map to the CPU while the GPU decodes, and folds each decode row in on the GPU.
-Full maps are O(s^2) per head, so turnkv deviates from the paper here: the engine records the
-turn's post-RoPE queries (TurnQueries), and at turn end the attention rows are recomputed from them in
-query chunks, against the keys the conversation holds. Memory stays O(layers x heads x chunk x s).
-
-Where the rows are computed (`where`):
-  "device": every row on the pool's device, in chunks (the default on a GPU). The paper moves the
-    prefill maps to the CPU because full maps do not fit in GPU memory; with chunked recomputation
-    they never exist in full, so that reason is gone, and the CPU rows would dominate the pack.
-  "cpu": the paper's split, kept as an option (and the default on a CPU device): prefill rows on a
-    CPU worker thread, decode rows on the device at the same time. The two row blocks are disjoint
-    rows of one causal map, so their squared distances add up to the exact distance.
-Either way a chunk is one [Hq, N, rows*P] block of maps and one batched GEMM gives every layer
-pair's Gram ||a||^2 + ||b||^2 - 2ab for every head; only the per-layer score GEMM loops over layers.
-
-Row sampling (`max_rows`, a deviation from the paper): when the turn has more query rows than
-max_rows, max_rows of them are used, evenly spaced from a seeded offset, and the squared distances
-are scaled by rows/max_rows (an estimate of the full sum); the I-R score is the mean over the
-sampled rows. This bounds the cost at O(N * Hq * max_rows * P) whatever the turn length. It is an
-approximation (its agreement with the exact pairs: benchmarks/state/README.md). Krul samples only turns
-longer than its `estimator_rows` (512), so ordinary turns are exact.
-
-Columns are key positions, so layers that evicted different tokens are still comparable.
-"""
+Per conversation: each layer's I-R score (attention mass on the first and last 10% of the tokens) and
+the Euclidean distance between every two layers' attention maps, per head. The turn's post-RoPE queries
+(TurnQueries) are replayed in query chunks against the keys the conversation holds, so no O(s^2) map is
+kept: memory O(layers x heads x chunk x s). `where`: "device" (every row on the pool's device) or "cpu"
+(the paper's split: prefill rows on a CPU worker); `max_rows` samples long turns (an estimate). Columns
+are key positions, so layers that evicted different tokens stay comparable.
+Design: docs/methods/krul.md#the-attention-estimator"""
 
 from __future__ import annotations
 

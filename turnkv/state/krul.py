@@ -1,15 +1,11 @@
 """Krul: per-conversation cross-layer sharing of the stored KV and a bubble-free recompute/load
 restore; and its baselines MiniCache (fixed latter-half pairs) and Krul (Fix).
 
-At turn end Krul
-  1. recomputes the turn's attention rows from the recorded queries (estimator.py, a deviation
-     from the paper, which copies whole maps) and scores each layer's I-R pattern;
-  2. pairs I-R layers greedily by attention distance until N * layer_ratio layers are paired;
-  3. picks per-layer recompute lengths, a non-increasing pyramid within the storage budget, from
-     the costs calibrated on this machine (schedule.py);
-  4. stores the loaded part, MiniCache-merged for each pair (split.py, merge.py).
-Restore runs the prefix recompute on the current stream and the loads on the side stream.
-"""
+At turn end Krul scores each layer's I-R pattern from the turn's recomputed attention rows
+(estimator.py), pairs I-R layers greedily by attention distance, picks a non-increasing pyramid of
+per-layer recompute lengths from the machine's calibrated costs (schedule.py), and stores the loaded
+part with each pair merged (split.py, merge.py). Restore recomputes the prefixes on the current
+stream while the side stream loads. Design: docs/methods/krul.md"""
 
 from __future__ import annotations
 
@@ -104,37 +100,11 @@ class KrulStrategy(SharedLayers):
     """Krul: I-R layers paired per conversation by attention similarity, merged MiniCache-style, and
     a pyramid recompute/load split calibrated to leave no bubble.
 
-    ir_threshold : float, default 0.3
-        gamma: a layer is I-R when at least this share of its attention falls on the first and last
-        10% of the tokens. The paper gives no value; 0.3 makes about three quarters of SmolLM2's layers
-        I-R, the paper's Table 3 share.
-    layer_ratio : float, default 0.5
-        r_l: pair layers until N * r_l of them are paired.
-    recompute_ratio : float or None, default None
-        r_c; None calibrates it on this machine.
-    allocation : "budget" or "min_storage", default "budget"
-        budget: hand the shared layers' storage to deeper layers (faster); min_storage: keep it saved.
-    storage : float or None, default None
-        Store at most this share of the full KV (e.g. 0.5): the budget C becomes storage x full KV
-        instead of (1 - r_c) x full KV, and the pyramid recomputes what it must to fit, fastest first.
-        None: the paper's budget from the calibrated r_c (on a fast host link that stores nearly all).
-    estimator : "auto", "device" or "cpu", default "auto"
-        Where the attention rows are recomputed (estimator.py): the device on a GPU, else the CPU;
-        "cpu" is the paper's split (prefill rows on a CPU worker).
-    estimator_rows : int or None, default 512
-        Turns with more query rows are sampled down to this many (a bounded cost; estimator.py
-        documents the approximation); None: always exact.
-    tau, retain_threshold, max_retained : MiniCache's SLERP weight and token-retention threshold, and
-        the cap on the retained share (merge.py says why).
-    fallback : "auto" or "never", default "auto"
-        auto: when the plan predicts no gain over `load` (never under a `storage` cap, which it would
-        break) or `recompute` (only where nothing was evicted), the conversation is stored and
-        restored by the faster of them; the stored meta names it ("fallback") with the predictions
-        ("predicted_s"), and the state manager logs a "state_fallback" event. never: always the plan.
-    overhead, overhead_s : float, default 1.4 and 0.025
-        What the plan's restore is predicted to take beyond max(T_C, T_L) of the cost model: the two
-        streams' contention and the un-merging of the pairs (a factor), and the fixed cost of starting
-        them with the returning turn's prompt not overlapped (seconds)."""
+    Parameters (defaults and meaning: docs/methods/krul.md#parameters-and-defaults): ir_threshold (gamma),
+    region_share, layer_ratio (r_l), recompute_ratio (r_c, None: calibrated), allocation, storage,
+    estimator, estimator_rows, estimator_seed, tau, retain_threshold, max_retained, fallback, overhead,
+    overhead_s. With fallback="auto" a conversation the plan would not speed up is stored by `load` or
+    `recompute`; the stored meta then names it ("fallback") with the predictions ("predicted_s")."""
 
     ir_threshold: float = 0.3
     region_share: float = 0.1

@@ -1,19 +1,10 @@
 """MiniCache's cross-layer merge of one layer pair's K (or V) rows, as Krul stores its shared layers.
 
-Each row x (one token of one KV head) splits into magnitude and direction. The pair keeps one
-direction per row, the SLERP of the two unit vectors, the magnitude of each layer's row, and, for the
-rows whose two directions are too far apart to share, both originals. Restoring layer l is then
-direction * |x_l|, with the retained rows written back.
-
-Retention follows MiniCache: with angular distance d = Omega / pi between the two rows, rows with
-d > d_min + (d_max - d_min) * retain_threshold keep their originals. Krul's own `gamma` (the I-R
-threshold) is a different thing; the two are named apart on purpose.
-
-That rule alone keeps almost every row when the two layers' rows are far apart everywhere (as
-adjacent layers' keys are on SmolLM2-135M, and on random weights), and a "merged" pair then stores
-more than two plain layers. `max_retained` therefore caps the retained share, keeping the farthest rows:
-outliers stay few, and storage stays what the method promises. max_retained=1 is the literal rule.
-"""
+Each row (one token of one KV head) keeps one direction shared by the pair (the SLERP of the two unit
+vectors) and each layer's magnitude; restoring layer l is direction * |x_l|. Rows whose angular
+distance d = Omega / pi exceeds d_min + (d_max - d_min) * retain_threshold keep both originals
+(MiniCache's rule, not Krul's gamma), capped at the farthest `max_retained` share of the rows
+(max_retained=1 is the literal rule). Design: docs/methods/krul.md#merged-pairs-and-retention"""
 
 from __future__ import annotations
 

@@ -1,27 +1,12 @@
 """The stored form shared by load, partial, Krul and MiniCache, and its two-stream restore.
 
-Layer l keeps the K/V of its tokens at positions >= starts[l] (the "loaded" part) and recomputes the
-rest from the token history. starts never increases with depth (a pyramid, or a constant for the
-uniform partial split, or 0 for a full load). Layer pairs (i, j), i > j, keep their loaded part
-merged the MiniCache way: one direction over layer i's loaded rows, which cover layer j's because
-starts[i] <= starts[j].
-
-Tensors: the layout's (positions, masses when they carry information), k.{l}/v.{l} per unpaired
-layer (as stored: a quantized pool's int8 / fp8 codes with k_scale.{l}/v_scale.{l}, so a load
-restores them bit for bit), and per pair (merged in the compute dtype, requantized on restore) {i}.{j}.{dir_k, dir_v, mag_k_i, mag_k_j, mag_v_i, mag_v_j, idx_k, idx_v,
-ret_k_i, ret_k_j, ret_v_i, ret_v_j}.
-
-Restore: pages and positions first; then the load stream copies layer by layer and writes the loaded
-rows (rebuilding merged pairs on the device), while the current stream recomputes the prefixes; the
-next forward's layer l waits only for layer l's copies.
-
-The common layout (nothing evicted: every head holds positions 0..n-1, no H2O masses) has a lean
-path, `_restore_contiguous`: one reserve for all layers (pages, positions and masses in a few
-kernels), per-layer slots as views of it, and no host<->device synchronisation anywhere, so the host
-issues every layer's copies in a few milliseconds and then the recompute, and the two streams run
-side by side. The general path (uneven heads after eviction) needs masks whose sizes depend on the
-data, so it synchronises per layer; it is kept for correctness, not speed.
-"""
+Layer l keeps the K/V of its tokens at positions >= starts[l] (loaded) and recomputes the rest from the
+token history; starts never increases with depth. Pairs (i, j), i > j, keep their loaded part merged
+(MiniCache) over layer i's loaded rows. Tensors: the layout's (positions, masses when informative);
+k.{l}/v.{l} per unpaired layer as stored (quantized codes with k_scale.{l}/v_scale.{l}, restored bit
+for bit); per pair, in the compute dtype, {i}.{j}.{dir_k, dir_v, mag_k_i, mag_k_j, mag_v_i, mag_v_j,
+idx_k, idx_v, ret_k_i, ret_k_j, ret_v_i, ret_v_j}. Restore: layer l waits only for layer l's copies.
+Design: docs/state.md#the-stored-form-and-the-two-stream-restore"""
 
 from __future__ import annotations
 

@@ -6,22 +6,7 @@ last; entry j lives at slot table[b, h, j // PAGE] * PAGE + j % PAGE of one laye
 sees the entries j <= lengths[b, h] - T + t (all kept history, the chunk up to itself); with a sliding
 window only those whose position is above query_positions[b, t] - window. Heads may hold different
 numbers of entries (compressed, uneven heads); lengths need not be a multiple of the page size.
-
-One program = one block of BLOCK_M query rows of one (sequence, KV head), over one split of its keys:
-- GQA packing: the G query heads of a group are folded into the rows, token-major (row r is token
-  r // G of query head h * G + r % G), so each K/V tile is loaded once for the whole group and a block
-  spans BLOCK_M / G consecutive tokens (its causal diagonal stays narrow).
-- The keys a block needs, [0, lengths - T + last token + 1), are cut into `num_splits` ranges of
-  whole BLOCK_N tiles. Each range is walked in two loops: tiles every row of the block sees in full
-  (no causal mask, no bounds checks), then the tiles across the block's diagonal (masked).
-- With one split the program writes the normalised output; with several it writes its normalised
-  partial and log2-sum-exp, and _merge_splits combines them by log-sum-exp. Splits fill the GPU when
-  few blocks exist (a short chunk over a long history).
-
-Quantized pools (turnkv/kv/quant.py): int8 / fp8 e4m3 codes with one fp32 scale per slot. The codes
-are loaded narrow and cast to the query's dtype in registers (exact: |code| <= 448 fits bf16 / fp16);
-key scales multiply the scores, value scales the probabilities (sum_j p_j s_j c_j).
-"""
+int8 / fp8 pools: codes cast in registers, one fp32 scale per slot. Design: docs/kernels.md#paged-chunk-attention"""
 
 from __future__ import annotations
 

@@ -1,31 +1,11 @@
 """Indexed decode attention: one query token per sequence over a list of token slots in the paged store.
 
-For each (sequence, KV head) the keys are named by a table and a length: table[b, h, i] is a page id
-and token t of the list lives at slot table[t // page_size] * page_size + t % page_size. A table of
-pages (dense decode, Ada-KV's uneven heads, Quest/LServe page selection) and a table of single slots
-(token selection, page_size=1) are the same thing, so one kernel serves every decode method.
-
-Flash-decoding: the list is cut into `num_splits` chunks, each program reads one chunk of one
-(sequence, KV head) for the whole query group (GQA: each K/V tile is loaded once for G heads), and a
-second kernel merges the chunks by log-sum-exp. Chunk sizes come from the lengths on the device, so a
-fixed grid serves any lengths and the launch can sit in a CUDA graph.
-
-Quantized KV (turnkv/kv/quant.py; QUANT): the tiles are loaded as int8 or fp8 codes (the bytes read
-are the narrow ones) with one fp32 scale per key, and dequantized in registers without a dequantized
-copy: the key scales multiply the scores (q . (c s) = (q . c) s) and the value scales the
-probabilities (sum_j p_j s_j c_j), so the codes enter the dots as they are, converted exactly:
-  "cast" (QUANT=1): codes cast to q's dtype (|code| <= 448 is exact in bf16/fp16), dots as unquantized;
-  "f16asm" (QUANT=3, int8 only): four codes at a time turned into fp16 by byte permutes and one
-    packed fp16 subtraction (inline PTX: int8_to_f16); q and the scaled probabilities enter the dots
-    in fp16. For half-precision queries on a GPU; otherwise "cast" runs instead (Triton's interpreter
-    runs no inline PTX, and an fp32 query would lose bits).
-  "fp32" (QUANT=2): codes turned into fp32 by bit arithmetic (int8: 1.5 * 2**23 + c in an integer add
-    and a float subtract; e4m3: its bits moved into an fp32's, times 2**120), dots on fp32 tiles in
-    TF32 (exact for q and the codes; p rounded to 10 bits). Integer-to-float conversion instructions
-    run at a quarter of the arithmetic rate on recent NVIDIA GPUs (16 per clock per SM), about the rate
-    int8 codes arrive at full bandwidth, which this variant avoids.
-`DEQUANT` picks the variant per storage dtype (benchmarks/decode/gpu_kv_quant.py times both).
-"""
+Per (sequence, KV head) the keys are table [B, H, P] (page ids) and lengths [B, H]: token t of a list
+lives at slot table[t // page_size] * page_size + t % page_size, so page tables and slot lists
+(page_size=1) take the same kernel. Flash-decoding over `num_splits` chunks merged by log-sum-exp; the
+grid is fixed and the chunk sizes come from the device's lengths, so launches sit in CUDA graphs.
+int8 / fp8 KV is read as codes with one fp32 scale per slot, dequantized in registers (DEQUANT).
+Design: docs/kernels.md#indexed-decode-attention"""
 
 from __future__ import annotations
 
@@ -44,7 +24,7 @@ LOG2E = 1.4426950408889634
 DEFAULT_CONFIG = dict(block_n=32, num_warps=2, num_stages=3)
 # Per storage dtype of quantized KV (benchmarks/decode/gpu_kv_quant.py times the choices): the launch
 # settings (one-byte codes: 128-key tiles over 4 warps keep as many bytes in flight per stage as the
-# setting above), how the codes are dequantized in registers (module docstring), and how many
+# setting above), how the codes are dequantized in registers (docs/kernels.md), and how many
 # programs per SM choose_splits aims at (4 otherwise: one-byte codes need more programs in flight to
 # come near the copy bandwidth; benchmarks/decode/gpu_kv_quant_splits.py sweeps it).
 QUANT_CONFIG = {torch.int8: dict(block_n=128, num_warps=4, num_stages=3),
@@ -243,7 +223,7 @@ def indexed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     Returns [B, Hq, D] in q's dtype (into `out` when given). config overrides the launch settings
     (block_n, num_warps, num_stages), for tuning.
     k_scale, v_scale: for int8 / fp8 caches, the fp32 scale of each slot, [num_pages, page_size].
-    dequant: "cast" or "fp32" (the module docstring) instead of DEQUANT's choice for the cache dtype.
+    dequant: "cast" or "fp32" (docs/kernels.md#quantized-kv) instead of DEQUANT's choice for the cache dtype.
     """
     B, Hq, D = q.shape
     H = table.shape[1]

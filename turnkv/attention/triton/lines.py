@@ -1,34 +1,11 @@
-"""Vertical + slash line prefill attention (LoopServe, MInference, A-shape/Tri-shape, LServe streaming
-heads): each new row attends, exactly, to the union of its unit's selected key columns (vertical lines)
-and diagonals (slash lines), with an online softmax in fp32.
+"""Vertical + slash line prefill attention (LoopServe, MInference, A-/Tri-shape, LServe streaming heads).
 
-Layout this kernel needs (turnkv.attention.lines.kernel_layout checks it, other layouts take the
-reference path): key entry c of every head sits at absolute position c (no evicted holes), a head's
-valid entries are a prefix [0, kv_len), and the T new rows of sequence b are positions q0[b] + t.
-Positions and entry indices then coincide, so a diagonal offset delta maps to the key range
-[p - delta] without any lookup.
-
-One program = one (query block of BLOCK_M rows, batch, query head). Two passes over keys:
-
-1. Slash pass, in key blocks. The selected offsets are stored as segments [d0, d1] (built on the
-   host): maximal runs of consecutive offsets, with runs less than BLOCK_M apart merged. For rows
-   [P0, P1] a segment touches the keys [P0 - d1, P1 - d0]: one contiguous range of key blocks,
-   whatever its length, so a local window of slashes, or every offset (dense causal), is a single
-   sweep with no per-line overhead. (Merging loses nothing: two runs at most BLOCK_M apart touch
-   overlapping key ranges for BLOCK_M rows anyway, and it saves a loop iteration per scattered slash.)
-   Segments are walked from the largest offset down, i.e. key ranges in ascending order, starting at
-   the last one that reaches the block's rows, and a block already visited is skipped, so
-   every block is read once. Inside a block a cell counts when its own offset is selected: when every
-   offset the block's causal cells can have is selected (a prefix count of the flags says so in two
-   loads) the block is "full" and needs only the causal mask; otherwise each cell's offset is looked
-   up in the per-unit slash flags (edges of windows, scattered slashes).
-2. Vertical pass, in chunks of gathered key columns: the unit's selected columns, ascending, up to the
-   block's last row (a per-block count from the host). A cell (p, c) counts only when p - c is NOT a
-   selected offset: cells on both a column and a diagonal were counted by the slash pass.
-
-Every cell of the union is therefore counted exactly once. GQA: the program loads its KV head's keys;
-lines belong to a "unit", the query head (per_query_head) or the KV head the group shares.
-"""
+Each new row attends exactly to the union of its unit's selected key columns (vertical lines) and
+diagonals (slash lines), every cell counted once, with an online softmax in fp32. Layout required
+(turnkv.attention.lines.kernel_layout checks it; others take the reference path): key entry c of every
+head is at absolute position c, valid entries are a prefix [0, kv_len), and row t of sequence b is at
+position q0[b] + t. Lines belong to a unit: the query head (per_query_head) or the KV head.
+Design: docs/kernels.md#line-attention-for-sparse-prefill"""
 
 from __future__ import annotations
 

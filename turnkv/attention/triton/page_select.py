@@ -1,22 +1,11 @@
 """Page selection kernels for decode inside a CUDA graph (Quest / LServe).
 
-`page_scores`: per (sequence, KV head) and physical page of its list, the query-centric upper bound
-    S_p = max over the page's logical pages j of sum_d max(q_d kmax_jd, q_d kmin_jd),
-read through the head's pool page table from the per-logical-page key min/max kept beside the pool
-(PageSummaries: row = pool page * logical pages per pool page + sub-page, D channels contiguous). One
-program scores BLOCK_P physical pages of one KV head for its whole query group (GQA: each min/max row
-is loaded once for the G query heads), summed per channel: max(q kmax, q kmin) = q+ kmax + q- kmin.
-The grid covers the graph's capacity, but a program whose pages are all past its head's live pages
-only writes -inf: the work follows the live length. Pages from the newest on are left out (-inf),
-since the newest is always read and is appended by the caller.
-
-`fold_keys`: fold the keys a decode step wrote (one per (layer, row)) into the min/max of their
-logical page, resetting a logical page at its first token: PageSummaries.update for every layer at
-once, read back from the pool.
-
-Both have a torch reference (turnkv/methods/lserve/selector.py `graph_page_scores_reference`,
-summaries.py `fold_reference`) they are tested against under TRITON_INTERPRET=1.
-"""
+`page_scores`: per (sequence, KV head) and physical page, the upper bound max over its logical pages j
+of sum_d max(q_d kmax_jd, q_d kmin_jd), read through the pool page table from the PageSummaries rows;
+-inf at and past the head's newest page (the caller appends it). `fold_keys`: folds a decode step's
+keys into their logical page's min/max for every layer at once (PageSummaries.update).
+Torch references: turnkv/methods/lserve/selector.py `graph_page_scores_reference`, summaries.py
+`fold_reference`. Design: docs/kernels.md#page-selection-quest-and-lserve"""
 
 from __future__ import annotations
 

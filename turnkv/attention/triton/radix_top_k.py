@@ -1,25 +1,11 @@
 """Exact top-k of long fp32 score rows on the GPU by radix select, the winners written in ascending
 index order: LoopServe's re-selection (a row per query head of every history token, k = 1024 of 128K).
 
-Each score becomes a 32-bit key whose unsigned order is the scores' order. The k-th largest key is
-found four bits at a time, high digits first:
-1. Three counting rounds, one launch each, over the whole row: every program of a (row, chunk)
-   grid counts its chunk's keys that match the digits found so far, per value of the next digit
-   (16 bins, tl.histogram), and adds the counts into the row's histogram with atomics. A program
-   starts by walking the earlier rounds' histograms itself, so no launch sits between rounds.
-2. One pass compacts the keys that share the k-th largest's top 12 bits (the candidates: on real
-   scores about a thousand of a row's 128K) into a per-row list, and counts per chunk the keys above
-   them, which win whatever the lower digits.
-3. One program per row finds the remaining five digits over its candidates only, then counts per
-   chunk the candidates above the k-th largest and those equal to it.
-4. The write kernel knows from these counts how many winners every chunk before its own holds and
-   writes its winners at their final places: the output comes out sorted, with no sort.
-
-Five full passes over the scores instead of nine for eight rounds over every key. The candidate list
-has room for a whole row, so many equal scores (a row that is mostly -inf) cost time, not correctness.
-Ties at the threshold go to the lowest indices, as in the short-row kernel (top_k.py) and a stable
-descending sort. Scores must not be NaN. benchmarks/kernels/gpu_top_k.py times it against torch.topk.
-"""
+Contract as top_k.py's short-row kernel and a stable descending sort: ties at the threshold go to the
+lowest indices; scores must not be NaN. Many equal scores (a row mostly -inf) cost time, not
+correctness. Five passes over the scores: three counting rounds, a compaction of the candidates,
+and the write, which places the winners in order with no sort.
+Design: docs/kernels.md#top-k-of-long-rows-radix-select"""
 
 from __future__ import annotations
 

@@ -1,23 +1,11 @@
-"""LoopServe's re-selection score inside a CUDA graph: per head, the softmax
-attention weights of the observation window's queries summed per key,
-    score(c) = sum over window queries b of softmax_{c' visible to b}(q_b . k_c' / sqrt(D))[c],
-over every key the head holds, read through its page table (no gathered copy), in two passes over the keys:
+"""LoopServe's re-selection score inside a CUDA graph: per head, the softmax attention weights of the
+observation window's queries summed per key, over every key the head holds, read through its page table.
 
-1. `_window_lse`: per (sequence, KV head) and chunk of keys, the running max and sum of exp for each
-   of the G * W query rows of the group (flash-decoding style partials);
-2. `_merge_partials` merges them into each row's log-sum-exp, once per (sequence, KV head);
-3. `_window_weights`: per (sequence, KV head) and block of keys, exp(s - lse) summed over the
-   window (and over the group for per-KV-head rows). Blocks past the head's history only write -inf:
-   the grid covers the graph's capacity, the work follows the live length.
-
-A window query at position p sees the keys at positions <= p (the window's older queries do not see
-the newer keys); a window slot with position < 0 is empty and adds nothing. The current token (the
-head's last key) is in the softmax but not a candidate (-inf); keys at positions below `sinks` score
-+inf. The torch reference is turnkv/methods/loopserve/decode.py `window_scores`.
-
-A quantized pool (int8 / fp8 key codes, one fp32 scale per key: QUANT) is read as it is stored: the
-codes go into the dot in q's dtype and each key's scale multiplies its scores.
-"""
+A window query at position p sees the keys at positions <= p; a slot with position < 0 is empty. The
+current token (the head's last key) is in the softmax but scores -inf; keys below `sinks` score +inf;
+blocks past the head's history write -inf. Quantized keys are read as codes times their scale.
+Torch reference: turnkv/methods/loopserve/decode.py `window_scores`.
+Design: docs/kernels.md#loopserves-window-scores"""
 
 from __future__ import annotations
 

@@ -1,23 +1,10 @@
-"""Ada-KV: head-wise adaptive budgets over any scorer.
+"""Ada-KV: head-wise adaptive budgets over any scorer (Feng et al., arXiv 2407.11550).
 
-Based on Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for
-Efficient LLM Inference" (arXiv 2407.11550). One top-k over the scores of all heads of a layer says
-how many of the layer's best tokens each head holds (f_i); a safeguard mixes that with the uniform
-share so that no head starves.
-
-Parameters
-----------
-alpha : float, default 0.2
-    The safeguard. With rule "code" (the official code, which produced the paper's LongBench numbers)
-    each head gets round((1 - alpha) * f_i + alpha * b) tokens, b the uniform share; with rule "paper"
-    (Algorithm 2 read literally) alpha * f_i + (1 - alpha) * b; with rule "kvpress" (kvpress's
-    AdaKVPress) each head first keeps its own top int(alpha * n) tokens, n = the layer's total / H
-    with the window and sinks counted inside it (they are any head's top tokens), and one top-k over
-    the rest of every head fills the layer's total.
-rule : str, default "code"
-    Rounding is largest-remainder, so the layer's budget is met exactly (a documented deviation from
-    the code, which can miss it by up to H/2).
-"""
+One top-k over the scores of all heads of a layer gives each head's share f_i of the layer's best
+tokens; a safeguard `alpha` mixes it with the uniform share b so that no head starves. rule="code"
+(default, the official code): round((1 - alpha) f_i + alpha b); "paper": alpha f_i + (1 - alpha) b;
+"kvpress": each head's own top int(alpha n) first, then one top-k over the rest. Largest-remainder
+rounding meets the layer's budget exactly. Design: docs/methods/adakv.md"""
 
 from __future__ import annotations
 

@@ -1,33 +1,12 @@
 """ExpectedAttention: keep the keys that future queries are expected to attend to.
 
-Based on kvpress's ExpectedAttentionPress (Devoto et al., arXiv 2510.00636), which is the authors'
-code. The queries are rotated back to their pre-RoPE form; their mean and covariance (divided by N)
-model a future query, which is rotated by the RoPE averaged over the next `future` positions (counted
-from the conversation's absolute position, as multi-turn use needs). A key's score is its expected
-softmax weight, exp(k.mu/sqrt(d) + k^T Sigma k / (2d)), normalised over the head's keys other than
-the sinks, averaged over the KV group's query heads, plus `epsilon`, times ||v||. The sinks stay.
-
-Parameters
-----------
-queries : str, default "all"
-    Which queries the statistics come from. "all": every query the conversation computed, except
-    those at the sink positions (the authors' code: every context query but the sinks), kept as
-    running moments. "window": the last `window` queries only (recent queries model the next
-    ones; no running moments kept).
-window : int, default 64
-    Queries recorded for queries="window".
-future : int, default 512
-    Future positions the rotation is averaged over.
-sinks : int, default 4
-    First tokens of the conversation that always stay; their keys take no part in the softmax and
-    their queries none in the statistics.
-use_covariance : bool, default True
-use_vnorm : bool, default True
-epsilon : float, default 0.0
-    Added to the scores before the value-norm rescaling.
-compat : str, default "authors"
-    "kvpress" is the same rule (kvpress ships the authors' code).
-"""
+Follows kvpress's ExpectedAttentionPress (Devoto et al., arXiv 2510.00636; the authors' code). A key's
+score is its expected softmax weight under the pre-RoPE queries' mean and covariance (divided by N),
+rotated by the RoPE averaged over the next `future` positions from the conversation's absolute
+position: exp(k.mu/sqrt(d) + k^T Sigma k / (2d)), normalised over the non-sink keys, averaged over the
+KV group's query heads, plus `epsilon`, times ||v||. The `sinks` first tokens always stay.
+Parameters (queries, window, future, sinks, use_covariance, use_vnorm, epsilon, compat):
+docs/methods/baselines.md#expectedattention"""
 
 from __future__ import annotations
 

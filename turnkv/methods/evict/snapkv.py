@@ -1,24 +1,10 @@
-"""SnapKV: keep the tokens the last prompt queries attend to.
+"""SnapKV: keep the tokens the last prompt queries attend to (Li et al., arXiv 2404.14469; the authors' code).
 
-Based on Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation" (arXiv 2404.14469),
-as in the authors' code: the window's attention (softmax over every key it sees) is averaged over the
-window's queries, pooled along the keys that precede the window (stride 1, zero padding at both ends,
-an average divided by the kernel width), and the window's own tokens always stay. GQA (which the
-authors' code does not handle) averages the scores over the query heads of each KV group, as kvpress
-and Ada-KV's code do.
-
-Parameters
-----------
-window : int, default 32 (kvpress: 64)
-    Observation window: the last `window` queries score the keys; their tokens are protected.
-kernel : int, default 5
-    Width of the 1-D pooling along the key axis (odd).
-pooling : str, default "avg"
-    "avg" (the authors' code and kvpress) or "max" (the paper's text and Ada-KV's code, which use
-    window 32 and kernel 7: `snapkv(kernel=7,pooling=max)`).
-compat : str, default "authors"
-    "kvpress": kvpress's SnapKVPress defaults (window 64); its keep rule is the authors'.
-"""
+Scores [H, S] per KV head: the window's softmax attention over every key it sees, averaged over the
+window's queries and over each KV group's query heads (GQA), pooled along the keys before the window
+(stride 1, zero padding; "avg" divides by the kernel width); the window's tokens always stay.
+Parameters: window (32; kvpress 64), kernel (5, odd), pooling ("avg" or "max"), compat ("authors" or
+"kvpress"). Design and defaults: docs/methods/baselines.md#snapkv"""
 
 from __future__ import annotations
 

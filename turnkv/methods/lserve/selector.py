@@ -1,25 +1,11 @@
 """Hierarchical page selection for decode (LServe, with Quest as the one-level case).
 
-Score of a logical page j for query q: S_j = Σ_d max(q_d·kmax_jd, q_d·kmin_jd), an upper bound on
-q·k of every key of the page. A physical page (64 tokens = 4 logical pages) scores the max of its
-logical pages. Per head, the top pages fill the token budget, the head's newest (partial) page is
-always included, and a head whose history fits the budget keeps all its pages.
-
-GQA: by default selection is per QUERY head, as LServe's released code does:
-the output then has one table row per query head, which indexed_decode reads as Hq "KV heads" over
-the same pool (G = 1). `group="max"` / `"sum"` select per KV head instead, reducing the group's
-scores by max (keeps the upper bound for every query head of the group) or sum; one K/V page load
-then serves the whole group.
-
-Reuse: a selection serves `reuse_interval` decode steps per conversation and layer (SelectionState,
-one per conversation, so batched conversations keep their own timers). A new physical page opening
-forces a refresh, so the forced newest page is never stale.
-
-Mapping to the pool: physical page p of a head is its table entries [p r, p r + r) with
-r = physical_page // pool.page_size (r = 4 for 16-token pool pages). The output tables list those
-pool pages, selected physical pages in ascending order with the newest last, so indexed_decode's
-contiguous walk (token j -> table[j // page_size]) visits full pages and then the partial one.
-"""
+A logical page scores S_j = sum_d max(q_d kmax_jd, q_d kmin_jd), a physical page the max of its
+logical pages; per head the top pages fill the token budget, the newest page is always read, and a
+head within budget keeps all its pages. Per query head by default (group="query": tables with Hq rows,
+read as G = 1), or per KV head with group="max" / "sum". A selection serves `reuse_interval` steps per
+conversation and layer (SelectionState); a new physical page forces a refresh. Output tables list pool
+pages, selected physical pages ascending, the newest last. Design: docs/methods/lserve.md#page-selection-in-detail"""
 
 from __future__ import annotations
 

@@ -1,21 +1,10 @@
-"""Skinny matmul for decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for a handful of rows M.
+"""Skinny matmul for decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for a handful of rows M (1..8).
 
-At M = 1..8 a projection is a pass over W: the time is W's bytes over the memory bandwidth. cuBLAS
-reaches that for the wide matrices (gate/up, lm_head) but not for q/k/v or o_proj (N = 4096..6144),
-where its grid leaves much of an H100 idle. Here each program owns BLOCK_N output features and
-streams their rows of W once for all M rows of x, so W is read exactly once per call.
-
-Two ways to multiply a tile, chosen per launch (`dot`):
-- FMA (dot=False): CUDA-core multiply-adds. At M = 1 it keeps a [BLOCK_N, BLOCK_K] accumulator and
-  reduces it once at the end, so the loop has no cross-thread shuffles.
-- dot (dot=True): tensor cores with the operands swapped (W^T x^T, the "swap AB" of skinny GEMMs):
-  W's tile is the MMA's large side, the rows of x (padded to 16) its small one.
-
-Split-K (split_k > 1) cuts K over several programs per tile when there are too few tiles to fill the
-SMs. They reduce in the same launch: each writes an fp32 partial, bumps an arrival counter, and the
-last to arrive sums the partials, writes y and resets the counter to zero for the next launch. No
-second kernel and no memset, which matters inside a CUDA-graph step of a few hundred tiny kernels.
-"""
+Each program owns BLOCK_N output features and streams their rows of W once for all M rows, so W is read
+exactly once per call. A tile multiplies by CUDA-core FMAs (dot=False) or swapped-operand tensor-core
+dots (dot=True); split_k > 1 reduces in the same launch through an arrival counter that the last
+program resets, so a launch needs no second kernel or memset inside a CUDA graph.
+Design: docs/kernels.md#skinny-matmul-for-decode"""
 
 from __future__ import annotations
 
