@@ -7,7 +7,6 @@ import json
 import shlex
 import sys
 import time
-from pathlib import Path
 
 from turnkv.bench import speed_report
 from turnkv.bench.datasets.loaders import load
@@ -19,6 +18,7 @@ from turnkv.bench.speed import SpeedConfig, run_speed
 from turnkv.engine.llm import LLM
 from turnkv.kv.pool import PagePool
 from turnkv.methods.recipe import Recipe, preset
+from turnkv.paths import user_path
 
 
 def _split(text: str) -> list[str]:
@@ -192,7 +192,7 @@ def cmd_quality(args) -> int:
     config = QualityConfig(recipes=expand_recipes(args), positions=tuple(_split(args.positions)),
                            max_new_tokens=args.max_new_tokens, fidelity=not args.no_fidelity,
                            lockstep=not args.one_at_a_time, batch=args.batch, workers=args.workers, engine=engine)
-    out = Path(args.out)
+    out = user_path(args.out)
     runs_path = out / "runs.json"  # every invocation that ran something: its wall time and machine
     runs = json.loads(runs_path.read_text()) if runs_path.exists() else []
     if args.report_only:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -21,6 +20,7 @@ from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.recipe import Recipe
 from turnkv.model.load import DEFAULT_MODEL, embedded_model_path, load_model
 from turnkv.model.tokenizer import load_folder_tokenizer, load_gguf_tokenizer
+from turnkv.paths import user_path
 from turnkv.state.manager import StateManager
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
@@ -236,5 +236,5 @@ class LLM:
 def _load_tokenizer(spec: str | None):
     if spec is None or spec == DEFAULT_MODEL:
         return load_gguf_tokenizer(embedded_model_path())
-    path = Path(spec)
+    path = user_path(spec)
     return load_folder_tokenizer(path) if path.is_dir() else load_gguf_tokenizer(path)

@@ -32,10 +32,11 @@ from turnkv.methods.prefill.dense import DensePrefill
 from turnkv.methods.prefill.pattern_hook import PatternHook, summarise
 from turnkv.methods.protocols import Decode, DecodeSelection, Prefill, StateStrategy, StaticSparsity, Turns
 from turnkv.methods.registry import build
-from turnkv.methods.terms import format_term, parse_term, parse_value, split_top_level
 from turnkv.methods.step_context import StepContext
+from turnkv.methods.terms import format_term, parse_term, parse_value, split_top_level
 from turnkv.methods.turns.recompress import RecompressTurns
 from turnkv.methods.window import QueryWindow
+from turnkv.paths import user_path
 
 EVICTION_KEYS = {"budget", "keep_ratio", "compression_ratio", "schedule", "every"}
 DEFAULT_BUDGET = 1024
@@ -115,7 +116,7 @@ class Recipe:
 
     @classmethod
     def from_file(cls, path: str | Path) -> Recipe:
-        path = Path(path)
+        path = user_path(path)
         try:
             text = path.read_text()
         except OSError as e:

@@ -14,6 +14,7 @@ from turnkv.model.config import SHAPES, ModelConfig, rope_inverse_frequencies, s
 from turnkv.model.decoder import Transformer
 from turnkv.model.tokenizer import load_folder_tokenizer, load_gguf_tokenizer
 from turnkv.model.weights import load_hf_weights
+from turnkv.paths import user_path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -70,14 +71,14 @@ def load_model(model: str | Path | None = None, dtype=None, device="cpu", seed: 
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     name = str(model) if model is not None else DEFAULT_MODEL
-    path = Path(name).expanduser()
+    path = user_path(name)
     if name.lower() == DEFAULT_MODEL:
         path = embedded_model_path()
     elif name.lower() in SHAPES and not path.exists():
         return _random(name.lower(), dtype, device, seed)
     elif not path.exists():
         raise ModelLoadError(
-            f"model {name!r} not found: give a GGUF file, a folder with config.json and safetensors, "
+            f"model {name!r} not found{'' if str(path) == name else f' (looked for {path})'}: give a GGUF file, a folder with config.json and safetensors, "
             f"{DEFAULT_MODEL!r}, or a shape name ({', '.join(sorted(SHAPES))})"
         )
 
