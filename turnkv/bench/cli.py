@@ -38,10 +38,10 @@ def _split(text: str) -> list[str]:
 
 def add_quality_parser(sub) -> None:
     p = sub.add_parser("quality", help="multi-turn quality and fidelity of recipes")
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--device", default=None)
-    p.add_argument("--kv-memory", default=None)
+    p.add_argument("--model", default=None, help="a model file or folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--kv-memory", default=None, help="KV pool size (default: the engine's)")
     p.add_argument("--kv-dtype", default=None, help="K/V storage of every run: int8, fp8 or none (default)")
     # Flags a preset can set default to None here; quality_presets.apply fills them in.
     p.add_argument("--preset", default=None, help="named settings: smoke (the CI subset) or full (the committed run)")
@@ -60,7 +60,8 @@ def add_quality_parser(sub) -> None:
     p.add_argument("--difficulty", type=int, default=None, help="default: 1")
     p.add_argument("--seed", type=int, default=None, help="default: 0")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: 48")
-    p.add_argument("--no-fidelity", action="store_true")
+    p.add_argument("--no-fidelity", action="store_true",
+                   help="skip the teacher-forced runs behind agreement and KL against the full cache")
     p.add_argument("--workers", type=int, default=None,
                    help="processes that split the recipes, each with cores/workers torch threads (default: 1)")
     p.add_argument("--batch", type=int, default=None,
@@ -77,21 +78,23 @@ def add_quality_parser(sub) -> None:
 def add_speed_parser(sub) -> None:
     p = sub.add_parser("speed", help="latency and throughput against the hardware floor and against peers")
     p.add_argument("--model", default=None, help="a model file or folder, or a shape such as llama-3.1-8b")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--device", default=None)
-    p.add_argument("--kv-memory", default=None, help="KV pool size; by default what the largest case needs")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--kv-memory", default=None, help="KV pool size (default: what the largest case needs)")
     p.add_argument("--kv-dtype", default=None, help="K/V storage: int8, fp8 or none (the model dtype, default)")
-    p.add_argument("--contexts", default="1024,4096")
+    p.add_argument("--contexts", default="1024,4096", help="comma-separated prompt lengths in tokens")
     p.add_argument("--batch", default="1", help="comma-separated batch sizes")
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row")
     p.add_argument("--turns", type=int, default=2, help="later turns timed against kept history")
-    p.add_argument("--turn-tokens", type=int, default=256)
+    p.add_argument("--turn-tokens", type=int, default=256, help="new tokens of each later turn")
     p.add_argument("--recipes", default="full", help="comma-separated presets or recipe strings")
     p.add_argument("--peers", default="transformers,sdpa", help="comma-separated; 'none' for none")
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=3, help="runs per figure at batch 1 (the median is kept)")
     p.add_argument("--skip-tokens", type=int, default=16,
                    help="decode steps left out of the time per token (a selection's warm-up, graph captures)")
-    p.add_argument("--out", default="benchmarks/speed/latest")
+    p.add_argument("--out", default="benchmarks/speed/latest",
+                   help="folder for rows.jsonl (each row as it finishes; a rerun resumes from it), speed.json, "
+                        "report.md and plots")
     p.set_defaults(func=cmd_speed)
 
 

@@ -50,7 +50,7 @@ class Job:
     def prepare(self, llm, store) -> None:
         """Find the conversation, work out the tokens to prefill, and check they fit."""
         if self.is_chat:
-            tokenizer = llm.require_tokenizer()
+            tokenizer = llm._require_tokenizer()
             self.full_text = chat_template.render(tokenizer, self.messages)
             claim = store.claim(self.full_text, self.recipe, self.recipe_key, self.session)
             self.entry, self.conv = claim.entry, claim.entry.conv
@@ -67,14 +67,14 @@ class Job:
         if self.max_tokens is not None and self.max_tokens > room:
             raise ContextLengthError(f"max_tokens is {self.max_tokens} but the prompt ({total} tokens) leaves room for "
                                      f"{room} in the model's context of {llm.max_model_len}")
-        params = llm.sampling_params(**self.sampling, max_new_tokens=self.max_tokens or min(self.default_max_tokens, room))
+        params = llm._sampling_params(**self.sampling, max_new_tokens=self.max_tokens or min(self.default_max_tokens, room))
         if self.is_chat:
             segment_end = self.system_mark[0] if self.system_mark else 0
         else:
             segment_end = len(self.new_ids)  # a raw prompt is one finished segment, as in LLM.generate
         inputs = TurnInput(self.keep, self.new_ids, segment_end, None, self.messages if self.is_chat else None,
                            self.full_text if self.is_chat else "")
-        self.turn = TurnRun(self.conv, inputs, llm.new_generation(self.conv.kv, params)).begin()
+        self.turn = TurnRun(self.conv, inputs, llm._new_generation(self.conv.kv, params)).begin()
 
     def _encode_rest(self, tokenizer, kept_chars: int):
         """The tokens after the kept prefix. A conversation's first turn is encoded in two pieces, the
