@@ -40,8 +40,9 @@ class _HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if (not action.option_strings or "default" in text or action.default in (None, False, [], argparse.SUPPRESS)
-                or isinstance(action, argparse._VersionAction)):
+        unset = action.default is None or action.default is False or action.default == [] or (
+            action.default == argparse.SUPPRESS)
+        if not action.option_strings or "default" in text or unset or isinstance(action, argparse._VersionAction):
             return text
         return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
 
@@ -128,7 +129,7 @@ def _recipe(args):
     if args.recipe is None:
         if amounts:
             flags = " and ".join(f"--{k.replace('_', '-')}" for k in amounts)
-            raise InvalidRequestError(f"{flags} set how much an eviction recipe keeps; add one, e.g. --recipe snapkv "
+            raise InvalidRequestError(f"{flags} {'sets' if len(amounts) == 1 else 'set'} how much an eviction recipe keeps; add one, e.g. --recipe snapkv "
                                       f"or --recipe ada-snapkv (`turnkv methods --presets` lists them)")
         return None
     recipe = Recipe.from_file(args.recipe) if args.recipe.endswith((".json", ".yaml", ".yml")) else Recipe.parse(args.recipe)
@@ -142,11 +143,25 @@ def _load(args, **options):
                    tokenizer=args.tokenizer, recipe=recipe, kv_dtype=args.kv_dtype, **options)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record comes (it may be replaced after set-up)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def _show_progress_logs() -> None:
     """The engine's INFO messages (a state strategy calibrating on the first turn, ...) on stderr."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
     logger = logging.getLogger("turnkv")
+    if any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        return
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
 
@@ -213,9 +228,11 @@ def _chat_command(message: str, llm, conv) -> bool:
 
 
 def cmd_chat(args) -> int:
-    sys.stdout.reconfigure(line_buffering=True)  # piped: every line as soon as it is complete
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)  # piped: every line as soon as it is complete
     _show_progress_logs()
     llm = _load(args)
+    llm._require_tokenizer()  # a chat needs one: say so now, not at every turn
     conv = llm.conversation(system=args.system)
     interactive = sys.stdin.isatty()
     if interactive:
