@@ -15,10 +15,9 @@ import pytest
 import torch
 
 import turnkv
+from tests.conftest import save_tiny
 from turnkv.cli import main
 from turnkv.methods.registry import describe
-
-from tests.conftest import save_tiny
 
 
 def run_cli(monkeypatch, capsys, argv, stdin=""):
@@ -102,7 +101,7 @@ def test_chat_commands_and_the_tier_by_device(monkeypatch, capsys, chat_model_di
                                                    "--kv-memory", "32MiB"], stdin)
     assert code == 0, err
     for command in ("/help", "/stats", "/reset", "/quit"):
-        assert re.search(rf"^  {command} ", out, flags=re.M), command
+        assert re.search(rf"^  {command} ", out, flags=re.MULTILINE), command
     assert "unknown command /bogus; /help lists the commands" in err
     # Neither /help nor /bogus went to the model; "//etc ..." did, as one turn.
     assert len(re.findall(r"reused tokens", out)) == 1 and "turns: 1" in out

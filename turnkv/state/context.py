@@ -8,7 +8,6 @@ import time
 
 from turnkv.state.schedule import CostModel, best_ratio, measure_bandwidth, measure_compute
 
-
 log = logging.getLogger(__name__)
 
 
