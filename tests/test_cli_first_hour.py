@@ -68,6 +68,9 @@ def _cases(tmp_path, model, bare):
         (["chat", "--model", model, "--budget", "64"], "--budget sets how much an eviction recipe keeps"),
         (["chat", "--model", model, "--recipe", "snap-kv"], "unknown recipe 'snap-kv'"),
         (["info", "--model", model, "--kv-memory", "lots"], "cannot read 'lots' as a size"),
+        (["bench", "speed", "--model", model, "--contexts", "1k"], "--contexts takes comma-separated integers"),
+        (["bench", "speed", "--model", model, "--contexts", "16", "--new-tokens", "2", "--turns", "0", "--peers",
+          "none", "--out", "/dev/null/speed"], "/dev/null/speed"),
     ]
 
 

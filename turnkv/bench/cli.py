@@ -16,6 +16,7 @@ from turnkv.bench.quality_presets import apply
 from turnkv.bench.report import write_report
 from turnkv.bench.speed import SpeedConfig, run_speed
 from turnkv.engine.llm import LLM
+from turnkv.errors import InvalidRequestError
 from turnkv.kv.pool import PagePool
 from turnkv.methods.recipe import Recipe, preset
 from turnkv.paths import user_path
@@ -98,10 +99,21 @@ def add_speed_parser(sub) -> None:
     p.set_defaults(func=cmd_speed)
 
 
+def _integers(flag: str, text: str) -> list[int]:
+    """A comma-separated list of positive integers, or InvalidRequestError naming the flag."""
+    try:
+        values = [int(item) for item in _split(text)]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise InvalidRequestError(f"{flag} takes comma-separated integers >= 1, e.g. 1024,4096; got {text!r}")
+    return values
+
+
 def cmd_speed(args) -> int:
 
-    contexts = [int(c) for c in _split(args.contexts)]
-    batches = [int(b) for b in _split(args.batch)]
+    contexts, batches = _integers("--contexts", args.contexts), _integers("--batch", args.batch)
+    recipes = {spec: Recipe.parse(spec) for spec in _split(args.recipes)}  # a bad one fails before the load
     need = max(contexts) + args.new_tokens + args.turns * args.turn_tokens
 
     def kv_memory(config, dtype):  # room for the largest batch at the largest context, and no more
@@ -112,12 +124,14 @@ def cmd_speed(args) -> int:
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory or kv_memory,
               max_model_len=need + 16, kv_dtype=args.kv_dtype)
-    recipes = {spec: Recipe.parse(spec) for spec in _split(args.recipes)}
     config = SpeedConfig(contexts=contexts, batches=batches, new_tokens=args.new_tokens, turns=args.turns,
                          turn_tokens=args.turn_tokens, recipes=recipes,
                          peers=tuple(p for p in _split(args.peers) if p != "none"), repeat=args.repeat,
                          skip_tokens=args.skip_tokens)
-    result = run_speed(llm, config)
+    rows_path = user_path(args.out) / "rows.jsonl"
+    if rows_path.exists():
+        print(f"resuming from {rows_path}: its rows are kept, the others measured", file=sys.stderr)
+    result = run_speed(llm, config, rows_path=rows_path)
     command = "turnkv bench speed " + " ".join(shlex.quote(a) for a in sys.argv[3:])
     print(speed_report.write(result, args.out, command))
     return 0
