@@ -81,9 +81,12 @@ def _working(what: str):
     with the time it took."""
     console = Console(stderr=True)
     start = time.perf_counter()
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
-                  transient=True) as progress:
-        progress.add_task(what + "...", total=None)
+    if console.is_terminal:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                      transient=True) as progress:
+            progress.add_task(what + "...", total=None)
+            yield
+    else:
         yield
     console.print(f"{what}: {time.perf_counter() - start:.1f} s", highlight=False)
 
