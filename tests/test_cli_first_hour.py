@@ -157,3 +157,21 @@ def test_piped_chat_prints_each_line_as_it_is_complete(chat_model_dir):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_serve_says_what_it_serves_and_where(chat_llm, caplog, monkeypatch):
+    from turnkv.serve import server
+    from turnkv.serve.config import ServeConfig
+
+    config = ServeConfig(host="127.0.0.1", port=8123, served_model_name="tiny")
+    line = server.startup_summary(chat_llm, config)
+    info = chat_llm.info()
+    for part in (f"serving tiny ({chat_llm.name})", f"on {info['device']}", info["dtype"],
+                 f"{info['kv_pool_bytes'] / 2**20:,.0f} MiB", f"{info['kv_pool_tokens']:,} tokens",
+                 f"recipe: {chat_llm.recipe}", "at http://127.0.0.1:8123/v1"):
+        assert part in line, part
+    # serve() logs it once the app is built, before the server starts listening.
+    monkeypatch.setattr(server.DrainingServer, "run", lambda self: None)
+    with caplog.at_level("INFO", logger="turnkv.serve"):
+        server.serve(chat_llm, config, tiers=None)
+    assert line in caplog.text
