@@ -13,8 +13,8 @@ THREADS = int(os.environ.get("TURNKV_TEST_THREADS", "1"))
 os.environ["OMP_NUM_THREADS"] = str(THREADS)
 os.environ.setdefault("MKL_NUM_THREADS", str(THREADS))
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 torch.set_num_threads(THREADS)
 

@@ -64,7 +64,7 @@ def test_cached_tokens_never_exceed_prompt_tokens(chat_model_dir, tmp_path):
         assert s.store.entries
         for session in (None, "alice"):
             messages = [*kept[session], {"role": "user", "content": TURNS[3]}]
-            _, usage = _ask(s, messages, session)
+            _ask(s, messages, session)
             _ask(s, [*messages, {"role": "assistant", "content": "Fine."}, {"role": "user", "content": "Go on."}],
                  session)
             _ask(s, [SYSTEM, {"role": "user", "content": "Something else entirely."}], session)
