@@ -175,3 +175,15 @@ def test_serve_says_what_it_serves_and_where(chat_llm, caplog, monkeypatch):
     with caplog.at_level("INFO", logger="turnkv.serve"):
         server.serve(chat_llm, config, tiers=None)
     assert line in caplog.text
+
+
+def test_stats_say_when_a_budget_has_not_acted_yet(monkeypatch, capsys, chat_model_dir):
+    stdin = "Hello there, how are you today?\nAnd again?\n/stats\n"
+    said = {}
+    for budget in ("1024", "8"):
+        code, out, err = run_cli(monkeypatch, capsys, ["chat", "--model", str(chat_model_dir), "--max-new-tokens", "3",
+                                                       "--kv-memory", "32MiB", "--recipe", "snapkv", "--budget", budget],
+                                 stdin)
+        assert code == 0, err
+        said[budget] = "nothing evicted yet" in out and "within budget=1024" in out
+    assert said == {"1024": True, "8": False}

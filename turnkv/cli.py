@@ -206,6 +206,11 @@ def _conversation_stats(llm, conv) -> str:
                      f"{last['span'][1]}, kept per head: mean {heads.mean():.0f}, min {heads.min()}, max {heads.max()}")
         per_segment = conv.segment_counts().mean(axis=(1, 2))
         lines.append("tokens per head by segment (system, turn 1, ...): " + " ".join(f"{x:.0f}" for x in per_segment))
+    evict = conv.recipe.evict
+    if evict is not None and conv.turns and kv.tokens() == kv.next_position * pool.num_layers * pool.num_kv_heads:
+        amount = f"budget={evict.budget}" if evict.budget is not None else f"keep_ratio={evict.keep_ratio}"
+        lines.append(f"nothing evicted yet: the {kv.next_position} positions held are within {amount} "
+                     f"(a budget acts once earlier turns hold more than it per head)")
     return "\n".join(lines)
 
 
