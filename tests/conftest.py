@@ -6,9 +6,9 @@ import os
 
 # One intra-op thread per test process unless TURNKV_TEST_THREADS says otherwise. Several threads
 # meet at a barrier after every parallel op; on a busy machine one of them is often descheduled and
-# the others wait for it, op after op (the tiny models' ops are short, so the waits dominate): with
-# two threads, tests/bench took many times longer beside another CPU-bound job. Set before torch is
-# imported, so processes the tests start (the CLI, a server, benchmark workers) inherit it.
+# the others wait for it, op after op, and the small models' ops are short enough for those waits to
+# dominate. Set before torch is imported, so processes the tests start (the CLI, a server, benchmark
+# workers) inherit it.
 THREADS = int(os.environ.get("TURNKV_TEST_THREADS", "1"))
 os.environ["OMP_NUM_THREADS"] = str(THREADS)
 os.environ.setdefault("MKL_NUM_THREADS", str(THREADS))
