@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import os
 
+# One intra-op thread per test process unless TURNKV_TEST_THREADS says otherwise. Several threads
+# meet at a barrier after every parallel op; on a busy machine one of them is often descheduled and
+# the others wait for it, op after op, and the small models' ops are short enough for those waits to
+# dominate. Set before torch is imported, so processes the tests start (the CLI, a server, benchmark
+# workers) inherit it.
+THREADS = int(os.environ.get("TURNKV_TEST_THREADS", "1"))
+os.environ["OMP_NUM_THREADS"] = str(THREADS)
+os.environ.setdefault("MKL_NUM_THREADS", str(THREADS))
+
 import pytest
 import torch
+
+torch.set_num_threads(THREADS)
 
 # Tests never reach a model hub: everything they load is built here or shipped by a package.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

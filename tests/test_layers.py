@@ -26,7 +26,7 @@ PACKAGE = "turnkv"
 
 # Layer rank of a module: by its first package under turnkv/; top-level modules are rank 0.
 LAYER_RANKS = {"model": 1, "attention": 2, "kv": 3, "methods": 4, "engine": 5, "state": 5, "serve": 6,
-               "bench": 6, "cli": 7}
+               "bench": 6, "cli": 7, "__main__": 7}  # __main__: `python -m turnkv`, the command line
 FACADE_RANK = 7  # turnkv/__init__.py, beside cli.py at the top
 
 # Modules a function may import: each needs an optional dependency, so importing it at module level

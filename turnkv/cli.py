@@ -1,32 +1,104 @@
-"""The `turnkv` command: chat, generate, serve, info."""
+"""The `turnkv` command: chat, generate, serve, info, methods, bench."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
+import textwrap
+import time
+from contextlib import contextmanager
 
 import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from turnkv.bench.cli import add_quality_parser, add_speed_parser
 from turnkv.engine.info import model_info
 from turnkv.engine.llm import LLM
-from turnkv.errors import TurnkvError
+from turnkv.errors import InvalidRequestError, TurnkvError
 from turnkv.methods.evict.eviction import SCHEDULES
 from turnkv.methods.recipe import PRESET_DOCS, Recipe, presets
 from turnkv.methods.registry import describe
 from turnkv.serve.config import API_KEY_ENV, ServeConfig, parse_head_pattern
 from turnkv.serve.server import serve
 from turnkv.sizes import parse_bytes
+from turnkv.version import __version__
 
 MB = 1 << 20
+CHAT_COMMANDS = {
+    "/help": "list these commands",
+    "/stats": "the conversation's KV: tokens held per layer and head, bytes, the pool, the last compression",
+    "/reset": "forget every turn and free the KV",
+    "/quit": "leave (also /exit, or end of input)",
+}
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows each option's default where it has one and its help does not already name it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == [] or (
+            action.default == argparse.SUPPRESS)
+        if not action.option_strings or "default" in text or unset or isinstance(action, argparse._VersionAction):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose help shows the defaults; subcommands' parsers are of the same class."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {value}")
+    return value
+
+
+@contextmanager
+def _working(what: str):
+    """A spinner with the elapsed time on stderr while the block runs (on a terminal), then one line
+    with the time it took."""
+    console = Console(stderr=True)
+    start = time.perf_counter()
+    if console.is_terminal:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                      transient=True) as progress:
+            progress.add_task(what + "...", total=None)
+            yield
+    else:
+        yield
+    console.print(f"{what}: {time.perf_counter() - start:.1f} s", highlight=False)
 
 
 _MODEL_HELP = {
     "--model": "GGUF file, HF safetensors folder, or shape name (default: embedded SmolLM2-135M-Instruct)",
     "--dtype": "float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)",
     "--device": "cpu or cuda (default: cuda when available)",
-    "--kv-memory": "KV page pool size, e.g. 2GiB",
+    "--kv-memory": "KV page pool size, e.g. 2GiB (default: four full contexts on CPU, most of the free memory "
+                   "on a GPU)",
     "--kv-dtype": "K/V storage: int8 or fp8 (quantized per token and head), or none (the model dtype, default)",
 }
 
@@ -34,20 +106,26 @@ _MODEL_HELP = {
 def _model_args(p: argparse.ArgumentParser) -> None:
     for flag, help_text in _MODEL_HELP.items():
         p.add_argument(flag, default=None, help=help_text)
-    p.add_argument("--tokenizer", default=None, help="tokenizer for a shape name or a folder without one")
+    p.add_argument("--tokenizer", default=None,
+                   help="a folder with tokenizer.json or a GGUF file, for a shape name or a model folder without one "
+                        "(default: the model's own; shape names borrow the embedded model's)")
     p.add_argument("--recipe", default=None,
-                   help="a preset (turnkv methods --presets), a recipe string, or a .json/.yaml file")
-    p.add_argument("--budget", type=int, default=None, help="eviction budget: average tokens kept per KV head")
-    p.add_argument("--keep-ratio", type=float, default=None, help="eviction budget as the fraction of tokens kept")
+                   help="a preset (turnkv methods --presets), a recipe string, or a .json/.yaml file "
+                        "(default: full, the whole KV kept)")
+    p.add_argument("--budget", type=_positive_int, default=None,
+                   help="eviction budget: average tokens kept per KV head (with an evicting --recipe)")
+    p.add_argument("--keep-ratio", type=_ratio, default=None,
+                   help="eviction budget as the fraction of tokens kept (with an evicting --recipe)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="reply length limit")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 means greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                                                            "holding this probability; 1 keeps all")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 means all")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: unseeded)")
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable; default: none)")
 
 
 def _sampling(args) -> dict:
@@ -56,19 +134,45 @@ def _sampling(args) -> dict:
 
 
 def _recipe(args):
-
-    if args.recipe is None and args.budget is None and args.keep_ratio is None:
-        return None
-    recipe = Recipe() if args.recipe is None else (
-        Recipe.from_file(args.recipe) if args.recipe.endswith((".json", ".yaml", ".yml")) else Recipe.parse(args.recipe))
     amounts = {k: str(v) for k, v in (("budget", args.budget), ("keep_ratio", args.keep_ratio)) if v is not None}
+    if args.recipe is None:
+        if amounts:
+            flags = " and ".join(f"--{k.replace('_', '-')}" for k in amounts)
+            raise InvalidRequestError(f"{flags} {'sets' if len(amounts) == 1 else 'set'} how much an eviction recipe keeps; add one, e.g. --recipe snapkv "
+                                      f"or --recipe ada-snapkv (`turnkv methods --presets` lists them)")
+        return None
+    recipe = Recipe.from_file(args.recipe) if args.recipe.endswith((".json", ".yaml", ".yml")) else Recipe.parse(args.recipe)
     return recipe.with_overrides(amounts) if amounts else recipe
 
 
-def _load(args):
+def _load(args, **options):
+    recipe = _recipe(args)  # a bad recipe fails before the model loads
+    with _working(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'}"):
+        return LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory,
+                   tokenizer=args.tokenizer, recipe=recipe, kv_dtype=args.kv_dtype, **options)
 
-    return LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory, tokenizer=args.tokenizer,
-               recipe=_recipe(args), kv_dtype=args.kv_dtype)
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record comes (it may be replaced after set-up)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def _show_progress_logs() -> None:
+    """The engine's INFO messages (a state strategy calibrating on the first turn, ...) on stderr."""
+    logger = logging.getLogger("turnkv")
+    if any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        return
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def _turn_stats(reply) -> str:
@@ -76,8 +180,19 @@ def _turn_stats(reply) -> str:
             f"TTFT {reply.ttft_s * 1000:.0f} ms | {reply.tokens_per_s:.1f} tok/s | {reply.finish_reason}]")
 
 
+def _tier(llm, where: str | None) -> str:
+    """Where a conversation's state is, named for this machine: the KV pool is "gpu" on a GPU and
+    "resident" (in host memory) on a CPU; "cpu" and "disk" are the tiers below it."""
+    if where == "gpu" and llm.device.type != "cuda":
+        return "resident"
+    return where or "nowhere yet (no turn)"
+
+
 def _conversation_stats(llm, conv) -> str:
     kv = conv.kv
+    recipe = str(conv.recipe)
+    if llm.device.type != "cuda":
+        recipe = recipe.replace("state=gpu", "state=resident")
     per_layer = kv.bytes_per_layer() / MB
     pool = llm.pool
     lines = [
@@ -85,9 +200,10 @@ def _conversation_stats(llm, conv) -> str:
         (f"KV held: {kv.tokens()} token-heads across {pool.num_layers} layers x {pool.num_kv_heads} KV heads "
          f"= {kv.bytes() / MB:.2f} MB ({llm.kv_bytes_per_token()} B/token dense, KV {pool.kv_dtype_name if pool.quantized else str(pool.dtype).removeprefix('torch.')})"),
         f"per layer: min {per_layer.min():.2f} MB, max {per_layer.max():.2f} MB",
-        (f"pool: {pool.bytes_in_use() / MB:.1f} MB used of {pool.capacity_bytes() / MB:.0f} MB "
-         f"({pool.free_pages(0)} free pages of {pool.page_size} tokens in layer 0)"),
-        f"recipe: {conv.recipe}",
+        f"pool: {pool.bytes_in_use() / MB:.1f} MB used of {pool.capacity_bytes() / MB:.0f} MB "
+        f"({pool.free_pages(0)} free pages of {pool.page_size} tokens in layer 0)",
+        f"recipe: {recipe}",
+        f"state: {_tier(llm, conv.location)}",
     ]
     if conv.compression_log:
         last = conv.compression_log[-1]
@@ -96,15 +212,45 @@ def _conversation_stats(llm, conv) -> str:
                      f"{last['span'][1]}, kept per head: mean {heads.mean():.0f}, min {heads.min()}, max {heads.max()}")
         per_segment = conv.segment_counts().mean(axis=(1, 2))
         lines.append("tokens per head by segment (system, turn 1, ...): " + " ".join(f"{x:.0f}" for x in per_segment))
+    evict = conv.recipe.evict
+    if evict is not None and conv.turns and kv.tokens() == kv.next_position * pool.num_layers * pool.num_kv_heads:
+        amount = f"budget={evict.budget}" if evict.budget is not None else f"keep_ratio={evict.keep_ratio}"
+        lines.append(f"nothing evicted yet: the {kv.next_position} positions held are within {amount} "
+                     f"(a budget acts once earlier turns hold more than it per head)")
     return "\n".join(lines)
 
 
+def _chat_command(message: str, llm, conv) -> bool:
+    """Run `message` when it is a chat command (True), or leave it to be sent (False). A message
+    that starts with "//" is sent with one "/"."""
+    word = message.split()[0]
+    if message.startswith("//") or not word[1:].isalpha():
+        return False
+    if word == "/reset":
+        conv.reset()
+        print("(conversation reset)", flush=True)
+    elif word == "/stats":
+        print(_conversation_stats(llm, conv), flush=True)
+    elif word == "/help":
+        for name, about in CHAT_COMMANDS.items():
+            print(f"  {name:<8} {about}")
+        print("  A message that starts with '/' is sent when written with '//' ('//etc' sends '/etc').", flush=True)
+    else:
+        print(f"unknown command {word}; /help lists the commands (start a message with // to send a '/')",
+              file=sys.stderr, flush=True)
+    return True
+
+
 def cmd_chat(args) -> int:
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)  # piped: every line as soon as it is complete
+    _show_progress_logs()
     llm = _load(args)
+    llm._require_tokenizer()  # a chat needs one: say so now, not at every turn
     conv = llm.conversation(system=args.system)
     interactive = sys.stdin.isatty()
     if interactive:
-        print(f"turnkv chat with {llm.name} on {llm.device} ({llm.dtype}). /stats, /reset, /quit.", flush=True)
+        print(f"turnkv chat with {llm.name} on {llm.device} ({llm.dtype}). /help for the commands.", flush=True)
     while True:
         try:
             line = input("you> " if interactive else "")
@@ -118,18 +264,14 @@ def cmd_chat(args) -> int:
             continue
         if message in ("/quit", "/exit"):
             break
-        if message == "/reset":
-            conv.reset()
-            print("(conversation reset)", flush=True)
+        if message.startswith("/") and _chat_command(message, llm, conv):
             continue
-        if message == "/stats":
-            print(_conversation_stats(llm, conv), flush=True)
-            continue
+        message = message[1:] if message.startswith("//") else message
         print("assistant> " if interactive else "", end="", flush=True)
         try:
             for piece in conv.stream(message, **_sampling(args)):
                 print(piece, end="", flush=True)
-            print()
+            print(flush=True)
             print(_turn_stats(conv.last_reply), file=sys.stderr if args.quiet_stats else sys.stdout, flush=True)
         except KeyboardInterrupt:
             print("\n(turn interrupted; the conversation is as it was before it)", flush=True)
@@ -155,11 +297,6 @@ def _head_pattern(spec: str) -> tuple[str, str]:
 
 
 def cmd_serve(args) -> int:
-    import logging
-    import os
-
-
-
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = ServeConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                          served_model_name=args.served_model_name, max_running=args.max_running,
@@ -169,9 +306,8 @@ def cmd_serve(args) -> int:
                          head_patterns=dict(args.head_pattern or []))
 
     # _load's engine plus the state tiers idle conversations move to when the KV pool fills.
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory, tokenizer=args.tokenizer,
-              recipe=_recipe(args), state_cpu_memory=args.state_cpu_memory, state_disk_dir=args.state_disk_dir,
-              state_disk_memory=args.state_disk_memory, kv_dtype=args.kv_dtype)
+    llm = _load(args, state_cpu_memory=args.state_cpu_memory, state_disk_dir=args.state_disk_dir,
+                state_disk_memory=args.state_disk_memory)
     serve(llm, config, idle_ttl_s=args.idle_ttl, log_level=args.log_level, tiers=None if args.no_tiers else "state")
     return 0
 
@@ -190,14 +326,15 @@ def cmd_info(args) -> int:
 
 
 def cmd_methods(args) -> int:
-
+    width = max(60, min(120, os.get_terminal_size(sys.stdout.fileno()).columns if sys.stdout.isatty() else 100))
     if args.presets:
         rows = {name: {"recipe": str(recipe), "about": PRESET_DOCS.get(name, "")} for name, recipe in presets().items()}
         if args.json:
             print(json.dumps(rows, indent=2))
         else:
             for name, row in rows.items():
-                print(f"{name:<24} {row['about']}\n{'':<24} {row['recipe']}")
+                print(_wrapped(name, row["about"], 0, 25, width))
+                print(_wrapped("", row["recipe"], 0, 25, width))
         return 0
     rows = describe()
     if args.json:
@@ -209,16 +346,28 @@ def cmd_methods(args) -> int:
             kind = row["kind"]
             print(f"\n[{kind}]" if kind == row["axis"] else f"\n[{row['axis']}: {kind}]")
         params = ", ".join(f"{k}={v!r}" for k, v in row["params"].items())
-        print(f"  {row['name']:<20} {row['doc']}" + (f"\n  {'':<20} ({params})" if params else ""))
+        print(_wrapped(row["name"], row["doc"], 2, 23, width))
+        if params:
+            print(_wrapped("", f"({params})", 2, 23, width))
 
     print("\n[evict options] budget=N (tokens per KV head) | keep_ratio=F | compression_ratio=F | every=N")
     for name, doc in SCHEDULES.items():
-        print(f"  schedule={name:<10} {doc}")
+        print(_wrapped(f"schedule={name}", doc, 2, 23, width))
     return 0
 
 
+def _wrapped(name: str, text: str, indent: int, column: int, width: int) -> str:
+    """`name` at `indent`, then `text` from `column`, wrapped to `width` with its lines aligned there."""
+    head = " " * indent + name
+    head = head + " " * (column - len(head)) if len(head) < column else head + "\n" + " " * column
+    return textwrap.fill(text, width, initial_indent=head, subsequent_indent=" " * column, break_on_hyphens=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="turnkv", description="An engine for long multi-turn LLM conversations.")
+    parser = _Parser(prog="turnkv", description="An engine for long multi-turn LLM conversations.")
+    parser.add_argument("--version", action="version",
+                        version=f"turnkv {__version__} (torch {torch.__version__}, "
+                                f"CUDA {torch.version.cuda or 'not built in'})")
     sub = parser.add_subparsers(dest="command", required=True)
 
     chat = sub.add_parser("chat", help="interactive multi-turn chat (reads turns from stdin when piped)")
@@ -236,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     methods = sub.add_parser("methods", help="list every method with its parameters, or the presets")
     methods.add_argument("--presets", action="store_true", help="list the named recipes")
-    methods.add_argument("--json", action="store_true")
+    methods.add_argument("--json", action="store_true", help="print the list as JSON")
     methods.set_defaults(func=cmd_methods)
 
     bench = sub.add_parser("bench", help="benchmarks: quality, speed")
@@ -248,13 +397,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server that keeps conversations between requests")
     _model_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or set TURNKV_API_KEY)")
     srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
     srv.add_argument("--max-running", type=int, default=32, help="requests decoding together (the decode batch)")
     srv.add_argument("--max-waiting", type=int, default=64, help="queued requests; beyond that 429 + Retry-After")
     srv.add_argument("--prefill-chunk", type=int, default=512, help="prefill slice run between two decode steps")
-    srv.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    srv.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body; beyond it 413")
     srv.add_argument("--max-tokens", type=int, default=256, help="reply length when a request sets no max_tokens")
     srv.add_argument("--no-reuse", action="store_true", help="prefill every request from scratch (a baseline)")
     srv.add_argument("--idle-ttl", type=float, default=None, help="drop conversations idle this many seconds")
@@ -271,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--head-pattern", action="append", type=_head_pattern, metavar="NAME=PATH",
                      help="a head-pattern file requests may name in a recipe (streaming_heads(pattern=NAME)); "
                           "repeatable. A recipe sent over HTTP reads no other file")
-    srv.add_argument("--log-level", default="info")
+    srv.add_argument("--log-level", default="info", help="uvicorn's log level: debug, info, warning, error")
     srv.set_defaults(func=cmd_serve)
 
     info = sub.add_parser("info", help="model shape, parameters, KV bytes per token and the largest context that "
@@ -279,18 +428,27 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("--model", "--dtype", "--device", "--kv-memory", "--kv-dtype"):
         info.add_argument(flag, default=None, help=_MODEL_HELP[flag])
     info.add_argument("--memory", default="80GiB", help="memory for weights + KV (default 80GiB: one H100)")
-    info.add_argument("--json", action="store_true")
+    info.add_argument("--json", action="store_true", help="print the figures as JSON")
     info.set_defaults(func=cmd_info)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line `argv` (default: sys.argv[1:]); returns the exit status. Errors turnkv
+    raises on purpose and files that cannot be read or written end the command with one line on
+    stderr and status 2, an interrupt with status 130."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except TurnkvError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@ class ModelLoadError(TurnkvError):
     """A model file is missing, corrupt, or of an unsupported architecture, or a shape name is unknown."""
 
 
+class DeviceError(TurnkvError):
+    """The device asked for does not exist here: CUDA without a CUDA build of torch or without a GPU,
+    a GPU index past the last one, or a device name torch does not know."""
+
+
 class InvalidRequestError(TurnkvError, ValueError):
     """A request is malformed: an empty message, a bad sampling parameter, an unknown option."""
 

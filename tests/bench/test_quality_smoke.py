@@ -60,7 +60,9 @@ def test_bench_quality_smoke_preset_on_smollm2(tmp_path):
     assert len(got) == len(expected)
     for row, want in zip(got, expected):
         assert {k: row.get(k) for k in EXACT} == {k: want.get(k) for k in EXACT}
-        assert row["kl"] == pytest.approx(want["kl"], rel=1e-5, abs=1e-7)
+        # KL of nearly equal distributions is fp32 rounding, which the BLAS thread count changes; the
+        # KLs that tell recipes apart are orders of magnitude above the tolerance.
+        assert row["kl"] == pytest.approx(want["kl"], rel=1e-5, abs=1e-5)
 
 
 if __name__ == "__main__":  # write the snapshot from a smoke run's results.jsonl

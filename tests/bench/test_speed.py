@@ -178,3 +178,42 @@ def test_steady_time_per_token_spans_the_steps_after_the_skipped_tokens():
     reply = SimpleNamespace(token_times=times, time_per_token_s=-1.0)
     assert steady_time_per_token(reply, 16) == pytest.approx(0.1)  # steps 16..63: 48 steps
     assert steady_time_per_token(reply, 0) == -1.0 and steady_time_per_token(reply, 64) == -1.0
+
+
+def test_each_row_is_written_as_it_finishes_and_a_stopped_run_resumes(tiny, tmp_path, monkeypatch):
+    from turnkv.bench import speed
+    from turnkv.errors import InvalidRequestError
+
+    cfg = SpeedConfig(contexts=[16, 24], batches=[1], new_tokens=3, turns=0, repeat=1, peers=("sdpa",),
+                      recipes={"full": Recipe(), "snapkv": Recipe.parse("snapkv budget=8")})
+    rows_path = tmp_path / "run" / "rows.jsonl"
+    measure, measured = speed.measure, []
+
+    def stopped_at_the_third(llm, recipe, ctx, batch, cfg, hw):
+        if len(measured) == 2:
+            raise KeyboardInterrupt  # the run is killed while it measures its third row
+        measured.append((str(recipe), ctx))
+        return measure(llm, recipe, ctx, batch, cfg, hw)
+
+    monkeypatch.setattr(speed, "measure", stopped_at_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        run_speed(tiny, cfg, progress=False, rows_path=rows_path)
+    kept = [json.loads(line) for line in rows_path.read_text().splitlines()]
+    assert len(kept) == 1 + 2 and kept[1]["row"]["tpot_s"] > 0  # the settings, then the two finished rows
+
+    def counted(llm, recipe, ctx, batch, cfg, hw):
+        measured.append((str(recipe), ctx))
+        return measure(llm, recipe, ctx, batch, cfg, hw)
+
+    monkeypatch.setattr(speed, "measure", counted)
+    result = run_speed(tiny, cfg, progress=False, rows_path=rows_path)
+    assert measured[2:] == [(str(Recipe.parse("snapkv budget=8")), 16), (str(Recipe.parse("snapkv budget=8")), 24)]
+    ours = [r for r in result["rows"] if r["engine"] == "turnkv"]
+    assert [(r["recipe"], r["context"]) for r in ours] == [("full", 16), ("full", 24), ("snapkv", 16), ("snapkv", 24)]
+    assert ours[:2] == [k["row"] for k in kept[1:]]  # the rows of the stopped run, as they were measured
+    assert result["hardware"] == kept[0]["hardware"] and len([r for r in result["rows"] if r["engine"] == "sdpa"]) == 2
+    # A rerun measures nothing; other settings over the same file are refused, not mixed in.
+    run_speed(tiny, cfg, progress=False, rows_path=rows_path)
+    assert len(measured) == 4
+    with pytest.raises(InvalidRequestError, match="other settings"):
+        run_speed(tiny, SpeedConfig(**{**vars(cfg), "new_tokens": 4}), progress=False, rows_path=rows_path)

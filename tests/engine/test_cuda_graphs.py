@@ -43,7 +43,7 @@ def test_logits_match_eager_step(engines):
     for llm in engines:
         seq = SequenceKV(llm.pool)
         llm.runner.prefill(seq, prompt)
-        steps = [llm.runner.decode([seq], llm.token_tensor([t])) for t in (5, 17, 99)]
+        steps = [llm.runner.decode([seq], llm._token_tensor([t])) for t in (5, 17, 99)]
         outs.append(torch.stack(steps))
         seq.free()
     torch.testing.assert_close(outs[0], outs[1], atol=2e-4, rtol=2e-4)
@@ -86,7 +86,7 @@ def test_streaming_heads_page_ring_matches_eager(engines):
         r.prefill.trim(seq)
         steps = []
         for t in range(48):
-            steps.append(llm.runner.decode([seq], llm.token_tensor([5 + t])))
+            steps.append(llm.runner.decode([seq], llm._token_tensor([5 + t])))
             r.prefill.trim(seq)
         outs.append(torch.stack(steps))
         assert seq.table_edits.any()  # pages were dropped

@@ -70,7 +70,7 @@ def test_logits_match_eager_steps(engines, name):
             recipe.after_prompt(seq, st, len(prompt), llm.model.inv_freq, turn=1)
             steps = []
             for t in tokens:
-                steps.append(llm.runner.decode([seq], llm.token_tensor([t]), [st.context]))
+                steps.append(llm.runner.decode([seq], llm._token_tensor([t]), [st.context]))
                 recipe.after_decode_step(seq, st, llm.model.inv_freq, turn=1)
             outs.append(torch.stack(steps))
         finally:

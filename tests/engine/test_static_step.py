@@ -74,8 +74,8 @@ class TestStaticStepOnCPU:
             assert seqs[1].lengths.tolist() == [[16, 40], [40, 16]]
             for step in range(14):
                 token = 7 + 3 * step
-                a = eager.runner.decode([seqs[0]], eager.token_tensor([token]))
-                b = static.runner.decode([seqs[1]], static.token_tensor([token]))
+                a = eager.runner.decode([seqs[0]], eager._token_tensor([token]))
+                b = static.runner.decode([seqs[1]], static._token_tensor([token]))
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
                 seq = seqs[1]
                 for layer in range(2):

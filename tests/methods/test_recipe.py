@@ -245,7 +245,7 @@ ERRORS = [
     ("snapkv keep_ratio=2", ["keep_ratio must be a number in (0, 1]"]),
     ("snapkv keep_ratio=0", ["keep_ratio must be a number in (0, 1]"]),
     ("snapkv keep_ratio=nan", ["keep_ratio must be a number in (0, 1]"]),
-    ("snapkv compression_ratio=1", ["keep_ratio must be a number in (0, 1]"]),
+    ("snapkv compression_ratio=1", ["compression_ratio must be a number in [0, 1)"]),
     ("snapkv schedule=bogus", ["schedule must be one of " + ", ".join(SCHEDULES)]),
     ("snapkv schedule=decode every=0", ["every must be an integer >= 1"]),
     ("evict=snapkv+adakv(alpha=3)", ["allocator 'adakv'", "alpha must be in [0, 1]"]),
@@ -257,9 +257,13 @@ ERRORS = [
     ("snapkv turns=recompress(budget_rule=greedy)", ["budget_rule must be 'matched' or 'naive'"]),
     ("evict=snapkv+adakv+uniform", ["evict='snapkv+adakv+uniform'", "scorer(...)+allocator(...)"]),
     ("snapkv budget=8 keep_ratio=0.5", ["exactly one of budget", "keep_ratio"]),
-    ("budget=8", ["budget needs an eviction method (evict=...)"]),
-    ("compression_ratio=0.75", ["compression_ratio needs an eviction method"]),
-    ("evict=none keep_ratio=0.5", ["keep_ratio needs an eviction method"]),
+    ("budget=8", ["budget sets how much an eviction method keeps, and this recipe evicts nothing",
+                  "evict=...", "turnkv methods --presets"]),
+    ("compression_ratio=0.75", ["compression_ratio sets how much an eviction method keeps"]),
+    ("evict=none keep_ratio=0.5", ["keep_ratio sets how much an eviction method keeps"]),
+    # A value out of range is named as such, with or without an eviction method to take it.
+    ("budget=-5", ["budget must be an integer >= 1"]),
+    ("keep_ratio=1.5", ["keep_ratio must be a number in (0, 1]"]),
     ("snapkv(", ["unbalanced parentheses"]),
 ]
 
@@ -313,7 +317,8 @@ def test_describe_lists_every_component_with_its_defaults():
     assert list(by_kind) == list(registry.KINDS)
     assert list(dict.fromkeys(row["axis"] for row in rows)) == list(registry.AXES)
     assert by_kind == {"prefill": ["a_shape", "dense", "loopserve", "minference", "streaming_heads", "tri_shape"], "scorer": SCORERS,
-                       "allocator": ALLOCATORS, "turns": TURNS, "decode": ["all", "loopserve", "lserve", "quest"], "state": ["gpu", "krul", "krul_fix", "load", "minicache", "partial", "recompute"]}
+                       "allocator": ALLOCATORS, "turns": TURNS, "decode": ["all", "loopserve", "lserve", "quest"], "state": ["gpu", "krul", "krul_fix", "load", "minicache", "partial", "recompute",
+                                                                                                                    "resident"]}
     params = {(r["kind"], r["name"]): r["params"] for r in rows}
     assert params[("decode", "loopserve")] == {"budget": 1024, "interval": 16, "warmup": 16, "window": None,
                                                "granularity": "query", "sinks": 0}

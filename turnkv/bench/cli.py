@@ -7,7 +7,6 @@ import json
 import shlex
 import sys
 import time
-from pathlib import Path
 
 from turnkv.bench import speed_report
 from turnkv.bench.datasets.loaders import load
@@ -17,8 +16,10 @@ from turnkv.bench.quality_presets import apply
 from turnkv.bench.report import write_report
 from turnkv.bench.speed import SpeedConfig, run_speed
 from turnkv.engine.llm import LLM
+from turnkv.errors import InvalidRequestError
 from turnkv.kv.pool import PagePool
 from turnkv.methods.recipe import Recipe, preset
+from turnkv.paths import user_path
 
 
 def _split(text: str) -> list[str]:
@@ -38,10 +39,10 @@ def _split(text: str) -> list[str]:
 
 def add_quality_parser(sub) -> None:
     p = sub.add_parser("quality", help="multi-turn quality and fidelity of recipes")
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--device", default=None)
-    p.add_argument("--kv-memory", default=None)
+    p.add_argument("--model", default=None, help="a model file or folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--kv-memory", default=None, help="KV pool size (default: the engine's)")
     p.add_argument("--kv-dtype", default=None, help="K/V storage of every run: int8, fp8 or none (default)")
     # Flags a preset can set default to None here; quality_presets.apply fills them in.
     p.add_argument("--preset", default=None, help="named settings: smoke (the CI subset) or full (the committed run)")
@@ -60,7 +61,8 @@ def add_quality_parser(sub) -> None:
     p.add_argument("--difficulty", type=int, default=None, help="default: 1")
     p.add_argument("--seed", type=int, default=None, help="default: 0")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: 48")
-    p.add_argument("--no-fidelity", action="store_true")
+    p.add_argument("--no-fidelity", action="store_true",
+                   help="skip the teacher-forced runs behind agreement and KL against the full cache")
     p.add_argument("--workers", type=int, default=None,
                    help="processes that split the recipes, each with cores/workers torch threads (default: 1)")
     p.add_argument("--batch", type=int, default=None,
@@ -77,28 +79,41 @@ def add_quality_parser(sub) -> None:
 def add_speed_parser(sub) -> None:
     p = sub.add_parser("speed", help="latency and throughput against the hardware floor and against peers")
     p.add_argument("--model", default=None, help="a model file or folder, or a shape such as llama-3.1-8b")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--device", default=None)
-    p.add_argument("--kv-memory", default=None, help="KV pool size; by default what the largest case needs")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--kv-memory", default=None, help="KV pool size (default: what the largest case needs)")
     p.add_argument("--kv-dtype", default=None, help="K/V storage: int8, fp8 or none (the model dtype, default)")
-    p.add_argument("--contexts", default="1024,4096")
+    p.add_argument("--contexts", default="1024,4096", help="comma-separated prompt lengths in tokens")
     p.add_argument("--batch", default="1", help="comma-separated batch sizes")
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row")
     p.add_argument("--turns", type=int, default=2, help="later turns timed against kept history")
-    p.add_argument("--turn-tokens", type=int, default=256)
+    p.add_argument("--turn-tokens", type=int, default=256, help="new tokens of each later turn")
     p.add_argument("--recipes", default="full", help="comma-separated presets or recipe strings")
     p.add_argument("--peers", default="transformers,sdpa", help="comma-separated; 'none' for none")
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=3, help="runs per figure at batch 1 (the median is kept)")
     p.add_argument("--skip-tokens", type=int, default=16,
                    help="decode steps left out of the time per token (a selection's warm-up, graph captures)")
-    p.add_argument("--out", default="benchmarks/decode/results/latest")
+    p.add_argument("--out", default="benchmarks/decode/results/latest",
+                   help="folder for rows.jsonl (each row as it finishes; a rerun resumes from it), speed.json, "
+                        "report.md and plots")
     p.set_defaults(func=cmd_speed)
+
+
+def _integers(flag: str, text: str) -> list[int]:
+    """A comma-separated list of positive integers, or InvalidRequestError naming the flag."""
+    try:
+        values = [int(item) for item in _split(text)]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise InvalidRequestError(f"{flag} takes comma-separated integers >= 1, e.g. 1024,4096; got {text!r}")
+    return values
 
 
 def cmd_speed(args) -> int:
 
-    contexts = [int(c) for c in _split(args.contexts)]
-    batches = [int(b) for b in _split(args.batch)]
+    contexts, batches = _integers("--contexts", args.contexts), _integers("--batch", args.batch)
+    recipes = {spec: Recipe.parse(spec) for spec in _split(args.recipes)}  # a bad one fails before the load
     need = max(contexts) + args.new_tokens + args.turns * args.turn_tokens
 
     def kv_memory(config, dtype):  # room for the largest batch at the largest context, and no more
@@ -109,12 +124,14 @@ def cmd_speed(args) -> int:
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory or kv_memory,
               max_model_len=need + 16, kv_dtype=args.kv_dtype)
-    recipes = {spec: Recipe.parse(spec) for spec in _split(args.recipes)}
     config = SpeedConfig(contexts=contexts, batches=batches, new_tokens=args.new_tokens, turns=args.turns,
                          turn_tokens=args.turn_tokens, recipes=recipes,
                          peers=tuple(p for p in _split(args.peers) if p != "none"), repeat=args.repeat,
                          skip_tokens=args.skip_tokens)
-    result = run_speed(llm, config)
+    rows_path = user_path(args.out) / "rows.jsonl"
+    if rows_path.exists():
+        print(f"resuming from {rows_path}: its rows are kept, the others measured", file=sys.stderr)
+    result = run_speed(llm, config, rows_path=rows_path)
     command = "turnkv bench speed " + " ".join(shlex.quote(a) for a in sys.argv[3:])
     print(speed_report.write(result, args.out, command))
     return 0
@@ -193,7 +210,7 @@ def cmd_quality(args) -> int:
     config = QualityConfig(recipes=expand_recipes(args), positions=tuple(_split(args.positions)),
                            max_new_tokens=args.max_new_tokens, fidelity=not args.no_fidelity,
                            lockstep=not args.one_at_a_time, batch=args.batch, workers=args.workers, engine=engine)
-    out = Path(args.out)
+    out = user_path(args.out)
     runs_path = out / "runs.json"  # every invocation that ran something: its wall time and machine
     runs = json.loads(runs_path.read_text()) if runs_path.exists() else []
     if args.report_only:

@@ -151,9 +151,9 @@ class LockstepConversation(Conversation):
         """Render the turn, prefill its prompt (from `shared` on a first turn that may take it), run the
         recipe's after-prompt hook and take the first token. A forced turn of a chunkable recipe is
         complete on return. `watch` sees every token before it is accepted (TurnRun.watch)."""
-        inputs = self.turn_input(message)
-        params = self.llm.sampling_params(max_new_tokens=max_new_tokens)
-        gen = self.llm.new_generation(self.kv, params, forced=force, keep_logprobs=logprobs)
+        inputs = self._turn_input(message)
+        params = self.llm._sampling_params(max_new_tokens=max_new_tokens)
+        gen = self.llm._new_generation(self.kv, params, forced=force, keep_logprobs=logprobs)
         pending = PendingTurn(self, inputs, gen, self.llm.state).begin()
         pending.watch = watch
         try:
@@ -182,7 +182,7 @@ class LockstepConversation(Conversation):
             raise ValueError(f"a conversation with recipe {self.recipe} cannot be forked")
         twin = self.clone(copy_decode=_decode_kind(self.method_state.decode) == "copy")
         twin.llm.state.before_turn(twin, 0)
-        gen = self.llm.new_generation(twin.kv, self.llm.sampling_params(max_new_tokens=len(forced)), forced=forced,
+        gen = self.llm._new_generation(twin.kv, self.llm._sampling_params(max_new_tokens=len(forced)), forced=forced,
                                       keep_logprobs=True)
         done = len(pending.gen.token_ids)
         for token in pending.gen.token_ids:

@@ -22,6 +22,7 @@ from turnkv.bench.metrics import first_divergence, greedy_agreement, mean_kl
 from turnkv.bench.scoring import score_turn
 from turnkv.engine.llm import LLM
 from turnkv.methods.recipe import Recipe
+from turnkv.paths import user_path
 
 FULL = "full"
 
@@ -42,7 +43,7 @@ class QualityConfig:
 def run_quality(llm, instances: list[Instance], config: QualityConfig, results_path: str | Path,
                 progress: bool = True) -> list[dict]:
     """Run every (instance, position, recipe), appending one record per turn to results_path."""
-    results_path = Path(results_path)
+    results_path = user_path(results_path)
     results_path.parent.mkdir(parents=True, exist_ok=True)
     done = load_results(results_path)
     recipes = {FULL: "full", **config.recipes}

@@ -7,6 +7,8 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
+from turnkv.paths import user_path
+
 
 def _mean(values):
     values = [v for v in values if v is not None]
@@ -53,7 +55,7 @@ def _runs(runs: list[dict]) -> list[str]:
 
 def write_report(records: list[dict], out_dir: str | Path, header: dict) -> dict:
     """JSON summary, a Markdown report and PNG plots in out_dir; returns the summary."""
-    out_dir = Path(out_dir)
+    out_dir = user_path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = {
         **header,

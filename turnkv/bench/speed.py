@@ -9,15 +9,17 @@ its floor, computed from the copy bandwidth and matmul rate measured in the same
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from turnkv.bench import hardware, peers
 from turnkv.bench.floors import decode_kv_read_bytes
-from turnkv.errors import KVCacheFullError
+from turnkv.errors import InvalidRequestError, KVCacheFullError
 from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.recipe import Recipe
 
@@ -124,15 +126,57 @@ def measure_hardware(llm) -> dict:
             "matmul_rate": hardware.matmul_rate(llm.device, llm.dtype), "weight_bytes": weight_bytes}
 
 
-def run_speed(llm, cfg: SpeedConfig, progress: bool = True) -> dict:
+def _settings(llm, cfg: SpeedConfig) -> dict:
+    """What every row's figures depend on besides its own recipe, context and batch size."""
+    return {"model": llm.name, "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."),
+            "kv_dtype": llm.pool.kv_dtype_name,
+            **{k: getattr(cfg, k) for k in ("new_tokens", "turns", "turn_tokens", "repeat", "seed", "skip_tokens")}}
+
+
+def _row_key(kind: str, spec: str, ctx: int, batch: int) -> str:
+    return json.dumps([kind, spec, ctx, batch])
+
+
+def _read_rows(path: Path, settings: dict) -> tuple[dict | None, dict[str, dict]]:
+    """(hardware, rows by key) of an earlier run's rows file; (None, {}) when there is none.
+    InvalidRequestError when it was made with other settings."""
+    if not path.exists():
+        return None, {}
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not lines:
+        return None, {}
+    head = lines[0]
+    if head.get("settings") != settings:
+        raise InvalidRequestError(
+            f"{path} holds rows measured with other settings ({head.get('settings')}, now {settings}); "
+            f"give another --out, or delete {path} to measure again")
+    return head["hardware"], {line["key"]: line["row"] for line in lines[1:]}
+
+
+def run_speed(llm, cfg: SpeedConfig, progress: bool = True, rows_path: str | Path | None = None) -> dict:
+    """Measure every planned row (recipes x contexts x batches, later turns, peers); returns the run:
+    hardware, settings and rows. rows_path: a JSONL file every finished row is appended to as it
+    completes; the rows an earlier run with the same settings wrote there are kept, not measured
+    again (a stopped run resumes), with that run's hardware figures."""
     recipes = cfg.recipes or {"full": Recipe()}
-    hw = measure_hardware(llm)
+    settings = _settings(llm, cfg)
+    hw, done = _read_rows(Path(rows_path), settings) if rows_path is not None else (None, {})
+    if hw is None:
+        hw = measure_hardware(llm)
+        if rows_path is not None:
+            Path(rows_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(rows_path).write_text(json.dumps({"settings": settings, "hardware": hw}) + "\n")
+    spec = {name: str(recipe) for name, recipe in recipes.items()} | {"full": str(Recipe())}
     plan = [("turnkv", name, ctx, b) for name in recipes for ctx in cfg.contexts for b in cfg.batches]
     plan += [("turns", "full", ctx, 1) for ctx in cfg.contexts if cfg.turns > 0]
     plan += [(peer, "full", ctx, b) for peer in cfg.peers for ctx in cfg.contexts
              for b in (cfg.batches if peer == "transformers" else [1])]
     rows, hf_model = [], None
     for kind, name, ctx, batch in tqdm(plan, desc="bench speed", disable=not progress):
+        key = _row_key(kind, spec[name], ctx, batch)
+        if key in done:
+            rows.append({**done[key], "recipe": name})
+            continue
         row = {"engine": kind if kind != "turns" else "turnkv", "recipe": name, "context": ctx, "batch": batch}
         try:
             if kind == "turnkv":
@@ -159,6 +203,9 @@ def run_speed(llm, cfg: SpeedConfig, progress: bool = True) -> dict:
         except KVCacheFullError as e:  # a shape past --kv-memory: the other rows still run
             row["unavailable"] = f"KV pool full: {e}"
         rows.append(row)
+        if rows_path is not None:
+            with open(rows_path, "a") as f:
+                f.write(json.dumps({"key": key, "row": row}, default=str) + "\n")
     return {"hardware": hw, "model": llm.name, "dtype": str(llm.dtype).removeprefix("torch."),
             "kv_dtype": llm.pool.kv_dtype_name,
             "config": {k: v for k, v in vars(cfg).items() if k != "recipes"},

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from turnkv.paths import user_path
+
 
 def _ms(x):
     return "" if x is None else f"{1e3 * x:.2f}"
@@ -93,7 +95,7 @@ def plots(result: dict, out: Path) -> list[Path]:
 
 
 def write(result: dict, out: str | Path, command: str) -> str:
-    out = Path(out)
+    out = user_path(out)
     out.mkdir(parents=True, exist_ok=True)
     result = {**result, "command": command}
     (out / "speed.json").write_text(json.dumps(result, indent=1, default=str))

@@ -36,6 +36,14 @@ class Turn:
 
 
 class Conversation:
+    """A multi-turn chat on an engine that keeps its KV between turns: each turn prefills only the
+    tokens the chat template adds after what is kept. Made by LLM.conversation() (or LLM.resume()).
+
+    llm: the engine. system: the system prompt, or None. recipe: how the KV is compressed and
+    stored (anything LLM.resolve_recipe takes; None: the engine's default recipe).
+    Attributes: id (the key of its stored state; resume() takes it), messages (the chat so far,
+    OpenAI-style dicts), turns (per turn: its token span and Reply), last_reply, recipe, kv."""
+
     def __init__(self, llm: LLM, system: str | None = None, recipe=None):
         self.llm = llm
         self.system = system
@@ -81,6 +89,7 @@ class Conversation:
         return out
 
     def close(self) -> None:
+        """Free the KV and whatever the state tiers hold of this conversation."""
         self.kv.free()
         self.llm.state.discard(self)
 
@@ -96,10 +105,16 @@ class Conversation:
 
     @property
     def kv_bytes(self) -> int:
+        """Bytes of K/V this conversation holds in the page pool (what compression frees shows here)."""
         return self.kv.bytes()
 
     def send(self, message: str, **sampling) -> Reply:
-        """Add a user message, generate the reply, and return it with its stats."""
+        """Add a user message, generate the reply, and return it with its stats (Reply: text,
+        token_ids, finish_reason, prompt_tokens prefilled, cached_tokens reused, ttft_s, tokens_per_s,
+        kv_bytes, ...). Takes stream()'s keywords: sampling parameters (SamplingParams)
+        max_new_tokens=256, temperature=0.0 (greedy), top_p=1.0, top_k=0 (no cut), seed=None,
+        stop=[] (strings that end the reply), ignore_eos=False; and context, force, logprobs.
+        A turn that fails (InvalidRequestError, ContextLengthError, KVCacheFullError) is undone."""
         for _ in self.stream(message, **sampling):
             pass
         return self.last_reply
@@ -115,14 +130,14 @@ class Conversation:
         `force` feeds the given reply tokens instead of sampling them (teacher forcing), and
         `logprobs` keeps each step's log-softmax in the Reply: together they measure how far a
         compressed conversation's distributions drift from a reference along the same answer."""
-        params = self.llm.sampling_params(**sampling)
-        inputs = self.turn_input(message, context)
+        params = self.llm._sampling_params(**sampling)
+        inputs = self._turn_input(message, context)
         if force is not None and (not force or not all(isinstance(t, int) for t in force)):
             raise InvalidRequestError("force must be a non-empty list of token ids")
-        gen = self.llm.new_generation(self.kv, params, forced=force, keep_logprobs=logprobs)
+        gen = self.llm._new_generation(self.kv, params, forced=force, keep_logprobs=logprobs)
         return self._run(TurnRun(self, inputs, gen, self.llm.state))
 
-    def turn_input(self, message: str, context: str | None = None) -> TurnInput:
+    def _turn_input(self, message: str, context: str | None = None) -> TurnInput:
         """What a turn with this user message (and separate context) adds to the history: the
         kept tokens it reuses and the new tokens, split where the system prompt and the context end.
         Raises InvalidRequestError (empty message) or ContextLengthError (over the model's context)."""
@@ -130,7 +145,7 @@ class Conversation:
             raise InvalidRequestError("the message is empty")
         if context is not None and (not isinstance(context, str) or not context.strip()):
             raise InvalidRequestError("the context is empty")
-        tokenizer = self.llm.require_tokenizer()
+        tokenizer = self.llm._require_tokenizer()
         content = message if context is None else f"{context}\n\n{message}"
         messages = [*self.messages, {"role": "user", "content": content}]
         full_text = chat_template.render(tokenizer, messages)
@@ -187,7 +202,7 @@ class Conversation:
         return ids, boundaries[:-1]
 
     # ---- what the turn driver (engine/turn.py) and the server's store change ----------------------
-    def roll_back(self, position: int, window_snapshot=None) -> None:
+    def _roll_back(self, position: int, window_snapshot=None) -> None:
         """Drop the KV from `position` on, and the recipe's bookkeeping of it. An undone turn gets its
         observation window back as it was before the turn (window_snapshot)."""
         self.kv.truncate(position)
@@ -199,25 +214,25 @@ class Conversation:
         elif st.window is not None:
             st.window.truncate(position)
 
-    def roll_back_to_reusable(self, keep: int) -> None:
+    def _roll_back_to_reusable(self, keep: int) -> None:
         """Drop the kept KV a turn may not reuse: what the template no longer renders (past `keep`),
         and the previous reply when the recipe prefills it again (answer=reprefill)."""
         if self.kv.next_position > keep:
-            self.roll_back(keep)
+            self._roll_back(keep)
         if self.recipe.answer == "reprefill" and self.turns:
             reply_start = self.turns[-1].prompt_end
             if self.kv.next_position > reply_start:
-                self.roll_back(reply_start)
+                self._roll_back(reply_start)
 
-    def cut(self, tokens: int, chars: int) -> None:
+    def _cut(self, tokens: int, chars: int) -> None:
         """Forget the history from token `tokens` (character `chars` of its text) on: a clean
         boundary where a turn's prompt or reply ends."""
         if self.kv.next_position > tokens:
-            self.roll_back(tokens)
+            self._roll_back(tokens)
         self.tokens, self.text = self.tokens[:tokens], self.text[:chars]
         self.turns = [t for t in self.turns if t.end <= tokens]
 
-    def record_turn(self, inputs: TurnInput, cached: int, reply: Reply) -> None:
+    def _record_turn(self, inputs: TurnInput, cached: int, reply: Reply) -> None:
         """A turn ended: its message and reply join the history."""
         self.tokens = self.tokens[: inputs.keep] + inputs.new_ids + reply.token_ids
         self.text = inputs.full_text + self.llm.tokenizer.decode(reply.token_ids, skip_special_tokens=False)

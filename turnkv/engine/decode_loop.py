@@ -33,7 +33,7 @@ def batches(turns: list[TurnRun], max_batch: int = 32) -> list[list[TurnRun]]:
 
 def forward(llm, batch: list[TurnRun]) -> torch.Tensor:
     """Run: one decode step of `batch`, each fed its last token -> logits [B, V]."""
-    tokens = llm.token_tensor([t.gen.token_ids[-1] for t in batch])
+    tokens = llm._token_tensor([t.gen.token_ids[-1] for t in batch])
     return llm.runner.decode([t.seq for t in batch], tokens, [t.context for t in batch])
 
 
@@ -113,7 +113,7 @@ def _ahead(llm, turns: list[TurnRun]):
     host = _HostTokens(len(turns), llm.device)
     rows = [i for i, t in enumerate(turns) if not t.done]
     gens = [t.gen for t in turns]
-    inputs = llm.token_tensor([gens[i].token_ids[-1] for i in rows])
+    inputs = llm._token_tensor([gens[i].token_ids[-1] for i in rows])
     unread = None  # (rows, host buffer) of the last launched step, whose tokens are not read yet
     while rows or unread is not None:
         launched = None

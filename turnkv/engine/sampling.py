@@ -20,6 +20,13 @@ MAX_TOP_LOGPROBS = 20
 
 @dataclass
 class SamplingParams:
+    """How a reply is sampled; send(), stream() and generate() take these as keywords.
+
+    max_new_tokens: reply length limit. temperature: 0 is greedy. top_p: nucleus mass kept (1: all).
+    top_k: sample among the k likeliest tokens (0: all). seed: per-request seed (None: unseeded).
+    stop: strings that end the reply (not included in it). ignore_eos: generate past end-of-sequence
+    tokens (benchmarks). InvalidRequestError for a value out of range."""
+
     max_new_tokens: int = 256
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0

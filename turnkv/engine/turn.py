@@ -87,9 +87,9 @@ class TurnRun:
         conv, inputs = self.conv, self.inputs
         if self.tiers is not None:
             self.tiers.before_turn(conv, len(inputs.new_ids) + self.gen.params.max_new_tokens)
-        conv.roll_back_to_reusable(inputs.keep)
+        conv._roll_back_to_reusable(inputs.keep)
         if not inputs.new_ids and conv.kv.next_position >= inputs.keep:
-            conv.roll_back(inputs.keep - 1)
+            conv._roll_back(inputs.keep - 1)
         self.cached = conv.kv.next_position
         self.prompt = conv.tokens[self.cached : inputs.keep] + inputs.new_ids
         self.segment_end = self.cached if conv.turns else inputs.segment_end
@@ -150,7 +150,7 @@ class TurnRun:
         self.recipe.at_turn_end(conv.kv, self.state, self.inv_freq, self.number)
         reply = self.gen.reply(prompt_tokens=len(self.prompt), cached_tokens=self.cached)
         if self.inputs.messages is not None:
-            conv.record_turn(self.inputs, self.cached, reply)
+            conv._record_turn(self.inputs, self.cached, reply)
         self.finished = True
         if self.tiers is not None:
             self.tiers.after_turn(conv)
@@ -164,7 +164,7 @@ class TurnRun:
             return
         self.finished = True
         if self.started:
-            self.conv.roll_back(self.cached, self.window_before)
+            self.conv._roll_back(self.cached, self.window_before)
         if self.tiers is not None:
             self.tiers.abort_turn(self.conv)
 

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from turnkv.errors import TurnkvError
+from turnkv.paths import user_path
 
 FORMAT = 2
 CHUNK = 64 << 20  # bytes per checksum
@@ -49,7 +50,7 @@ class CorruptStateError(TurnkvError):
 
 class DiskStore:
     def __init__(self, directory: str | os.PathLike):
-        self.dir = Path(directory)
+        self.dir = user_path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._sweep()
         try:  # the read rate (bytes/s) an earlier process measured on this directory

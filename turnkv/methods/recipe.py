@@ -28,7 +28,7 @@ import yaml
 from turnkv.errors import InvalidRequestError
 from turnkv.kv.quant import kv_dtype_name
 from turnkv.methods.decode.all import AllDecode
-from turnkv.methods.evict.eviction import Eviction
+from turnkv.methods.evict.eviction import Eviction, check_options
 from turnkv.methods.prefill.dense import DensePrefill
 from turnkv.methods.prefill.pattern_hook import PatternHook, summarise
 from turnkv.methods.protocols import Decode, DecodeSelection, Prefill, StateStrategy, StaticSparsity, Turns
@@ -37,8 +37,11 @@ from turnkv.methods.step_context import StepContext
 from turnkv.methods.terms import format_term, parse_term, parse_value, split_top_level
 from turnkv.methods.turns.recompress import RecompressTurns
 from turnkv.methods.window import QueryMoments, QueryWindow
+from turnkv.paths import user_path
 
 EVICTION_KEYS = {"budget", "keep_ratio", "compression_ratio", "schedule", "every"}
+# Every key a recipe string, file or keyword argument may set.
+RECIPE_KEYS = frozenset({"prefill", "evict", "turns", "decode", "state", "answer", "kv_dtype"} | EVICTION_KEYS)
 DEFAULT_BUDGET = 1024
 DEFAULT_EVERY = 64
 
@@ -115,8 +118,39 @@ class Recipe:
         return recipe.with_overrides(overrides)
 
     @classmethod
+    def of(cls, recipe=None, **options) -> Recipe:
+        """A recipe from any form it is written in, with keyword overrides.
+
+        recipe: None (the full cache: nothing compressed), a Recipe, a preset name or recipe string
+        ("ada-snapkv budget=256"), a .json/.yaml/.yml file path, or a mapping with a file's keys.
+        options: recipe keys as keywords, applied over `recipe` exactly as the string form's key=value
+        would be, with the same validation: budget=64, keep_ratio=0.25, compression_ratio=0.75,
+        schedule="decode", every=32, evict="snapkv(window=16)+adakv", turns="flowkv",
+        prefill="a_shape(local=512)", decode="quest", state="krul", answer="reprefill", kv_dtype="int8".
+        A component may also be a mapping ({"name": "a_shape", "local": 512}; an eviction block names
+        its "scorer"). InvalidRequestError names the first problem."""
+        if recipe is None:
+            base = cls()
+        elif isinstance(recipe, Recipe):
+            base = recipe
+        elif isinstance(recipe, dict):
+            base = cls.from_dict(recipe)
+        elif isinstance(recipe, (str, Path)) and str(recipe).endswith((".json", ".yaml", ".yml")):
+            base = cls.from_file(recipe)
+        elif isinstance(recipe, str):
+            base = cls.parse(recipe)
+        else:
+            raise InvalidRequestError(f"a recipe is a Recipe, a string, a file path or a mapping, "
+                                      f"not {type(recipe).__name__}")
+        unknown = sorted(set(options) - RECIPE_KEYS)
+        if unknown:
+            raise InvalidRequestError(f"unknown recipe option {unknown[0]!r}; the options are "
+                                      f"{', '.join(sorted(RECIPE_KEYS))}")
+        return base.with_overrides({k: _option_string(v) for k, v in options.items()}) if options else base
+
+    @classmethod
     def from_file(cls, path: str | Path) -> Recipe:
-        path = Path(path)
+        path = user_path(path)
         try:
             text = path.read_text()
         except OSError as e:
@@ -138,8 +172,7 @@ class Recipe:
     @classmethod
     def from_dict(cls, data: dict) -> Recipe:
         base = preset(data["preset"]) if "preset" in data else cls()
-        overrides = {k: (_component_string(v) if isinstance(v, dict) else "none" if v is None else str(v))
-                     for k, v in data.items() if k != "preset"}
+        overrides = {k: _option_string(v) for k, v in data.items() if k != "preset"}
         return base.with_overrides(overrides)
 
     def with_overrides(self, overrides: dict[str, str]) -> Recipe:
@@ -161,8 +194,15 @@ class Recipe:
                     f"{', '.join(sorted(EVICTION_KEYS))}"
                 )
         if evict_params:
+            try:
+                check_options(evict_params)
+            except ValueError as e:
+                raise InvalidRequestError(str(e)) from None
             if recipe.evict is None:
-                raise InvalidRequestError(f"{', '.join(evict_params)} needs an eviction method (evict=...)")
+                raise InvalidRequestError(
+                    f"{', '.join(evict_params)} sets how much an eviction method keeps, and this recipe evicts nothing: "
+                    f"name one with evict=... or start from a preset that evicts (snapkv, ada-snapkv, h2o, "
+                    f"streaming-llm, ...; `turnkv methods --presets` lists them)")
             recipe = replace(recipe, evict=_with_eviction_params(recipe.evict, evict_params))
         return recipe
 
@@ -416,6 +456,13 @@ def _make_eviction(scorer, allocator, params: dict) -> Eviction:
         return Eviction(scorer=scorer, allocator=allocator, **params)
     except (TypeError, ValueError) as e:
         raise InvalidRequestError(f"eviction: {e}") from None
+
+
+def _option_string(value) -> str:
+    """A recipe key's value as the string form writes it (a component mapping as its term)."""
+    if isinstance(value, dict):
+        return _component_string(value)
+    return "none" if value is None else str(value)
 
 
 def _component_string(spec: dict) -> str:

@@ -72,11 +72,11 @@ def build(kind: str, name: str, params: dict | None = None):
 
 def describe() -> list[dict]:
     """One entry per component, in axis then kind order: its axis, kind, name, parameters with
-    defaults, and the first line of its docstring."""
+    defaults, and the first paragraph of its docstring as one line."""
     rows = []
     for kind, (axis, _) in KINDS.items():
         for name, cls in sorted(REGISTRY[kind].items()):
             params = default_values(cls)
-            doc = (inspect.getdoc(cls) or "").splitlines()[0] if cls.__doc__ else ""
+            doc = " ".join((inspect.getdoc(cls) or "").split("\n\n")[0].split()) if cls.__doc__ else ""
             rows.append({"axis": axis, "kind": kind, "name": name, "params": params, "doc": doc})
     return rows

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import torch
 
-from turnkv.errors import ModelLoadError
+from turnkv.errors import DeviceError, ModelLoadError
 from turnkv.model import gguf_file, safetensors_folder
 from turnkv.model.config import SHAPES, ModelConfig, rope_inverse_frequencies, shape_config
 from turnkv.model.decoder import Transformer
 from turnkv.model.tokenizer import load_folder_tokenizer, load_gguf_tokenizer
 from turnkv.model.weights import load_hf_weights
+from turnkv.paths import user_path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -51,6 +52,30 @@ def embedded_model_path() -> Path:
     return path
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device `device` names (None: cuda when a GPU is usable, else cpu); DeviceError when it
+    does not exist on this machine."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise DeviceError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda":
+        if torch.version.cuda is None and torch.version.hip is None:
+            raise DeviceError(f"device {device!r} needs a CUDA build of torch, and this one ({torch.__version__}) "
+                              f"is CPU-only; use --device cpu (device='cpu'), or install torch for your CUDA driver")
+        if not torch.cuda.is_available():
+            raise DeviceError(f"device {device!r}: torch sees no usable GPU (driver or CUDA_VISIBLE_DEVICES?); "
+                              f"use --device cpu (device='cpu')")
+        count = torch.cuda.device_count()
+        if resolved.index is not None and resolved.index >= count:
+            raise DeviceError(f"device {device!r}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}")
+    elif resolved.type not in ("cpu", "meta"):
+        raise DeviceError(f"device {device!r} is not supported; use cpu, cuda or cuda:N")
+    return resolved
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -77,17 +102,17 @@ def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -
 def load_model(model: str | Path | None = None, dtype=None, device="cpu", seed: int = 0) -> LoadedModel:
     """Load `model`: None or "smollm2-135m-instruct" (the embedded default), a GGUF file, a Hugging Face
     safetensors folder, or a shape name (random weights) such as "llama-3.1-8b"."""
-    device = torch.device(device)
+    device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     name = str(model) if model is not None else DEFAULT_MODEL
-    path = Path(name).expanduser()
+    path = user_path(name)
     if name.lower() == DEFAULT_MODEL:
         path = embedded_model_path()
     elif name.lower() in SHAPES and not path.exists():
         return _random(name.lower(), dtype, device, seed)
     elif not path.exists():
         raise ModelLoadError(
-            f"model {name!r} not found: give a GGUF file, a folder with config.json and safetensors, "
+            f"model {name!r} not found{'' if str(path) == name else f' (looked for {path})'}: give a GGUF file, a folder with config.json and safetensors, "
             f"{DEFAULT_MODEL!r}, or a shape name ({', '.join(sorted(SHAPES))})"
         )
 

@@ -12,12 +12,13 @@ import os
 from pathlib import Path
 
 from turnkv.errors import ModelLoadError
+from turnkv.paths import user_path
 
 log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("TURNKV_CACHE", Path.home() / ".cache" / "turnkv"))
+    return user_path(os.environ.get("TURNKV_CACHE") or Path.home() / ".cache" / "turnkv")
 
 
 def load_folder_tokenizer(folder: Path):

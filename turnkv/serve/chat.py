@@ -27,7 +27,7 @@ class ChatPlan:
 
 def plan(llm, req: ChatCompletionRequest) -> ChatPlan:
     """Render the request and compile its grammar (runs in a worker thread of the HTTP side)."""
-    tokenizer = llm.require_tokenizer()
+    tokenizer = llm._require_tokenizer()
     fmt = tool_calls.detect(getattr(tokenizer, "chat_template", None))
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     messages = tool_calls.template_messages([m.as_template_message() for m in req.messages], fmt, tools)

@@ -88,7 +88,7 @@ class Job:
             self.conv = Conversation(llm, None, self.recipe)  # a container for the KV and recipe state
             self.keep, self.system_chars, self.pieces = 0, None, [self.prompt_input]
             return
-        llm.require_tokenizer()
+        llm._require_tokenizer()
         text, system = self.rendered.text, self.rendered.system_text
         claim = store.claim(text, self.recipe, self.recipe_key, self.session)
         self.entry, self.conv, self.keep = claim.entry, claim.entry.conv, claim.keep
@@ -127,7 +127,7 @@ class Job:
         if self.system_chars is not None:
             self.system_mark = (self.keep + len(encoded[0]), self.system_chars)
         self.full_text = self.rendered.text if self.is_chat else ""
-        params = llm.sampling_params(**self.sampling, max_new_tokens=self.max_tokens or min(self.default_max_tokens, room))
+        params = llm._sampling_params(**self.sampling, max_new_tokens=self.max_tokens or min(self.default_max_tokens, room))
         if self.is_chat:
             segment_end = self.system_mark[0] if self.system_mark else 0
         else:
@@ -135,7 +135,7 @@ class Job:
         inputs = TurnInput(self.keep, self.new_ids, segment_end, None, self.messages if self.is_chat else None,
                            self.full_text)
         constraint = None if self.grammar is None else self.grammar.constraint()
-        self.turn = TurnRun(self.conv, inputs, llm.new_generation(self.conv.kv, params, constraint=constraint)).begin()
+        self.turn = TurnRun(self.conv, inputs, llm._new_generation(self.conv.kv, params, constraint=constraint)).begin()
 
     # ---- running -----------------------------------------------------------------------------------
     @property

@@ -58,9 +58,20 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def startup_summary(llm, config: ServeConfig) -> str:
+    """One line on what a server serves and where: model, device, dtype, KV pool, recipe, address."""
+    info = llm.info()
+    kv = "" if info["kv_dtype"] == "none" else f", KV {info['kv_dtype']}"
+    name = llm.name if config.served_model_name in (None, llm.name) else f"{config.served_model_name} ({llm.name})"
+    return (f"serving {name} on {info['device']}, {info['dtype']}{kv}; KV pool "
+            f"{info['kv_pool_bytes'] / 2**20:,.0f} MiB = {info['kv_pool_tokens']:,} tokens of full KV; "
+            f"recipe: {llm.recipe}; at http://{config.host}:{config.port}/v1")
+
+
 def serve(llm, config: ServeConfig, idle_ttl_s: float | None = None, log_level: str = "info",
           tiers="state") -> None:
     app = create_app(llm, config, tiers=tiers, idle_ttl_s=idle_ttl_s)
+    log.info("%s", startup_summary(llm, config))
     if not is_loopback(config.host) and config.api_key is None:
         log.warning("listening on %s without an API key: anyone who reaches this address can use the model",
                     config.host)

@@ -88,7 +88,7 @@ class Entry:
 
     def cut(self, tokens: int, chars: int) -> None:
         """Roll the conversation back to the clean boundary (tokens, chars)."""
-        self.conv.cut(tokens, chars)
+        self.conv._cut(tokens, chars)
         self.marks = [m for m in self.marks if m[0] <= tokens]
         if chars < self.anchor:  # inside the first prompt: the next turn's prompt becomes the anchor
             self.anchor = 0

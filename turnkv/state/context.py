@@ -3,7 +3,12 @@ restore costs calibrated on this machine (per tier, measured once, on first need
 
 from __future__ import annotations
 
+import logging
+import time
+
 from turnkv.state.schedule import CostModel, best_ratio, measure_bandwidth, measure_compute
+
+log = logging.getLogger(__name__)
 
 
 class RestoreContext:
@@ -23,11 +28,15 @@ class RestoreContext:
     def cost(self, tier: str = "cpu") -> CostModel:
         """The cost model of restoring from `tier`; calibrated here unless one was given."""
         if tier not in self._costs:
+            start = time.perf_counter()
+            log.info("calibrating state restores on this machine: recompute rate and %s tier copy bandwidth "
+                     "(once per engine and tier)", tier)
             if self._compute is None:
                 self._compute = measure_compute(self.model, self.pool.device)
             # The disk tier reads the file into host memory first (pageable), then copies it.
             bandwidth = measure_bandwidth(self.pool.device, pinned=(tier == "cpu") if self.pool.device.type == "cuda" else False)
             self._costs[tier] = CostModel(*self._compute, bandwidth)
+            log.info("calibrated state restores for the %s tier in %.1f s", tier, time.perf_counter() - start)
         return self._costs[tier]
 
     def set_cost(self, tier: str, cost: CostModel) -> None:

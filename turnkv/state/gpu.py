@@ -16,3 +16,10 @@ class GPUStrategy(LoadStrategy):
     room, the least recently used conversation moves down with its full KV (restored like `load`)."""
 
     offloads_between_turns: ClassVar[bool] = False
+
+
+@register("state", "resident")
+@dataclass
+class ResidentStrategy(GPUStrategy):
+    """The `gpu` strategy under the name a CPU-only engine shows: the KV stays in the page pool (in
+    host memory there) between turns."""

@@ -35,6 +35,22 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def check_options(options: dict) -> None:
+    """ValueError for the first of budget, keep_ratio, compression_ratio, schedule and every in
+    `options` whose value is out of range (a None amount is unset)."""
+    budget, keep_ratio, removed = options.get("budget"), options.get("keep_ratio"), options.get("compression_ratio")
+    if budget is not None and not (_is_int(budget) and budget >= 1):
+        raise ValueError(f"budget must be an integer >= 1 (tokens per KV head), got {budget!r}")
+    if keep_ratio is not None and not (_is_number(keep_ratio) and 0 < keep_ratio <= 1):
+        raise ValueError(f"keep_ratio must be a number in (0, 1], got {keep_ratio!r}")
+    if removed is not None and not (_is_number(removed) and 0 <= removed < 1):
+        raise ValueError(f"compression_ratio must be a number in [0, 1) (the fraction removed), got {removed!r}")
+    if "schedule" in options and options["schedule"] not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {options['schedule']!r}")
+    if "every" in options and not (_is_int(options["every"]) and options["every"] >= 1):
+        raise ValueError(f"every must be an integer >= 1, got {options['every']!r}")
+
+
 @dataclass
 class Eviction:
     """Evict with `scorer`, split per head by `allocator`, down to `budget` tokens per KV head on
@@ -50,14 +66,8 @@ class Eviction:
     def __post_init__(self):
         if (self.budget is None) == (self.keep_ratio is None):
             raise ValueError("give exactly one of budget (tokens per KV head) or keep_ratio (fraction kept)")
-        if self.budget is not None and not (_is_int(self.budget) and self.budget >= 1):
-            raise ValueError(f"budget must be an integer >= 1 (tokens per KV head), got {self.budget!r}")
-        if self.keep_ratio is not None and not (_is_number(self.keep_ratio) and 0 < self.keep_ratio <= 1):
-            raise ValueError(f"keep_ratio must be a number in (0, 1], got {self.keep_ratio!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}")
-        if not (_is_int(self.every) and self.every >= 1):
-            raise ValueError(f"every must be an integer >= 1, got {self.every!r}")
+        check_options({"budget": self.budget, "keep_ratio": self.keep_ratio, "schedule": self.schedule,
+                       "every": self.every})
 
     def target(self, layer: int, num_layers: int, virtual_len: int, available: int) -> int:
         base = self.budget if self.budget is not None else math.floor(self.keep_ratio * virtual_len)

@@ -33,6 +33,7 @@ from turnkv.methods.prefill.pattern_hook import clock, fixed_pattern
 from turnkv.methods.protocols import Prefill, StaticSparsity
 from turnkv.methods.registry import build, register
 from turnkv.methods.terms import parse_term
+from turnkv.paths import user_path
 
 # The calibrated SmolLM2-135M gates, shipped as package data (benchmarks/sparse/lserve_calibrate.py made it).
 DEFAULT_PATTERN = Path(__file__).resolve().parent / "patterns" / "smollm2_135m.json"
@@ -96,7 +97,7 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
         ratio = 0.5 if self.ratio is None else self.ratio
         if self.pattern == "random":
             return HeadPattern.random(num_layers, num_kv_heads, ratio)
-        path = Path(self.pattern) if self.pattern is not None else DEFAULT_PATTERN
+        path = user_path(self.pattern) if self.pattern is not None else DEFAULT_PATTERN
         try:
             if path.is_dir() or path.name == DUO_FILE:
                 return load_duo_attention(path, ratio)

@@ -28,6 +28,7 @@ from turnkv.bench.datasets.loaders.prefeval import load_prefeval
 from turnkv.bench.datasets.loaders.reading import DatasetError
 from turnkv.bench.datasets.loaders.scbench import load_scbench
 from turnkv.bench.datasets.schema import Instance
+from turnkv.paths import user_path
 
 __all__ = ["FORMATS", "load"]
 
@@ -44,4 +45,4 @@ def load(format: str, path: str | Path, **options: Any) -> list[Instance]:
     key = {"multiif": "multi_if", "longbench_e": "longbench"}.get(key, key)
     if key not in FORMATS:
         raise DatasetError(f"unknown dataset format {format!r} (known: {', '.join(FORMATS)})")
-    return FORMATS[key](path, **options)
+    return FORMATS[key](user_path(path), **options)
