@@ -91,7 +91,7 @@ def test_chat_with_a_recipe_holds_the_budget(monkeypatch, capsys, chat_model_dir
                                                    "--budget", "24", "--max-new-tokens", "4", "--kv-memory", "32MiB"],
                              stdin)
     assert code == 0, err
-    assert "recipe: prefill=dense evict=snapkv+adakv budget=24" in out
+    assert "recipe: prefill=dense evict=snapkv(kernel=7,pooling=max)+adakv budget=24" in out
     segments = re.search(r"tokens per head by segment \(system, turn 1, ...\): ([\d ]+)", out)
     per_segment = [int(x) for x in segments.group(1).split()]
     # The finished turns hold the budget, 24 tokens per head on average; the running turn is whole.

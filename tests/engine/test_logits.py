@@ -47,7 +47,7 @@ def test_a_generation_under_a_grammar_writes_what_the_schema_allows(chat_llm):
     compiled = chat_llm.grammars.json_schema(schema)
     conv = chat_llm.conversation()
     params = chat_llm._sampling_params(max_new_tokens=40, temperature=1.0, seed=3)
-    inputs = conv.turn_input("Hello.", None)
+    inputs = conv._turn_input("Hello.", None)
     turn = TurnRun(conv, inputs, chat_llm._new_generation(conv.kv, params, constraint=compiled.constraint())).begin()
     turn.take(turn.prefill())
     for _ in decode_loop.decode(chat_llm, [turn]):
