@@ -45,7 +45,7 @@ def test_version(capsys):
 def test_help_shows_the_defaults(capsys):
     for argv, defaults in ((["chat"], ["(default: 256)", "(default: 0.0)", "(default: 1.0)"]),
                            (["serve"], ["(default: 8000)", "(default: 32)", "(default: 30.0)"]),
-                           (["bench", "speed"], ["(default: 1024,4096)", "(default: benchmarks/speed/latest)"])):
+                           (["bench", "speed"], ["(default: 1024,4096)", "(default: benchmarks/decode/results/latest)"])):
         with pytest.raises(SystemExit):
             main([*argv, "--help"])
         out = " ".join(capsys.readouterr().out.split())  # as one line: help wraps at the terminal's width
@@ -58,11 +58,12 @@ def _cases(tmp_path, model, bare):
     cuda = "cuda:99" if torch.cuda.is_available() else "cuda"
     return [
         # (argv, what the one-line message says)
-        (["info", "--model", model, "--device", cuda], "--device cpu"),
+        (["generate", "hello", "--model", model, "--device", cuda], "--device cpu"),
+        (["generate", "hello", "--model", model, "--device", "gpu"], "unknown device 'gpu'"),
         (["info", "--model", model, "--device", "gpu"], "unknown device 'gpu'"),
         (["info", "--model", "~/no-such-model.gguf"], "not found (looked for "),
-        (["info", "--model", bare, "--tokenizer", str(tmp_path / "missing")], "tokenizer"),
-        (["info", "--model", bare, "--tokenizer", str(tmp_path)], "holds no tokenizer"),
+        (["generate", "hello", "--model", bare, "--tokenizer", str(tmp_path / "missing")], "tokenizer"),
+        (["generate", "hello", "--model", bare, "--tokenizer", str(tmp_path)], "holds no tokenizer"),
         (["generate", "hello", "--model", bare, "--kv-memory", "8MiB"], "no tokenizer"),
         (["chat", "--model", bare, "--kv-memory", "8MiB"], "--tokenizer"),
         (["chat", "--model", model, "--budget", "64"], "--budget sets how much an eviction recipe keeps"),

@@ -205,7 +205,7 @@ def test_a_recipe_file_or_object_drives_the_conversation(open_conv, chat_llm, tm
         assert conv.recipe == Recipe.parse("ada-snapkv budget=10 schedule=turn_end")
         send(conv, MESSAGES[0])
         assert conv.kv.lengths.sum(axis=1).tolist() == [2 * 10] * chat_llm.config.num_layers
-    with pytest.raises(InvalidRequestError, match="a recipe is a Recipe, a string or a file path"):
+    with pytest.raises(InvalidRequestError, match="a recipe is a Recipe, a string, a file path or a mapping"):
         chat_llm.conversation(recipe=3)
     with pytest.raises(InvalidRequestError, match="flowkv keeps the running turn whole"):
         chat_llm.conversation(recipe="flowkv schedule=decode")

@@ -11,27 +11,20 @@ from pathlib import Path
 
 import torch
 
-from turnkv.errors import ModelLoadError
+from turnkv.errors import DeviceError
 from turnkv.kv.pool import PagePool
 from turnkv.kv.quant import kv_dtype_name
 from turnkv.model import gguf_file, safetensors_folder
-from turnkv.model.config import SHAPES, ModelConfig, shape_config
-from turnkv.model.load import DEFAULT_MODEL, embedded_model_path, resolve_dtype
+from turnkv.model.config import ModelConfig, shape_config
+from turnkv.model.load import locate_model, resolve_dtype
 
 
 def read_config(model: str | Path | None) -> tuple[str, str, ModelConfig]:
     """(name, source, config) of `model` as `load_model` takes it: None or the embedded default, a
     GGUF file, a Hugging Face folder, or a shape name. Source: "gguf", "safetensors" or "random"."""
-    name = str(model) if model is not None else DEFAULT_MODEL
-    path = Path(name).expanduser()
-    if name.lower() == DEFAULT_MODEL:
-        path = embedded_model_path()
-    elif name.lower() in SHAPES and not path.exists():
-        return name.lower(), "random", shape_config(name)
-    elif not path.exists():
-        raise ModelLoadError(
-            f"model {name!r} not found: give a GGUF file, a folder with config.json and safetensors, "
-            f"{DEFAULT_MODEL!r}, or a shape name ({', '.join(sorted(SHAPES))})")
+    name, path = locate_model(model)
+    if path is None:
+        return name, "random", shape_config(name)
     if path.is_dir():
         return name, "safetensors", safetensors_folder.read_config(path)
     return name, "gguf", gguf_file.read_config(gguf_file.open_reader(path))
@@ -48,7 +41,11 @@ def model_info(model: str | Path | None = None, dtype: str | None = None, device
     Activations and workspace are not counted. kv_memory: a KV pool size, whose
     capacity in tokens is reported as kv_pool_tokens."""
     name, source, c = read_config(model)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    # The device only picks the default dtype: a GPU's footprint can be planned on a machine without one.
+    try:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError, ValueError):
+        raise DeviceError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
     dtype = resolve_dtype(dtype, device)
     kv_name = kv_dtype_name(kv_dtype)
     # As the engine's pool stores K/V: rows in the compute dtype, or one-byte codes + fp32 scales.

@@ -148,14 +148,13 @@ class LLM:
             raise InvalidRequestError(f"logit_bias names token {max(params.logit_bias)}; the vocabulary has {vocab}")
         return params
 
-    @property
-    def grammars(self):
+    def _grammars(self) -> Grammars:
         """Compiles the grammars structured output follows, for this engine's tokenizer
-        (engine/grammar.py; needs xgrammar)."""
-        if getattr(self, "_grammars", None) is None:
-            self._grammars = Grammars(self._require_tokenizer(), self.vocab_limit or self.config.vocab_size,
-                                      self.eos_ids)
-        return self._grammars
+        (engine/grammar.py; needs xgrammar). Built on first use and kept."""
+        if getattr(self, "_grammar_cache", None) is None:
+            self._grammar_cache = Grammars(self._require_tokenizer(), self.vocab_limit or self.config.vocab_size,
+                                           self.eos_ids)
+        return self._grammar_cache
 
     def _require_tokenizer(self):
         if self.tokenizer is None:

@@ -99,23 +99,30 @@ def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -
     return model
 
 
+def locate_model(model: str | Path | None) -> tuple[str, Path | None]:
+    """(name, file or folder) of `model` as load_model takes it; the path is None for a shape name
+    (random weights). ModelLoadError when nothing by that name exists."""
+    name = str(model) if model is not None else DEFAULT_MODEL
+    path = user_path(name)
+    if name.lower() == DEFAULT_MODEL:
+        return name, embedded_model_path()
+    if name.lower() in SHAPES and not path.exists():
+        return name.lower(), None
+    if not path.exists():
+        looked = "" if str(path) == name else f" (looked for {path})"
+        raise ModelLoadError(f"model {name!r} not found{looked}: give a GGUF file, a folder with config.json and "
+                             f"safetensors, {DEFAULT_MODEL!r}, or a shape name ({', '.join(sorted(SHAPES))})")
+    return name, path
+
+
 def load_model(model: str | Path | None = None, dtype=None, device="cpu", seed: int = 0) -> LoadedModel:
     """Load `model`: None or "smollm2-135m-instruct" (the embedded default), a GGUF file, a Hugging Face
     safetensors folder, or a shape name (random weights) such as "llama-3.1-8b"."""
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    name = str(model) if model is not None else DEFAULT_MODEL
-    path = user_path(name)
-    if name.lower() == DEFAULT_MODEL:
-        path = embedded_model_path()
-    elif name.lower() in SHAPES and not path.exists():
-        return _random(name.lower(), dtype, device, seed)
-    elif not path.exists():
-        raise ModelLoadError(
-            f"model {name!r} not found{'' if str(path) == name else f' (looked for {path})'}: give a GGUF file, a folder with config.json and safetensors, "
-            f"{DEFAULT_MODEL!r}, or a shape name ({', '.join(sorted(SHAPES))})"
-        )
-
+    name, path = locate_model(model)
+    if path is None:
+        return _random(name, dtype, device, seed)
     if path.is_dir():
         config = safetensors_folder.read_config(path)
         tensors = safetensors_folder.read_tensors(path)

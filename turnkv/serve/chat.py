@@ -51,14 +51,14 @@ def _grammar(llm, req: ChatCompletionRequest, fmt, tools):
     choice = req.tool_choice
     if tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
         only = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        return llm.grammars.wrapped(fmt.grammar_prefix, tool_calls.call_schemas(tools, fmt, only), fmt.grammar_suffix)
+        return llm._grammars().wrapped(fmt.grammar_prefix, tool_calls.call_schemas(tools, fmt, only), fmt.grammar_suffix)
     rf = req.response_format
     if rf is None or rf.type == "text":
         return None
     if rf.type == "json_object":
-        return llm.grammars.json_object()
+        return llm._grammars().json_object()
     schema = rf.json_schema.schema_ or {}
-    return llm.grammars.json_schema(schema, strict=bool(rf.json_schema.strict))
+    return llm._grammars().json_schema(schema, strict=bool(rf.json_schema.strict))
 
 
 def message(plan_: ChatPlan, text: str, finish_reason: str) -> tuple[dict, str]:
