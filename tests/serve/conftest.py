@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 
+import httpx
 import pytest
 import uvicorn
 
@@ -117,3 +118,20 @@ def wait_for(condition, timeout: float = 10.0, what: str = "condition") -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.01)
+
+
+def stream_in_background(url: str, body: dict, headers: dict | None = None, timeout: float = 120):
+    """POST a streamed request on a thread; -> (thread, lines, started): the non-empty SSE lines as
+    they arrive, and an event set by the first one."""
+    lines, started = [], threading.Event()
+
+    def consume():
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=timeout) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    started.set()
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    return reader, lines, started

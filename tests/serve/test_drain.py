@@ -11,7 +11,7 @@ import threading
 import httpx
 import uvicorn
 
-from tests.serve.conftest import MODEL, wait_for
+from tests.serve.conftest import MODEL, stream_in_background, wait_for
 from tests.serve.test_errors import CHAT, HELLO, assert_error
 from turnkv.serve import ServeConfig, create_app
 from turnkv.serve.server import DrainingServer
@@ -31,17 +31,8 @@ def test_during_the_drain_health_and_new_requests_get_503_and_the_listener_close
 
     body = {"model": MODEL, "messages": HELLO, "max_tokens": 300, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    lines, started, mid_drain = [], threading.Event(), {}
-
-    def consume():
-        with httpx.stream("POST", url + CHAT, json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line:
-                    lines.append(line)
-                    started.set()
-
-    reader = threading.Thread(target=consume)
-    reader.start()
+    mid_drain = {}
+    reader, lines, started = stream_in_background(url + CHAT, body)
     assert started.wait(30)
     server.handle_exit(signal.SIGTERM, None)
     # The stream is still running: the listener answers, with 503s.

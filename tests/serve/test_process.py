@@ -10,12 +10,12 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import pytest
 
+from tests.serve.conftest import stream_in_background
 from turnkv.cli import build_parser
 from turnkv.serve import ServeConfig
 
@@ -56,17 +56,7 @@ def test_sigterm_drains_in_flight_streams_then_exits(chat_model_dir, tmp_path):
 
         body = {"model": "tiny", "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 400,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-        lines, started = [], threading.Event()
-
-        def consume():
-            with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=key, timeout=60) as r:
-                for line in r.iter_lines():
-                    if line:
-                        lines.append(line)
-                        started.set()
-
-        reader = threading.Thread(target=consume)
-        reader.start()
+        reader, lines, started = stream_in_background(url + "/v1/chat/completions", body, key, timeout=60)
         assert started.wait(30)
         proc.send_signal(signal.SIGTERM)
         reader.join(60)
