@@ -48,8 +48,9 @@ SMOKE_SHAPE = dict(Hq=4, H=2, D=32, page=4, flex_block=16)
 SMOKE_TILES = dict(block_m=16, block_n=16, num_warps=2, num_stages=1)
 METHODS = ("kernel", "sdpa_gather", "sdpa_only", "flex", "hf")
 SWEEP = [dict(block_m=m, block_n=n, num_warps=w, num_stages=st)
-         for m, n, w, st in [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 3),
-                             (64, 64, 4, 3), (64, 128, 4, 2)]]
+         for m, n, w, st in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 4, 2), (128, 32, 4, 3),
+                             (64, 64, 4, 3)]]
+SWEEP_SPLITS = (1, 2, 3, 4, 8, 16, 32)
 
 
 def parse():
@@ -60,7 +61,8 @@ def parse():
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--budget", type=float, default=420.0,
                     help="seconds after which the remaining cells skip FlexAttention (a compile per cell)")
-    ap.add_argument("--sweep", action="store_true", help="launch settings and splits at 512 over 128K and 4K over 32K")
+    ap.add_argument("--sweep", action="store_true",
+                    help="launch settings and split counts in every cell of --chunks x --histories")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; on CPU under TRITON_INTERPRET=1")
     return ap.parse_args()
 
@@ -292,14 +294,14 @@ def sweep(shape, dtype, device, rep_ms, cells):
     for T, history in cells:
         cell = Cell(T, history, shape, dtype, device)
         for config in SWEEP:
-            for scale_splits in (0.5, 1.0, 2.0):
-                splits = splits_for(cell, device, config, scale_splits)
+            for splits in SWEEP_SPLITS[:2] if device.type != "cuda" else SWEEP_SPLITS:
                 try:
                     ms = bench(run_kernel(cell, device, config, splits), device, rep_ms)
                 except Exception as e:  # out of shared memory or registers
                     ms = None
                     print(f"{config}: {type(e).__name__}", flush=True)
-                rows.append(dict(T=T, history=history, config=config, splits=splits, ms=ms))
+                rows.append(dict(T=T, history=history, config=config, splits=splits, ms=ms,
+                                 auto_splits=splits_for(cell, device, config)))
                 print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -325,7 +327,8 @@ def main(args):
     result["rates"] = rates(device)
 
     if args.sweep:
-        cells = [(8, 40)] if smoke else [(512, 131072 - 512), (4096, 32768), (64, 32768)]
+        cells = [(8, 40)] if smoke else [(T, h) for h in map(int, args.histories.split(","))
+                                         for T in map(int, args.chunks.split(","))]
         result["sweep"] = sweep(shape, dtype, device, rep_ms, cells)
     else:
         from torch.nn.attention.flex_attention import flex_attention

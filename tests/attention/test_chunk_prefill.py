@@ -153,11 +153,13 @@ def test_int64_tables_and_lengths():
 
 def test_choose_splits():
     # Turn k+1 at Llama-3.1-8B's shape on 132 SMs: 512 new rows x 4 heads in 16 blocks of 128 rows,
-    # 8 KV heads: 128 programs unsplit; a 64-token chunk has 2 blocks per head and is split further.
-    assert choose_splits(8, 16, 131072, 132) == 3
-    assert choose_splits(8, 2, 131072, 132) == 17
-    assert choose_splits(8, 2, 2048, 132) == 2  # no split under MIN_SPLIT_KEYS keys
-    assert choose_splits(8, 128, 131072, 132) == 1  # a 4K chunk fills the GPU
+    # 8 KV heads: 128 programs unsplit, two splits fill two per SM; a 64-token chunk has 2 blocks per
+    # head and is split further.
+    assert choose_splits(8, 16, 131072, 132) == 2
+    assert choose_splits(8, 2, 131072, 132) == 16
+    assert choose_splits(8, 2, 8192, 132) == 8  # no split shorter than MIN_SPLIT_KEYS keys
+    assert choose_splits(8, 2, 2047, 132) == 1
+    assert choose_splits(8, 128, 131072, 132) == 2  # a 4K chunk fills the GPU; two splits even it out
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "int8", "fp8"])

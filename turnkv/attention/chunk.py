@@ -3,9 +3,9 @@ from the page pool. The Triton kernel (turnkv/attention/triton/chunk_prefill.py)
 on, the reference path (reference.paged_chunk: gather the pages, mask, SDPA) elsewhere; both take the
 same arguments.
 
-Switch: the kernel is off by default. TURNKV_CHUNK_KERNEL=1 in the environment (read at import) or
-`chunk.ENABLED = True` turns it on for CUDA devices; `chunk.FORCE = True` also runs it off CUDA
-(Triton's interpreter on CPU), for tests. Both are read when a Step is built.
+Switch: the kernel is on by default for CUDA devices. TURNKV_CHUNK_KERNEL=0 in the environment (read at
+import) or `chunk.ENABLED = False` turns it off; `chunk.FORCE = True` also runs it off CUDA (Triton's
+interpreter on CPU), for tests. Both are read when a Step is built.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from turnkv.attention import reference
 from turnkv.attention.triton import available
 
-ENABLED = os.environ.get("TURNKV_CHUNK_KERNEL", "0") == "1"
+ENABLED = os.environ.get("TURNKV_CHUNK_KERNEL", "1") != "0"
 FORCE = False
 
 

@@ -10,8 +10,6 @@ int8 / fp8 pools: codes cast in registers, one fp32 scale per slot. Design: docs
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -19,7 +17,7 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 # Launch settings per head dim for 16-bit queries (benchmarks/prefill/chunk_attention.py --sweep times
 # the alternatives); fp32 queries take FP32_CONFIG, small enough for fp32 tiles in registers.
-DEFAULT_CONFIG = dict(block_m=128, block_n=64, num_warps=8, num_stages=3)
+DEFAULT_CONFIG = dict(block_m=128, block_n=64, num_warps=4, num_stages=3)
 FP32_CONFIG = dict(block_m=64, block_n=32, num_warps=4, num_stages=2)
 # Keys per split at least; splits aim at PROGRAMS_PER_SM programs per SM (choose_splits).
 MIN_SPLIT_KEYS = 1024
@@ -186,10 +184,11 @@ def launch_config(dtype: torch.dtype, D: int, config: dict | None = None) -> dic
 
 def choose_splits(batch_kv_heads: int, num_blocks_m: int, max_keys: int, num_sms: int,
                   programs_per_sm: int = PROGRAMS_PER_SM, min_keys: int = MIN_SPLIT_KEYS) -> int:
-    """Splits of each block's keys: enough programs for `programs_per_sm` per SM, none shorter than
-    `min_keys` keys (each split costs a partial's write and read in the merge)."""
+    """Splits of each block's keys: at most `programs_per_sm` programs per SM, and at least two splits
+    (they even out the causal blocks' unequal key counts), none shorter than `min_keys` keys (each
+    split costs a partial's write and read in the merge)."""
     programs = batch_kv_heads * num_blocks_m
-    want = math.ceil(programs_per_sm * num_sms / max(programs, 1))
+    want = max(2, programs_per_sm * num_sms // max(programs, 1))
     return max(1, min(want, max_keys // min_keys, 64))
 
 
