@@ -70,8 +70,8 @@ def test_batched_rows_drive_the_recipe_as_the_engine_does(tiny, monkeypatch):
     cfg = SpeedConfig(contexts=[64], new_tokens=4, repeat=1)
     hw = {"weight_bytes": 1, "copy_bandwidth": 1e9}
     row = measure(tiny, Recipe.parse("decode=quest(budget=16,dense_layers=0)"), 64, 2, cfg, hw)
-    # The warm-up generation (one prompt, 3 steps), then the batch of two (3 steps).
-    assert [len(sel) for sel in seen] == [1] * 3 + [2] * 3
+    # The warm-up generation (one prompt, skip_tokens + 8 tokens: 23 steps), then the batch of two (3 steps).
+    assert [len(sel) for sel in seen] == [1] * (cfg.skip_tokens + 7) + [2] * 3
     assert all(s is not None for sel in seen for s in sel)
     assert all(s.selections > 0 for s in seen[-1])  # 64 kept tokens over a 16-token budget: it selected
     assert len(hooked) == sum(len(sel) for sel in seen)

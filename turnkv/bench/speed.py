@@ -68,7 +68,10 @@ def measure(llm, recipe, ctx: int, batch: int, cfg: SpeedConfig, hw: dict) -> di
     """`batch` prompts of `ctx` tokens through LLM.generate, the path users take: TTFT (batch 1),
     time per decode step after the first `cfg.skip_tokens` tokens, KV kept, peak memory."""
     prompts = [_prompt(ctx, llm.config.vocab_size, cfg.seed + b) for b in range(batch)]
-    llm.generate(prompts[0][: min(ctx, 512)], recipe=recipe, max_new_tokens=4, ignore_eos=True)  # warm-up
+    # Warm-up: two prefill slices (a later slice's kernels) and past the selection's first period, so no
+    # kernel compile or graph capture lands in a timed run.
+    warm = prompts[0][: min(ctx, llm.runner.prefill_chunk + 512)]
+    llm.generate(warm, recipe=recipe, max_new_tokens=cfg.skip_tokens + 8, ignore_eos=True)
     runs = []
     _peak_reset(llm.device)
     for _ in range(cfg.repeat if batch == 1 else 1):

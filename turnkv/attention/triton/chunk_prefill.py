@@ -76,7 +76,9 @@ def _tiles(acc, m, row_sum, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table, key_pos_ptr,
     return acc, m, row_sum
 
 
-@triton.jit
+# T, the block count, the split count and the window change from call to call: not specialised on, so a
+# new chunk length never compiles a new variant mid-serving.
+@triton.jit(do_not_specialize=["T", "num_blocks_m", "num_splits", "window"])
 def _chunk_attention(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lengths_ptr, key_pos_ptr, query_pos_ptr,
     out_ptr, part_ptr, lse_ptr,
