@@ -142,6 +142,10 @@ class LLM:
             return max(per_token * 1024, int(free * 0.85) - (2 << 30))
         return min(4 * self.max_model_len * per_token, 8 << 30)
 
+    def prefix_cache_bytes(self) -> int:
+        """Bytes of the pages the prefix index holds (pages that conversations hold too included)."""
+        return self.prefix_index.bytes() if self.prefix_index is not None else 0
+
     def kv_bytes_per_token(self) -> int:
         """K/V bytes (scales included) one token takes in the pool, over every layer and KV head."""
         c = self.config
