@@ -48,7 +48,9 @@ def test_stream_equals_the_plain_reply_and_ends_with_usage(server):
 def test_later_turns_prefill_only_their_new_tokens(server):
     client = server.client()
     before = server.metric("vllm:prefix_cache_hits_total")
-    messages = [SYSTEM, {"role": "user", "content": "Tell me about the sea."}]
+    # A system prompt no earlier test sent: the prefix index has nothing for the first request.
+    system = {"role": "system", "content": SYSTEM["content"] + " Be brief."}
+    messages = [system, {"role": "user", "content": "Tell me about the sea."}]
     reused, previous = 0, None
     for turn, question in enumerate(["And mountains?", "Which is older?", "Thanks."]):
         reply, usage = ask(client, messages)
