@@ -54,8 +54,8 @@ def run_conversations(llm, system, args, recipe=None):
     for i in range(args.conversations):
         conv = llm.conversation(system=system, recipe=recipe)
         for t in range(args.turns):
-            replies.append(conv.send(f"{QUESTIONS[t % len(QUESTIONS)]} (client {i})", max_new_tokens=args.max_new_tokens,
-                                     ignore_eos=True))
+            message = f"{QUESTIONS[t % len(QUESTIONS)]} (client {i})"
+            replies.append(conv.send(message, max_new_tokens=args.max_new_tokens, ignore_eos=True))
         convs.append(conv)
     return convs, replies
 
