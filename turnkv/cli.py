@@ -306,7 +306,8 @@ def cmd_serve(args) -> int:
                          head_patterns=dict(args.head_pattern or []))
 
     # _load's engine plus the state tiers idle conversations move to when the KV pool fills.
-    llm = _load(args, state_cpu_memory=args.state_cpu_memory, state_disk_dir=args.state_disk_dir,
+    llm = _load(args, prefix_cache=not args.no_prefix_cache, prefix_cache_memory=args.prefix_cache_memory,
+                state_cpu_memory=args.state_cpu_memory, state_disk_dir=args.state_disk_dir,
                 state_disk_memory=args.state_disk_memory)
     serve(llm, config, idle_ttl_s=args.idle_ttl, log_level=args.log_level, tiers=None if args.no_tiers else "state")
     return 0
@@ -415,6 +416,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="disk tier under the CPU tier; SIGTERM writes idle conversations there, and a server "
                           "started over it continues them (one server per directory)")
     srv.add_argument("--state-disk-memory", default=None, help="cap on the disk tier, e.g. 20GiB (default: none)")
+    srv.add_argument("--no-prefix-cache", action="store_true",
+                     help="do not share system prompts' KV between conversations (the prefix index; replies are "
+                          "the same either way)")
+    srv.add_argument("--prefix-cache-memory", default=None,
+                     help="cap on the prefix index's pages, e.g. 2GiB (default: a quarter of the KV pool)")
     srv.add_argument("--no-tiers", action="store_true",
                      help="drop idle conversations evicted from the KV pool instead of moving them to the tiers")
     srv.add_argument("--head-pattern", action="append", type=_head_pattern, metavar="NAME=PATH",

@@ -26,7 +26,7 @@ def greedy_from_scratch(llm, prompt: list[int], n: int) -> list[int]:
 
 
 def test_turns_equal_full_recompute_turn_by_turn(chat_llm):
-    conv = chat_llm.conversation(system="You are terse.")
+    conv = chat_llm.conversation(system="You are terse, and no other test's conversation says so.")
     for i, message in enumerate(MESSAGES):
         before = len(conv.tokens)
         reply = conv.send(message, max_new_tokens=12)

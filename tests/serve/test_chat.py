@@ -48,7 +48,9 @@ def test_stream_equals_the_plain_reply_and_ends_with_usage(server):
 def test_later_turns_prefill_only_their_new_tokens(server):
     client = server.client()
     before = server.metric("vllm:prefix_cache_hits_total")
-    messages = [SYSTEM, {"role": "user", "content": "Tell me about the sea."}]
+    # A system prompt no earlier test sent: the prefix index has nothing for the first request.
+    system = {"role": "system", "content": SYSTEM["content"] + " Be brief."}
+    messages = [system, {"role": "user", "content": "Tell me about the sea."}]
     reused, previous = 0, None
     for turn, question in enumerate(["And mountains?", "Which is older?", "Thanks."]):
         reply, usage = ask(client, messages)
@@ -93,9 +95,10 @@ def test_a_session_header_pins_the_conversation_even_when_its_first_message_chan
     assert usage.prompt_tokens_details.cached_tokens == system_tokens  # back to the system prompt only
     with running(serve_llm, served_model_name=MODEL) as fresh:
         assert ask(fresh.client(), edited)[0] == reply
-    # Without the header, a chat that shares only the system prompt does not take the pinned one.
+    # Without the header, a chat that shares only the system prompt does not take the pinned one: it
+    # takes the system prompt's pages from the prefix index.
     _, usage = ask(server.client(), [SYSTEM, {"role": "user", "content": "Say maybe."}])
-    assert usage.prompt_tokens_details.cached_tokens == 0
+    assert usage.prompt_tokens_details.cached_tokens == system_tokens
 
 
 def test_a_compressing_recipe_reuses_exact_extensions_only(server):
@@ -112,10 +115,13 @@ def test_a_compressing_recipe_reuses_exact_extensions_only(server):
     heads = server.llm.config.num_layers * server.llm.config.num_kv_heads
     assert kept.conv.kv.tokens() < kept.conv.kv.next_position * heads
     # An edit inside the compressed history: its kept tokens were chosen seeing the old text, so
-    # the request starts afresh.
+    # the request starts afresh, from the system prompt the prefix index keeps for this recipe.
     messages[1] = {"role": "user", "content": "Describe a short river."}
     _, usage3 = ask(client, messages, extra_body=recipe)
-    assert usage3.prompt_tokens_details.cached_tokens == 0
+    tokenizer = server.llm.tokenizer
+    system_tokens = len(tokenizer.encode(tokenizer.apply_chat_template([SYSTEM], tokenize=False),
+                                         add_special_tokens=False))
+    assert usage3.prompt_tokens_details.cached_tokens == system_tokens
 
 
 def test_text_completions(server):

@@ -128,7 +128,7 @@ def test_a_restarted_server_continues_the_conversations_it_left_on_disk(chat_mod
         histories = {None if e.session is None else "alice": len(e.conv.tokens) for e in s.store.entries}
     # Stopping drained both idle conversations to disk (the CPU tier dies with the process).
     assert len(list(disk.glob("*.json"))) == 2
-    assert first.pool.bytes_in_use() == 0
+    assert first.pool.bytes_in_use() == first.prefix_cache_bytes()
 
     second = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="32MiB", state_disk_dir=str(disk))
     with running(second, served_model_name=MODEL) as s:

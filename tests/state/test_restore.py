@@ -53,7 +53,7 @@ def test_exact_strategies_give_the_resident_tokens_turn_by_turn(llm, resident, s
     assert conv.kv.bytes() == 0
     assert replies == resident
     conv.close()
-    assert llm.pool.bytes_in_use() == 0 and llm.state.tiers.usage()["cpu_entries"] == 0
+    assert llm.pool.bytes_in_use() == llm.prefix_cache_bytes() and llm.state.tiers.usage()["cpu_entries"] == 0
 
 
 def full_kv_bytes(llm, n):

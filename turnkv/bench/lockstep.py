@@ -76,15 +76,19 @@ class SharedPrompt:
         # (prompt, accumulate) -> (meta, tensors, queries, positions, logits, seconds), the newest last
         self._done: dict[tuple, tuple] = {}
 
-    def get(self, prompt: list[int], accumulate: bool):
-        key = (tuple(prompt), accumulate)
+    def get(self, prompt: list[int], accumulate: bool, split: int = 0):
+        """split: where the engine's turn stops its prefill (a system prompt's end; 0: nowhere), so
+        that the copy is the same forward in the same slices."""
+        key = (tuple(prompt), accumulate, split)
         entry = self._done.pop(key, None)
         if entry is None:
             seq = SequenceKV(self.llm.pool)
             window = QueryWindow(self.llm.config.num_layers, len(prompt))  # every query: each copy takes its tail
             try:
                 t0 = time.perf_counter()
-                logits = self.llm.runner.prefill(seq, prompt, context=StepContext(window=window, accumulate=accumulate))
+                context = StepContext(window=window, accumulate=accumulate)
+                for piece in ([prompt[:split], prompt[split:]] if 0 < split < len(prompt) else [prompt]):
+                    logits = self.llm.runner.prefill(seq, piece, context=context)
                 seconds = time.perf_counter() - t0
                 meta, tensors = export_kv(seq)
             finally:
@@ -95,10 +99,10 @@ class SharedPrompt:
             self._done.pop(next(iter(self._done)))
         return entry
 
-    def copy_into(self, conv: Conversation, prompt: list[int]):
-        """Fill an empty conversation's KV and window as prefilling `prompt` would; returns (logits,
-        seconds the shared prefill took)."""
-        meta, tensors, queries, positions, logits, seconds = self.get(prompt, conv.recipe.accumulates_attention)
+    def copy_into(self, conv: Conversation, prompt: list[int], split: int = 0):
+        """Fill an empty conversation's KV and window as prefilling `prompt` (in two slices at `split`)
+        would; returns (logits, seconds the shared prefill took)."""
+        meta, tensors, queries, positions, logits, seconds = self.get(prompt, conv.recipe.accumulates_attention, split)
         import_kv(conv.kv, meta, tensors)
         st = conv.method_state
         if st.window is not None:
@@ -159,8 +163,11 @@ class LockstepConversation(Conversation):
         try:
             t0 = time.perf_counter()
             before = 0.0
-            if shared is not None and pending.cached == 0 and not self.turns and _shares_first_prompt(self):
-                logits, before = shared.copy_into(self, pending.prompt)
+            # A recipe that closes the system prompt at its end (FlowKV) compresses between the slices.
+            closes = pending.prefix_at and self.recipe.evict is not None and self.recipe.turns.closes_prefix
+            if shared is not None and pending.cached == 0 and not self.turns and _shares_first_prompt(self) \
+                    and not closes:
+                logits, before = shared.copy_into(self, pending.prompt, pending.prefix_at)
                 pending.prefilled_elsewhere()
             else:
                 logits = pending.prefill()

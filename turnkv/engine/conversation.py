@@ -105,8 +105,15 @@ class Conversation:
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of K/V this conversation holds in the page pool (what compression frees shows here)."""
+        """Bytes of K/V pages this conversation holds in the page pool, shared ones included (what
+        compression frees shows here); kv_sharing splits them."""
         return self.kv.bytes()
+
+    @property
+    def kv_sharing(self) -> tuple[int, int]:
+        """(own bytes, shared share): bytes of the pages only this conversation holds, and its share
+        of pages it holds with other conversations or the prefix index (a page's bytes over its holders)."""
+        return self.kv.sharing()
 
     def send(self, message: str, **sampling) -> Reply:
         """Add a user message, generate the reply, and return it with its stats (Reply: text,
@@ -164,7 +171,7 @@ class Conversation:
             )
         system_end = boundaries[0] if (not self.turns and self.system and boundaries) else 0
         return TurnInput(keep, new_ids, system_end, boundaries[-1] if context is not None else None, messages,
-                         full_text)
+                         full_text, prefix_end=system_end)
 
     def _run(self, turn: TurnRun) -> Iterator[str]:
         turn.begin()  # restores the state: counts in TTFT

@@ -26,12 +26,16 @@ class Reply:
     ttft_s: float
     decode_s: float
     kv_tokens: int  # tokens held in the KV store, summed over layers and heads
-    kv_bytes: int
+    kv_bytes: int  # bytes of the pages the conversation holds, shared ones included
     logprobs: torch.Tensor | None = None  # [completion_tokens, V] when asked for (fidelity metrics)
     # Seconds from the turn's start at which each token was accepted (read on the host).
     token_times: list[float] | None = None
     # Per generated token when SamplingParams.logprobs is set: its log-probability and alternatives.
     token_logprobs: list[TokenLogprob] | None = None
+    # kv_bytes split: pages only this conversation holds, and its share of the pages it holds with
+    # others (each such page's bytes over its number of holders).
+    kv_own_bytes: int = 0
+    kv_shared_bytes: int = 0
 
     @property
     def time_per_token_s(self) -> float:
@@ -146,6 +150,7 @@ class Generation:
     def reply(self, prompt_tokens: int, cached_tokens: int) -> Reply:
         end = time.perf_counter()
         first = self.first_token_at or end
+        own, share = self.seq.sharing()
         return Reply(
             text=self.detok.text if self.detok is not None else "",
             token_ids=list(self.token_ids),
@@ -160,4 +165,5 @@ class Generation:
             logprobs=torch.stack(self.logprobs) if self.logprobs else None,
             token_times=[t - self.started for t in self.token_times],
             token_logprobs=None if self.token_logprobs is None else list(self.token_logprobs),
+            kv_own_bytes=own, kv_shared_bytes=share,
         )

@@ -16,6 +16,7 @@ from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.turn import TurnInput, TurnRun
 from turnkv.errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from turnkv.kv.pool import PagePool
+from turnkv.kv.prefix_index import PrefixIndex
 from turnkv.kv.quant import kv_dtype_name
 from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.recipe import RECIPE_KEYS, Recipe
@@ -53,6 +54,10 @@ class LLM:
     kv_dtype: how the pool stores K/V: None or "none" (the model's dtype), "int8" or "fp8" (e4m3),
     quantized per token and head with an fp32 scale (turnkv/kv/quant.py). A recipe's kv_dtype key
     sets it too; conversations whose recipe asks for another one are refused.
+    prefix_cache: keep the KV of system prompts in a prefix index and share its pages with later
+    conversations of the same recipe that begin with the same prompt (turnkv/engine/prefix.py);
+    replies are the same with it off. prefix_cache_memory: the index's cap (bytes or "1GiB";
+    default a quarter of the pool); when the pool runs short, index entries go first.
     """
 
     def __init__(self, model: str | None = None, dtype=None, device: str | None = None,
@@ -60,7 +65,8 @@ class LLM:
                  tokenizer: str | None = None, prefill_chunk: int | None = None, seed: int = 0, recipe=None,
                  cuda_graphs: bool = True, state_cpu_memory: int | str = "1GiB", state_disk_dir: str | None = None,
                  state_disk_memory: int | str | None = None, state_gpu_memory: int | str | None = None,
-                 kv_dtype: str | torch.dtype | None = None, **recipe_options):
+                 kv_dtype: str | torch.dtype | None = None, prefix_cache: bool = True,
+                 prefix_cache_memory: int | str | None = None, **recipe_options):
         unknown = sorted(set(recipe_options) - RECIPE_KEYS)
         if unknown:
             raise InvalidRequestError(f"LLM() got an unknown argument {unknown[0]!r}: neither an engine argument nor "
@@ -86,6 +92,11 @@ class LLM:
         self.kv_dtype = self._choose_kv_dtype(kv_dtype, default_recipe)
         self.pool = PagePool.for_budget(self.config, self._kv_budget(kv_memory), page_size, self.dtype, self.device,
                                         self.kv_dtype)
+        self.prefix_index = None
+        if prefix_cache:
+            cap = _optional_bytes(prefix_cache_memory)
+            self.prefix_index = PrefixIndex(self.pool, self.pool.capacity_bytes() // 4 if cap is None else cap)
+            self.pool.reclaim = self.prefix_index.reclaim
         if prefill_chunk is None:
             # Bigger chunks on a GPU: each chunk re-reads the kept history, and flash attention runs
             # well below its peak rate on short query blocks (benchmarks/prefill/README.md).
@@ -130,6 +141,10 @@ class LLM:
             free, _ = torch.cuda.mem_get_info(self.device)
             return max(per_token * 1024, int(free * 0.85) - (2 << 30))
         return min(4 * self.max_model_len * per_token, 8 << 30)
+
+    def prefix_cache_bytes(self) -> int:
+        """Bytes of the pages the prefix index holds (pages that conversations hold too included)."""
+        return self.prefix_index.bytes() if self.prefix_index is not None else 0
 
     def kv_bytes_per_token(self) -> int:
         """K/V bytes (scales included) one token takes in the pool, over every layer and KV head."""

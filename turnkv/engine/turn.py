@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from turnkv.engine import prefix
 from turnkv.engine.generation import Generation, Reply
 from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.step_context import StepContext
@@ -32,7 +33,10 @@ class TurnInput:
     absolute position where a separate context ends, compressed before the rest is prefilled (a
     recipe with schedule=context), or None. messages / full_text: the history with this turn's
     message and its rendering, kept as the conversation's once the turn ends; None for raw prompts
-    (LLM.generate, /v1/completions), which keep no history.
+    (LLM.generate, /v1/completions), which keep no history. prefix_end: on a first chat turn with a
+    system prompt, the absolute position where it ends (0: none): a clean boundary where the prefill
+    stops, the recipe closes the prefix (Recipe.after_prefix) and the engine's prefix index keeps or
+    gives its KV (turnkv/engine/prefix.py).
     """
 
     keep: int
@@ -41,6 +45,7 @@ class TurnInput:
     context_end: int | None = None
     messages: list[dict] | None = None
     full_text: str = ""
+    prefix_end: int = 0
 
 
 class TurnRun:
@@ -61,6 +66,8 @@ class TurnRun:
         self.finished = False
         self.window_before = None
         self.segment_end = 0
+        self.prefix_at = 0  # absolute end of a prefix still to prefill and close (0: none)
+        self.rollback_to = 0  # where an undo takes the KV back to
         self.watch = None  # called as watch(turn, index, token, logits) before a token is accepted
 
     # ---- the turn's parts ------------------------------------------------------------------------
@@ -90,11 +97,18 @@ class TurnRun:
         conv._roll_back_to_reusable(inputs.keep)
         if not inputs.new_ids and conv.kv.next_position >= inputs.keep:
             conv._roll_back(inputs.keep - 1)
-        self.cached = conv.kv.next_position
+        self.cached = self.rollback_to = conv.kv.next_position
         self.prompt = conv.tokens[self.cached : inputs.keep] + inputs.new_ids
         self.segment_end = self.cached if conv.turns else inputs.segment_end
         window = self.state.window
         self.window_before = window.snapshot() if window is not None else None
+        if not conv.turns and inputs.prefix_end > self.cached:
+            self.prefix_at = inputs.prefix_end
+            if self.cached == 0:
+                attached = prefix.attach(conv, self.prompt, self.prefix_at)
+                if attached:
+                    self.started, self.prefix_at = True, 0
+                    self.cached, self.prompt = attached, self.prompt[attached:]
         return self
 
     def prefill(self, size: int | None = None) -> torch.Tensor | None:
@@ -104,16 +118,23 @@ class TurnRun:
         runner, kv = self.conv.llm.runner, self.conv.kv
         budget = self.prefill_left if size is None else size
         context_at = None if self.inputs.context_end is None else self.inputs.context_end - self.cached
+        prefix_at = self.prefix_at - self.cached if self.prefix_at else None
         logits = None
         while budget > 0 and self.prefill_left:
             stop = len(self.prompt)
             if context_at is not None and self.prefilled < context_at:
                 stop = context_at
+            if prefix_at is not None and self.prefilled < prefix_at:
+                stop = min(stop, prefix_at)
             chunk = self.prompt[self.prefilled : min(stop, self.prefilled + budget)]
             self.started = True
             logits = runner.prefill(kv, chunk, context=self.context)
             self.prefilled += len(chunk)
             budget -= len(chunk)
+            if self.prefilled == prefix_at:
+                self.recipe.after_prefix(kv, self.state, self.prefix_at, self.inv_freq, self.number)
+                if self.cached == 0:
+                    prefix.publish(self.conv, self.prompt[:prefix_at])
             if self.prefilled == context_at:
                 self.recipe.after_context(kv, self.state, self.inputs.context_end, self.inv_freq, self.number)
         if self.prefill_left:
@@ -164,7 +185,7 @@ class TurnRun:
             return
         self.finished = True
         if self.started:
-            self.conv._roll_back(self.cached, self.window_before)
+            self.conv._roll_back(self.rollback_to, self.window_before)
         if self.tiers is not None:
             self.tiers.abort_turn(self.conv)
 
@@ -174,4 +195,5 @@ class TurnRun:
         twin = type(self)(conv, self.inputs, gen, self.tiers)
         twin.number, twin.prompt, twin.cached = self.number, self.prompt, self.cached
         twin.prefilled, twin.segment_end, twin.started = self.prefilled, self.segment_end, True
+        twin.prefix_at, twin.rollback_to = self.prefix_at, self.rollback_to
         return twin

@@ -1,7 +1,10 @@
 """The page pool under every conversation: per layer, fixed-size pages of K, V and token positions.
 
-A page belongs to one (conversation, layer, kv_head) at a time, so heads can hold different numbers
-of tokens and memory follows what each head keeps. Keys are stored after RoPE.
+A page is written for one (conversation, layer, kv_head), so heads can hold different numbers of
+tokens and memory follows what each head keeps. Keys are stored after RoPE. A page may then be held
+by several holders at once (conversations that share a prefix, and the prefix index): `refs` counts
+them, a page returns to the free stack when its count reaches zero, and the pool counts it once.
+Holders never write into a page another holds (SequenceKV copies it first: copy on write).
 
 K/V are stored in the compute dtype, or quantized (`kv_dtype` int8 or fp8 e4m3; turnkv/kv/quant.py):
 narrow codes in `k`/`v` and one fp32 scale per slot (a token of a head) in `k_scale`/`v_scale`. Writes
@@ -57,6 +60,11 @@ class PagePool:
         # too many to hand out as Python ints without delaying the first kernel.
         self._stack = np.tile(np.arange(num_pages - 1, -1, -1, dtype=np.int64), (num_layers, 1))
         self._top = np.full(num_layers, num_pages, dtype=np.int64)
+        # Holders of each page [layers, pages]: 0 free, 1 private, more shared.
+        self.refs = np.zeros((num_layers, num_pages), dtype=np.int32)
+        # Called as reclaim(counts) when an allocation lacks room: frees what it can of pages that
+        # only a cache holds (the prefix index), so that counts[layer] pages may be taken.
+        self.reclaim = None
 
     @staticmethod
     def token_head_bytes(head_dim: int, dtype: torch.dtype, kv_dtype=None) -> int:
@@ -97,7 +105,12 @@ class PagePool:
         return self.num_pages - int(self._top[layer])
 
     def bytes_in_use(self) -> int:
+        """Bytes of the pages in use; a shared page counts once."""
         return sum(self.used_pages(layer) for layer in range(self.num_layers)) * self.page_bytes
+
+    def shared_bytes(self) -> int:
+        """Bytes of the pages held by more than one holder, each counted once."""
+        return int((self.refs > 1).sum()) * self.page_bytes
 
     def capacity_bytes(self) -> int:
         return self.num_layers * self.num_pages * self.page_bytes
@@ -106,6 +119,9 @@ class PagePool:
         """Take counts[layer] pages in every layer (int64 arrays of page ids), or none at all when
         any layer lacks room."""
         short = [(layer, n, int(self._top[layer])) for layer, n in enumerate(counts) if n > self._top[layer]]
+        if short and self.reclaim is not None:
+            self.reclaim(counts)
+            short = [(layer, n, int(self._top[layer])) for layer, n in enumerate(counts) if n > self._top[layer]]
         if short:
             layer, n, free = short[0]
             raise KVCacheFullError(
@@ -118,15 +134,39 @@ class PagePool:
             top = self._top[layer]
             taken.append(self._stack[layer, top - n : top][::-1].copy())
             self._top[layer] = top - n
+            self.refs[layer, taken[-1]] = 1
         return taken
 
     def release(self, layer: int, pages) -> None:
+        """One holder lets go of `pages` (distinct ids, each held); a page nobody holds any more goes
+        back to the free stack."""
         pages = np.asarray(pages, dtype=np.int64).reshape(-1)
+        if not len(pages):
+            return
+        refs = self.refs[layer]
+        if (refs[pages] < 1).any():
+            raise ValueError(f"layer {layer}: releasing pages that are not in use")
+        refs[pages] -= 1
+        freed = pages[refs[pages] == 0]
         top = self._top[layer]
-        if top + len(pages) > self.num_pages:
-            raise ValueError(f"layer {layer}: releasing {len(pages)} pages with {self.num_pages - top} in use")
-        self._stack[layer, top : top + len(pages)] = pages[::-1]
-        self._top[layer] = top + len(pages)
+        self._stack[layer, top : top + len(freed)] = freed[::-1]
+        self._top[layer] = top + len(freed)
+
+    def share(self, layer: int, pages) -> None:
+        """One more holder takes `pages` (distinct ids, each in use)."""
+        pages = np.asarray(pages, dtype=np.int64).reshape(-1)
+        if len(pages) and (self.refs[layer, pages] < 1).any():
+            raise ValueError(f"layer {layer}: sharing pages that are not in use")
+        self.refs[layer, pages] += 1
+
+    def copy_pages(self, layer: int, src, dst) -> None:
+        """Copy whole pages src -> dst [n] of a layer: K, V, their scales, positions and attention mass."""
+        src = torch.as_tensor(np.asarray(src, dtype=np.int64), device=self.device)
+        dst = torch.as_tensor(np.asarray(dst, dtype=np.int64), device=self.device)
+        for store in (self.k, self.v, self.k_scale, self.v_scale, self.positions, self.attention_mass):
+            if store is not None:
+                raw = quant.raw(store[layer]) if store is self.k or store is self.v else store[layer]
+                raw.index_copy_(0, dst, raw.index_select(0, src))
 
     # ---- K/V data ---------------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

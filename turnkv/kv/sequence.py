@@ -11,6 +11,11 @@ How a table changes, for copies of it kept elsewhere (the CUDA-graph decode step
 columns at a head's end; `drop_pages` removes whole pages from inside a head's list (its table shifts
 left, `table_edits` counts it per head and `edited_from` bounds the columns it rewrote); `keep`,
 `truncate` and `free` release pages from a head's end after compacting (`shrinks` counts them).
+
+Pages may be shared with other holders (`share_from`; the pool counts holders). Before anything is
+written into a page another holder has (an append into a shared partial last page, the compaction of
+`keep`), the sequence takes a private copy of just that page (`_privatize`): the table column points
+to the copy, `shrinks` and the head's `moves` are bumped, as for any page a head gave back.
 """
 
 from __future__ import annotations
@@ -55,6 +60,52 @@ class SequenceKV:
     def bytes(self) -> int:
         """K/V bytes of the pages this conversation owns."""
         return int(self.num_pages.sum()) * self.pool.page_bytes
+
+    def held_pages(self) -> list[np.ndarray]:
+        """Per layer, the page ids this sequence holds (every head's)."""
+        cols = np.arange(self.table.shape[2])
+        return [self.table[layer][cols[None, :] < self.num_pages[layer][:, None]] for layer in range(len(self.table))]
+
+    def sharing(self) -> tuple[int, int]:
+        """(own bytes, shared share): bytes of the pages only this sequence holds, and its share of the
+        pages it holds with others (a page's bytes over its number of holders)."""
+        own, share = 0, 0.0
+        for layer, pages in enumerate(self.held_pages()):
+            refs = self.pool.refs[layer, pages]
+            own += int((refs == 1).sum())
+            share += float((1.0 / refs[refs > 1]).sum())
+        return own * self.pool.page_bytes, int(round(share * self.pool.page_bytes))
+
+    def share_from(self, other: SequenceKV) -> None:
+        """Hold the same pages as `other` (this sequence must be empty): the same tokens, positions and
+        table, every page one holder more. Whichever writes into a shared page first copies it."""
+        if self.next_position or self.num_pages.any():
+            raise ValueError("share_from needs an empty sequence")
+        for layer, pages in enumerate(other.held_pages()):
+            self.pool.share(layer, pages)
+        self.table = other.table.copy()
+        self.lengths, self.num_pages = other.lengths.copy(), other.num_pages.copy()
+        self.next_position = other.next_position
+        self._table_device, self._dirty_from = None, 0
+        self.moves += 1  # written behind the page statistics' back, as a restore is
+
+    def _privatize(self, layer: int, heads: np.ndarray, cols: np.ndarray) -> None:
+        """Give (layer, heads[i]) a private copy of its page at table column cols[i] where that page is
+        shared; pages only this sequence holds stay."""
+        pages = self.table[layer, heads, cols]
+        shared = self.pool.refs[layer, pages] > 1
+        if not shared.any():
+            return
+        heads, cols, old = heads[shared], cols[shared], pages[shared]
+        counts = [0] * self.pool.num_layers
+        counts[layer] = len(old)
+        new = self.pool.allocate(counts)[layer]
+        self.pool.copy_pages(layer, old, new)
+        self.table[layer, heads, cols] = new
+        self.pool.release(layer, old)
+        self.moves[layer, np.unique(heads)] += 1
+        self.shrinks += 1
+        self._dirty_from = min(self._dirty_from, int(cols.min()))
 
     def bytes_per_layer(self) -> np.ndarray:
         return self.num_pages.sum(axis=1) * self.pool.page_bytes
@@ -102,7 +153,17 @@ class SequenceKV:
 
     def _take_pages(self, num_tokens: int) -> None:
         """Allocate the pages `num_tokens` more tokens need, in every (layer, head); all or nothing."""
-        needed_pages = -(-(self.lengths + num_tokens) // self.pool.page_size) - self.num_pages
+        ps = self.pool.page_size
+        if num_tokens > 0:
+            # An append into a shared, partly filled last page writes into it: copy it first.
+            partial = (self.lengths % ps != 0) & (self.num_pages > 0)
+            if partial.any():
+                last = np.take_along_axis(self.table, np.maximum(self.num_pages - 1, 0)[:, :, None], 2)[:, :, 0]
+                partial &= self.pool.refs[np.arange(len(last))[:, None], last] > 1
+                for layer in np.flatnonzero(partial.any(axis=1)):
+                    heads = np.flatnonzero(partial[layer])
+                    self._privatize(int(layer), heads, self.num_pages[layer, heads] - 1)
+        needed_pages = -(-(self.lengths + num_tokens) // ps) - self.num_pages
         taken = self.pool.allocate(needed_pages.sum(axis=1).tolist())
         self._place_pages(needed_pages, taken)
 
@@ -205,6 +266,7 @@ class SequenceKV:
         H, ps = self.pool.num_kv_heads, self.pool.page_size
         if len(keep) != H:
             raise ValueError(f"keep needs one index tensor per KV head ({H}), got {len(keep)}")
+        self._privatize_for_keep(layer, keep)
         table = self.device_table()[layer]
         src, dst, counts = [], [], []
         moved = np.zeros(H, dtype=bool)
@@ -226,6 +288,25 @@ class SequenceKV:
             # K, V (with a quantized pool's scales), positions and attention mass move together.
             self.pool.move(layer, torch.cat(src), torch.cat(dst))
         self._shrink(layer, np.asarray(counts, dtype=np.int64), moved)
+
+    def _privatize_for_keep(self, layer: int, keep: list[torch.Tensor]) -> None:
+        """Before keep() compacts: per head, the pages its compaction writes (from the first kept
+        token that moves to the last page it keeps) become private copies where they are shared."""
+        ps = self.pool.page_size
+        cols_all = np.arange(self.table.shape[2])
+        if not (self.pool.refs[layer, self.table[layer][cols_all[None, :] < self.num_pages[layer][:, None]]] > 1).any():
+            return
+        heads, cols = [], []
+        for head, idx in enumerate(keep):
+            idx = np.sort(torch.as_tensor(idx).to(torch.int64).cpu().numpy())
+            moved = np.flatnonzero(idx != np.arange(len(idx)))
+            if not len(moved):
+                continue
+            span = np.arange(moved[0] // ps, -(-len(idx) // ps))
+            heads.append(np.full(len(span), head))
+            cols.append(span)
+        if heads:
+            self._privatize(layer, np.concatenate(heads), np.concatenate(cols))
 
     def drop_pages(self, layers, heads, first, count) -> None:
         """Drop whole pages from inside heads' lists: for each (layers[i], heads[i]), the `count[i]`

@@ -168,6 +168,10 @@ class Turns(ABC):
     tokens the layer keeps among them."""
 
     name: ClassVar[str]
+    # Whether a first turn's finished prefix (the system prompt) is compressed at its own end, from
+    # its own queries, before the rest of the prompt is prefilled: the result then depends on that
+    # prefix alone, and conversations that begin with it can share it (turnkv/engine/prefix.py).
+    closes_prefix: ClassVar[bool] = False
 
     @abstractmethod
     def span_start(self, frozen_upto: int) -> int:

@@ -292,6 +292,11 @@ class Recipe:
             self._compress(kv, st, self.turns.span_end(segment_end, kv.next_position), inv_freq, turn, "prefill")
         self._trim(kv)
 
+    def after_prefix(self, kv, st: MethodState, prefix_end: int, inv_freq, turn: int) -> None:
+        """A first turn's prompt is prefilled up to `prefix_end`, the end of its system prompt."""
+        if self._scheduled("prefill") and self.turns.closes_prefix:
+            self._compress(kv, st, prefix_end, inv_freq, turn, "prefill")
+
     def after_context(self, kv, st: MethodState, context_end: int, inv_freq, turn: int) -> None:
         if self._scheduled("context"):
             self._compress(kv, st, context_end, inv_freq, turn, "context")

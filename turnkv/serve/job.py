@@ -132,8 +132,9 @@ class Job:
             segment_end = self.system_mark[0] if self.system_mark else 0
         else:
             segment_end = len(self.new_ids)  # a raw prompt is one finished segment, as in LLM.generate
+        prefix_end = segment_end if self.is_chat else 0  # the system prompt's end: a shareable prefix
         inputs = TurnInput(self.keep, self.new_ids, segment_end, None, self.messages if self.is_chat else None,
-                           self.full_text)
+                           self.full_text, prefix_end=prefix_end)
         constraint = None if self.grammar is None else self.grammar.constraint()
         self.turn = TurnRun(self.conv, inputs, llm._new_generation(self.conv.kv, params, constraint=constraint)).begin()
 

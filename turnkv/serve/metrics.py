@@ -64,6 +64,9 @@ class Metrics:
         self.stored = gauge("turnkv:stored_conversations", "Conversations kept between requests, by tier.", ["tier"])
         self.stored_bytes = gauge("turnkv:stored_kv_bytes", "Bytes of kept conversations, by tier: KV pages in the "
                                   "pool (gpu), what their state strategy stored elsewhere (cpu, disk).", ["tier"])
+        self.shared_bytes = gauge("turnkv:kv_shared_bytes", "Bytes of KV pages held by more than one conversation "
+                                  "or the prefix index, each counted once.")
+        self.prefix_bytes = gauge("turnkv:prefix_cache_bytes", "Bytes of KV pages the prefix index holds.")
         self.compressed = gauge("turnkv:kv_bytes_saved_by_compression",
                                 "Dense KV bytes of kept conversations minus the bytes their recipe keeps.")
 
@@ -79,6 +82,8 @@ class Metrics:
         self.labels(self.kv_usage).set_function(lambda: pool.bytes_in_use() / pool.capacity_bytes())
         self.labels(self.kv_bytes).set_function(pool.bytes_in_use)
         self.labels(self.kv_capacity).set_function(pool.capacity_bytes)
+        self.labels(self.shared_bytes).set_function(pool.shared_bytes)
+        self.labels(self.prefix_bytes).set_function(llm.prefix_cache_bytes)
         for tier in store.tier_names:
             self.labels(self.stored, tier).set_function(lambda t=tier: store.count(t))
             self.labels(self.stored_bytes, tier).set_function(lambda t=tier: store.kv_bytes(t))

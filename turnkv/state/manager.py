@@ -174,6 +174,8 @@ class StateManager:
         need_bytes = need * pool.num_layers * pool.page_bytes
 
         def short() -> bool:
+            if pool.reclaim is not None:  # pages only a cache holds (the prefix index) go first
+                pool.reclaim([need] * pool.num_layers)
             free = min(pool.free_pages(layer) for layer in range(pool.num_layers))
             if free < need:
                 return True

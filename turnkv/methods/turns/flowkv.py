@@ -2,7 +2,9 @@
 
 Based on "FlowKV: Enhancing Multi-Turn Conversational Coherence in LLMs via Isolated Key-Value Cache
 Management". The system prompt, then each completed turn's query and response, is compressed once
-with the recipe's scorer and budget and never rescored. The current turn stays whole while it runs.
+with the recipe's scorer and budget and never rescored. The system prompt is compressed as soon as
+it is prefilled, scored by its own last queries, so that it is the same for every conversation that
+begins with it (they share its kept pages: turnkv/engine/prefix.py). The current turn stays whole while it runs.
 The budget is a dynamic rule: the cache may hold
 floor(keep * positions so far) per head, and a new segment gets what the frozen ones left, at least
 `min_size` per head.
@@ -20,6 +22,7 @@ reading : str, default "segment"
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from turnkv.methods.protocols import Turns
 from turnkv.methods.registry import register
@@ -30,6 +33,7 @@ from turnkv.methods.registry import register
 class FlowKVTurns(Turns):
     """FlowKV multi-turn isolation: compress each segment once, then freeze it."""
 
+    closes_prefix: ClassVar[bool] = True
     min_size: int = 32
     reading: str = "segment"
 

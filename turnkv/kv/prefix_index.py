@@ -1,0 +1,166 @@
+"""A radix tree over token ids of prefixes whose KV stays in the page pool for later conversations.
+
+An entry is the KV of one conversation at a clean boundary (the end of its system prompt), kept
+under a namespace (what else decides that KV: the model and the recipe's canonical string) and the
+token ids before the boundary. The entry holds the conversation's pages as one more holder
+(SequenceKV.share_from), so they stay when the conversation goes; a conversation that begins with the
+same tokens takes them (`attach`) instead of prefilling them, and copies a page before writing into
+it (turnkv/kv/sequence.py). `extra` carries what the recipe kept beside the KV at that point (its
+observation window, its log), opaque here.
+
+Entries are kept least recently used first, under `max_bytes` of pages counted once per entry; the
+pool calls `reclaim` when an allocation lacks room, which drops entries in the same order. Dropping
+an entry releases its hold only: a page that a conversation still holds stays in the pool.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from turnkv.kv.pool import PagePool
+from turnkv.kv.sequence import SequenceKV
+
+
+@dataclass
+class PrefixEntry:
+    namespace: str
+    tokens: tuple[int, ...]
+    kv: SequenceKV  # the index's hold on the pages
+    extra: dict
+    last_used: int = 0
+    hits: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.bytes()
+
+
+@dataclass
+class _Node:
+    edge: tuple[int, ...] = ()
+    children: dict[int, _Node] = field(default_factory=dict)
+    entry: PrefixEntry | None = None
+
+
+class PrefixIndex:
+    def __init__(self, pool: PagePool, max_bytes: int):
+        self.pool, self.max_bytes = pool, int(max_bytes)
+        self._roots: dict[str, _Node] = {}
+        self._entries: dict[tuple[str, tuple[int, ...]], PrefixEntry] = {}
+        self._clock = itertools.count(1)
+        self.hits = self.misses = self.inserts = self.evictions = 0
+
+    # ---- queries ----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def bytes(self) -> int:
+        """Bytes of the pages the entries hold, per entry (a page two entries hold counts twice)."""
+        return sum(e.nbytes for e in self._entries.values())
+
+    def lookup(self, namespace: str, tokens, lengths=None) -> PrefixEntry | None:
+        """The entry of `namespace` with the longest token ids that begin `tokens`, among those whose
+        length is in `lengths` (None: any); None when there is none. A hit counts as a use."""
+        best, node, at = None, self._roots.get(namespace), 0
+        tokens = tuple(tokens)
+        while node is not None:
+            if tokens[at : at + len(node.edge)] != node.edge:
+                break
+            at += len(node.edge)
+            if node.entry is not None and (lengths is None or at in lengths):
+                best = node.entry
+            if at >= len(tokens):
+                break
+            node = node.children.get(tokens[at])
+        if best is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        best.hits += 1
+        best.last_used = next(self._clock)
+        return best
+
+    def get(self, namespace: str, tokens) -> PrefixEntry | None:
+        """The entry for exactly these token ids, or None (not counted as a use)."""
+        return self._entries.get((namespace, tuple(tokens)))
+
+    # ---- changes ----------------------------------------------------------------------------
+    def insert(self, namespace: str, tokens, seq: SequenceKV, extra: dict) -> PrefixEntry | None:
+        """Keep `seq`'s KV (it holds exactly `tokens`' positions) under (namespace, tokens); the
+        existing entry when there is one. None when it alone is over the cap."""
+        tokens = tuple(tokens)
+        if not tokens:
+            raise ValueError("a prefix needs at least one token")
+        found = self._entries.get((namespace, tokens))
+        if found is not None:
+            return found
+        if seq.bytes() > self.max_bytes:
+            return None
+        self._shrink_to(self.max_bytes - seq.bytes())
+        held = SequenceKV(self.pool)
+        held.share_from(seq)
+        entry = PrefixEntry(namespace, tokens, held, extra, next(self._clock))
+        self._place(self._roots.setdefault(namespace, _Node()), tokens, entry)
+        self._entries[(namespace, tokens)] = entry
+        self.inserts += 1
+        return entry
+
+    def remove(self, entry: PrefixEntry) -> None:
+        key = (entry.namespace, entry.tokens)
+        if self._entries.pop(key, None) is None:
+            return
+        node, at = self._roots[entry.namespace], 0
+        while True:
+            at += len(node.edge)
+            if at == len(entry.tokens):
+                node.entry = None
+                break
+            node = node.children[entry.tokens[at]]
+        entry.kv.free()
+        self.evictions += 1
+
+    def clear(self) -> None:
+        for entry in list(self._entries.values()):
+            self.remove(entry)
+        self._roots.clear()
+
+    def reclaim(self, counts) -> None:
+        """Drop entries, least recently used first, until every layer has counts[layer] free pages
+        (or no entry is left)."""
+        def short() -> bool:
+            return any(n > self.pool.free_pages(layer) for layer, n in enumerate(counts))
+
+        for entry in sorted(self._entries.values(), key=lambda e: e.last_used):
+            if not short():
+                return
+            self.remove(entry)
+
+    # ---- internals --------------------------------------------------------------------------
+    def _shrink_to(self, limit: int) -> None:
+        for entry in sorted(self._entries.values(), key=lambda e: e.last_used):
+            if self.bytes() <= limit:
+                return
+            self.remove(entry)
+
+    @staticmethod
+    def _place(root: _Node, tokens: tuple[int, ...], entry: PrefixEntry) -> None:
+        node, at = root, 0
+        while True:
+            if at == len(tokens):
+                node.entry = entry
+                return
+            child = node.children.get(tokens[at])
+            if child is None:
+                node.children[tokens[at]] = _Node(tokens[at:], entry=entry)
+                return
+            common = 0
+            limit = min(len(child.edge), len(tokens) - at)
+            while common < limit and child.edge[common] == tokens[at + common]:
+                common += 1
+            if common < len(child.edge):  # split the edge where it parts from tokens
+                mid = _Node(child.edge[:common], {child.edge[common]: child})
+                child.edge = child.edge[common:]
+                node.children[tokens[at]] = mid
+                child = mid
+            node, at = child, at + common
