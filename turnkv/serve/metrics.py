@@ -59,7 +59,8 @@ class Metrics:
         self.evictions = counter("turnkv:conversation_evictions", "Idle conversations taken off the KV pool.", ["reason"])
         self.batch = Histogram("turnkv:decode_batch_size", "Sequences in one batched decode step.", label,
                                buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
-        self.mixed_steps = counter("turnkv:mixed_steps", "Forwards that carried decode tokens and prefill slices together.")
+        self.mixed_steps = counter("turnkv:mixed_steps",
+                                   "Forwards that carried decode tokens and prefill slices together.")
         self.held = gauge("turnkv:requests_held_for_memory",
                           "Requests whose tokens are ready, waiting for KV memory to start their prefill.")
         self.tier_bytes = counter("turnkv:tier_traffic_bytes", "Bytes of conversation state moved between the KV "
