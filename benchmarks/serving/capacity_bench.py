@@ -61,7 +61,7 @@ CONFIGS = {
     "full-sliced": ["--recipe", "full", "--max-step-tokens", "0"],
 }
 SMOKE = {"model": None, "dtype": "float32", "device": "cpu", "users": 4, "turns": "3-4", "doc_tokens": 320,
-         "max_tokens": 8, "kv_memory": "40MiB", "state_cpu_memory": "256MiB", "prefill_chunk": 64,
+         "max_tokens": 8, "kv_memory": "64MiB", "state_cpu_memory": "256MiB", "prefill_chunk": 64,
          "max_step_tokens": 256, "arrival_rate": 1.0, "think_s": 1.0}
 
 

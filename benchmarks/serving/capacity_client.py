@@ -48,11 +48,13 @@ async def converse(client, user: User, max_tokens: int, t0: float, records: list
             try:
                 result = await one_turn(client, messages, max_tokens, t0)
                 break
-            except openai.RateLimitError:  # the queue is full: the server said when to come back
+            except (openai.RateLimitError, openai.InternalServerError) as e:  # 429 queue full, 503 pool full
+                error = f"{type(e).__name__}: {e}"
                 await asyncio.sleep(1.0)
         else:
-            records.append({"user": user.index, "turn": turn, "failed": "rate limited for 60 s"})
+            records.append({"user": user.index, "turn": turn, "failed": error, "retries": attempt + 1})
             return
+        result["retries"] = attempt
         records.append({"user": user.index, "turn": turn, **result})
         messages.append({"role": "assistant", "content": result["text"]})
 

@@ -38,6 +38,7 @@ def summarise(records: list[dict], wall_s: float, samples: list[tuple[float, dic
         "wall_s": wall_s,
         "requests": len(records),
         "failed": len(records) - len(ok),
+        "retries": sum(r.get("retries", 0) for r in records),  # 429 / 503 answers retried after 1 s
         "output_tokens": sum(r["completion_tokens"] for r in ok),
         "output_tokens_per_s": sum(r["completion_tokens"] for r in ok) / wall_s,
         "ttft_by_turn": {t: {"p50_s": percentile(v, 50), "p99_s": percentile(v, 99), "n": len(v)}
@@ -85,7 +86,7 @@ def table(results: dict[str, dict]) -> str:
     names = list(results)
     turns = sorted({int(t) for r in results.values() for t in r["ttft_by_turn"]})
     rows = [("aggregate output tokens/s", lambda r: r["output_tokens_per_s"], ""),
-            ("requests (failed)", lambda r: f"{r['requests']} ({r['failed']})", "")]
+            ("requests (failed, retried)", lambda r: f"{r['requests']} ({r['failed']}, {r.get('retries', 0)})", "")]
     for t in turns:
         rows.append((f"TTFT turn {t} p50 / p99 (ms)", lambda r, t=t: _pair(r["ttft_by_turn"].get(t, r["ttft_by_turn"]
                                                                                                   .get(str(t)))), ""))

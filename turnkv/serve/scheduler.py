@@ -219,6 +219,14 @@ class Scheduler:
         for job in jobs:
             try:
                 self._with_room(lambda j=job: j.claim(self.llm, self.store))
+            except KVCacheFullError as e:  # no room to bring its conversation back while others run:
+                if not (self.prefilling or self.decoding):  # it waits for them, with its place
+                    self._fail(job, e)
+                    continue
+                job.abandon(self.store)
+                with self.cond:
+                    self.waiting.appendleft(job)
+                continue
             except Exception as e:
                 self._fail(job, e)
                 continue

@@ -21,7 +21,9 @@ class StateTierHook:
     """on_traffic(direction, nbytes, seconds), when given, is called for each conversation moved:
     "restore" (a tier -> the pool, in begin) and "offload" (the pool -> a tier). nbytes is what the
     tier holds for it; seconds is the worker's time in the move, which for a restore is the time to
-    issue its copies (a strategy may leave them running on a side stream until the turn ends)."""
+    issue its copies (a strategy may leave them running on a side stream until the turn ends) and
+    includes the offloads of idle conversations the manager demoted to make room for it (reported
+    with their bytes and 0 s)."""
 
     names = ("cpu", "disk")
 
@@ -105,4 +107,11 @@ class StateTierHook:
             elif e["event"] == "disk_state_recomputed":
                 log.info("conversation %s: recomputed (%.2f s estimated) instead of read from disk (%.2f s)",
                          e["conversation"], e["recompute_s"], e["read_s"])
-        return ["offloaded" for e in events if e["event"] == "demoted"]
+        demoted = [e for e in events if e["event"] == "demoted"]
+        if self.on_traffic is not None:
+            for e in demoted:  # moved by the manager to make room: its time is the caller's (begin's)
+                try:
+                    self.on_traffic("offload", self.manager.tiers.stored_bytes(e["conversation"]), 0.0)
+                except (KeyError, OSError):
+                    pass
+        return ["offloaded" for _ in demoted]
