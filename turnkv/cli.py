@@ -301,7 +301,8 @@ def cmd_serve(args) -> int:
     config = ServeConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                          served_model_name=args.served_model_name, max_running=args.max_running,
                          max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk,
-                         max_body_bytes=args.max_body_bytes, default_max_tokens=args.max_tokens,
+                         max_step_tokens=args.max_step_tokens, max_body_bytes=args.max_body_bytes,
+                         default_max_tokens=args.max_tokens,
                          reuse=not args.no_reuse, drain_timeout_s=args.drain_timeout,
                          head_patterns=dict(args.head_pattern or []))
 
@@ -401,9 +402,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000, help="port to listen on")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or set TURNKV_API_KEY)")
     srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
-    srv.add_argument("--max-running", type=int, default=32, help="requests decoding together (the decode batch)")
+    srv.add_argument("--max-running", type=int, default=32,
+                     help="ceiling on requests running together; under it, those the KV pool holds run")
     srv.add_argument("--max-waiting", type=int, default=64, help="queued requests; beyond that 429 + Retry-After")
-    srv.add_argument("--prefill-chunk", type=int, default=512, help="prefill slice run between two decode steps")
+    srv.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill slice")
+    srv.add_argument("--max-step-tokens", type=int, default=2048,
+                     help="tokens per forward while requests decode: their next tokens plus whole prefill slices "
+                          "(at least one); 0 runs each slice as its own forward between decode steps")
     srv.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body; beyond it 413")
     srv.add_argument("--max-tokens", type=int, default=256, help="reply length when a request sets no max_tokens")
     srv.add_argument("--no-reuse", action="store_true", help="prefill every request from scratch (a baseline)")

@@ -117,30 +117,59 @@ class TurnRun:
         logits [V] after the last prompt token once it is in, else None."""
         runner, kv = self.conv.llm.runner, self.conv.kv
         budget = self.prefill_left if size is None else size
-        context_at = None if self.inputs.context_end is None else self.inputs.context_end - self.cached
-        prefix_at = self.prefix_at - self.cached if self.prefix_at else None
         logits = None
         while budget > 0 and self.prefill_left:
-            stop = len(self.prompt)
-            if context_at is not None and self.prefilled < context_at:
-                stop = context_at
-            if prefix_at is not None and self.prefilled < prefix_at:
-                stop = min(stop, prefix_at)
-            chunk = self.prompt[self.prefilled : min(stop, self.prefilled + budget)]
+            chunk = self.next_chunk(budget)
             self.started = True
             logits = runner.prefill(kv, chunk, context=self.context)
-            self.prefilled += len(chunk)
+            self._advance(len(chunk))
             budget -= len(chunk)
-            if self.prefilled == prefix_at:
-                self.recipe.after_prefix(kv, self.state, self.prefix_at, self.inv_freq, self.number)
-                if self.cached == 0:
-                    prefix.publish(self.conv, self.prompt[:prefix_at])
-            if self.prefilled == context_at:
-                self.recipe.after_context(kv, self.state, self.inputs.context_end, self.inv_freq, self.number)
         if self.prefill_left:
             return None
         self.recipe.after_prompt(kv, self.state, self.segment_end, self.inv_freq, self.number)
         return logits
+
+    def next_chunk(self, size: int) -> list[int]:
+        """The prompt tokens one forward of at most `size` tokens prefills next: it stops where a
+        separate context ends (the recipe compresses there before the rest is prefilled) and where a
+        shareable prefix ends (it is closed and published there)."""
+        stop = len(self.prompt)
+        context_at, prefix_at = self._context_at, self._prefix_at
+        if context_at is not None and self.prefilled < context_at:
+            stop = context_at
+        if prefix_at is not None and self.prefilled < prefix_at:
+            stop = min(stop, prefix_at)
+        return self.prompt[self.prefilled : min(stop, self.prefilled + size)]
+
+    def chunk_prefilled(self, n: int, logits: torch.Tensor) -> torch.Tensor | None:
+        """A forward the caller ran (a mixed step, engine/mixed.py) wrote next_chunk()'s `n` tokens and
+        their recipe observations, as prefill() would have; `logits` [V] are at its last token. Runs the
+        hooks prefill() runs at that point; returns `logits` once the prompt is in, else None."""
+        self.started = True
+        self._advance(n)
+        if self.prefill_left:
+            return None
+        self.recipe.after_prompt(self.conv.kv, self.state, self.segment_end, self.inv_freq, self.number)
+        return logits
+
+    @property
+    def _context_at(self) -> int | None:
+        """Prompt index where a separate context ends (None: no separate context)."""
+        return None if self.inputs.context_end is None else self.inputs.context_end - self.cached
+
+    @property
+    def _prefix_at(self) -> int | None:
+        """Prompt index where a shareable prefix ends (None: none left to close)."""
+        return self.prefix_at - self.cached if self.prefix_at else None
+
+    def _advance(self, n: int) -> None:
+        self.prefilled += n
+        if self.prefilled == self._prefix_at:
+            self.recipe.after_prefix(self.conv.kv, self.state, self.prefix_at, self.inv_freq, self.number)
+            if self.cached == 0:
+                prefix.publish(self.conv, self.prompt[: self._prefix_at])
+        if self.prefilled == self._context_at:
+            self.recipe.after_context(self.conv.kv, self.state, self.inputs.context_end, self.inv_freq, self.number)
 
     def prefilled_elsewhere(self) -> None:
         """The caller filled the whole prompt's KV (and the recipe's observations of it) itself, as

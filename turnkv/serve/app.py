@@ -46,7 +46,7 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
     model_name = config.served_model_name or llm.name
     metrics = Metrics(model_name)
     if tiers == "state":
-        tiers = StateTierHook(llm.state) if config.reuse else None  # without reuse nothing is kept
+        tiers = StateTierHook(llm.state, on_traffic=metrics.count_traffic) if config.reuse else None
     store = ConversationStore(llm, reuse=config.reuse, tiers=tiers, idle_ttl_s=idle_ttl_s,
                               on_evict=lambda how: metrics.labels(metrics.evictions, how).inc())
     adopted = store.adopt()

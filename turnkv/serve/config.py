@@ -15,10 +15,14 @@ class ServeConfig:
     port: int = 8000
     api_key: str | None = None  # checked on every /v1 route when set
     served_model_name: str | None = None  # defaults to the engine's model name
-    max_running: int = 32  # requests decoding together: the batch of one decode step
+    max_running: int = 32  # a ceiling on requests running together; under it, the KV pool decides (admission.py)
     max_waiting: int = 64  # requests queued behind them; past that a request gets 429
     retry_after_s: int = 1
-    prefill_chunk: int = 512  # tokens per prefill slice; one slice runs between two decode steps
+    prefill_chunk: int = 512  # tokens per prefill slice
+    # Tokens one forward carries while requests decode: every decoding request's next token plus
+    # prefill slices of waiting prompts, as many whole slices as fit (at least one). 0: the slice runs
+    # as its own forward between two decode steps instead.
+    max_step_tokens: int = 2048
     max_body_bytes: int = 4 << 20
     default_max_tokens: int = 256
     reuse: bool = True  # keep conversations between requests (off: every request prefills from scratch)
@@ -33,6 +37,8 @@ class ServeConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.max_waiting < 0:
             raise ValueError("max_waiting must be at least 0")
+        if self.max_step_tokens < 0:
+            raise ValueError("max_step_tokens must be at least 0 (0: prefill slices run as their own forward)")
         for name, path in self.head_patterns.items():
             if not PATTERN_NAME.fullmatch(name):
                 raise ValueError(f"head pattern name {name!r}: use letters, digits, '_', '-' and '.'")

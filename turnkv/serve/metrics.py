@@ -59,6 +59,15 @@ class Metrics:
         self.evictions = counter("turnkv:conversation_evictions", "Idle conversations taken off the KV pool.", ["reason"])
         self.batch = Histogram("turnkv:decode_batch_size", "Sequences in one batched decode step.", label,
                                buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.mixed_steps = counter("turnkv:mixed_steps",
+                                   "Forwards that carried decode tokens and prefill slices together.")
+        self.held = gauge("turnkv:requests_held_for_memory",
+                          "Requests whose tokens are ready, waiting for KV memory to start their prefill.")
+        self.tier_bytes = counter("turnkv:tier_traffic_bytes", "Bytes of conversation state moved between the KV "
+                                  "pool and the state tiers: offload (pool -> tier), restore (tier -> pool).",
+                                  ["direction"])
+        self.tier_seconds = counter("turnkv:tier_traffic_seconds", "Worker seconds spent moving conversation state "
+                                    "between the KV pool and the state tiers, by direction.", ["direction"])
         self.kv_bytes = gauge("turnkv:kv_pool_bytes_used", "Bytes of KV pages in use.")
         self.kv_capacity = gauge("turnkv:kv_pool_bytes_capacity", "Bytes of the KV page pool.")
         self.stored = gauge("turnkv:stored_conversations", "Conversations kept between requests, by tier.", ["tier"])
@@ -70,6 +79,11 @@ class Metrics:
         self.compressed = gauge("turnkv:kv_bytes_saved_by_compression",
                                 "Dense KV bytes of kept conversations minus the bytes their recipe keeps.")
 
+    def count_traffic(self, direction: str, nbytes: int, seconds: float) -> None:
+        """One conversation moved between the pool and a tier (StateTierHook's on_traffic)."""
+        self.labels(self.tier_bytes, direction).inc(nbytes)
+        self.labels(self.tier_seconds, direction).inc(seconds)
+
     def labels(self, metric, *values):
         return metric.labels(self.model_name, *values)
 
@@ -79,6 +93,7 @@ class Metrics:
         dense_per_token = llm.kv_bytes_per_token()  # in the pool's storage (int8 / fp8 KV included)
         self.labels(self.running).set_function(lambda: scheduler.num_running)
         self.labels(self.waiting).set_function(lambda: scheduler.num_waiting)
+        self.labels(self.held).set_function(lambda: len(scheduler.held))
         self.labels(self.kv_usage).set_function(lambda: pool.bytes_in_use() / pool.capacity_bytes())
         self.labels(self.kv_bytes).set_function(pool.bytes_in_use)
         self.labels(self.kv_capacity).set_function(pool.capacity_bytes)

@@ -3,16 +3,19 @@ pool has a single writer.
 
 Each iteration:
 1. requests whose client went away are dropped, and their turn undone;
-2. waiting requests are admitted while the batch has room: each finds its conversation (the store),
-   then its new tokens are encoded on the encoder thread (a huge request never stalls decode steps;
-   its chat template was rendered on the HTTP side), and once they are, it is checked against the
-   context and the pool;
-3. prompts prefill in slices of `prefill_chunk` tokens. While other requests decode, one slice runs
-   per iteration (chunked prefill: a long prompt delays running decodes by one slice per step, never
-   by its whole prefill); when nothing decodes, admitted prompts prefill in full. Slice boundaries
-   do not depend on load, so a request's tokens do not either;
-4. ONE batched decode step runs over every decoding request: a single runner.decode call over all
-   their sequences (one call per group when recipes differ in what the step must record).
+2. waiting requests are admitted while fewer than --max-running run: each finds its conversation
+   (the store), then its new tokens are encoded on the encoder thread (a huge request never stalls
+   decode steps; its chat template was rendered on the HTTP side), and once they are, it is checked
+   against the context and the pool, and starts its prefill when the KV pool holds what it will add
+   beside the headroom of the running requests (admission.py; in arrival order);
+3. while requests decode, ONE forward (a mixed step, engine/mixed.py) carries every decoding
+   request's next token plus whole prefill slices of the prefilling prompts, as many as fit in
+   `max_step_tokens` (at least one): a long prompt adds at most its slices to the running streams'
+   inter-token gap. With max_step_tokens 0, one slice runs as its own forward, then one batched
+   decode step (one runner.decode call per group of recipes that agree on what the step records).
+   Pure-decode steps go through runner.decode, which replays CUDA graphs;
+4. when nothing decodes, prompts prefill in full, slice by slice. Slice boundaries are multiples of
+   `prefill_chunk` in the prompt whatever the load, so a request's tokens do not depend on it.
 When the KV pool is full, idle conversations leave it, least recently used first, and the step is
 retried. With none left, a prompt waits for running requests to finish, and a decode step ends its
 newest request where it is (finish_reason "length", its reply kept) so that the others go on. A
@@ -27,8 +30,9 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
-from turnkv.engine import decode_loop
+from turnkv.engine import decode_loop, mixed
 from turnkv.errors import KVCacheFullError
+from turnkv.serve.admission import MemoryGate
 from turnkv.serve.errors import APIError
 from turnkv.serve.job import Job
 
@@ -41,6 +45,7 @@ class Scheduler:
         self.cond = threading.Condition()
         self.waiting: deque[Job] = deque()
         self.encoding: list[Job] = []  # admitted, their new tokens being encoded
+        self.held: list[Job] = []  # encoded and their turn begun, waiting for KV memory (arrival order)
         self.prefilling: list[Job] = []
         self.decoding: list[Job] = []
         self.accepting = True
@@ -50,11 +55,12 @@ class Scheduler:
         self._flush_count = 0
         self._expired_at = time.monotonic()
         self.thread: threading.Thread | None = None
+        self.gate = MemoryGate(llm.pool, store)
 
     # ---- HTTP side -----------------------------------------------------------------------------------
     @property
     def num_running(self) -> int:
-        return len(self.encoding) + len(self.prefilling) + len(self.decoding)
+        return len(self.encoding) + len(self.held) + len(self.prefilling) + len(self.decoding)
 
     @property
     def num_waiting(self) -> int:
@@ -135,7 +141,8 @@ class Scheduler:
                     self._expire()
                 if self._stop:
                     break
-                gone = [j for j in (*self.waiting, *self.encoding, *self.prefilling, *self.decoding) if j.cancelled]
+                queued = (*self.waiting, *self.encoding, *self.held, *self.prefilling, *self.decoding)
+                gone = [j for j in queued if j.cancelled]
             # A cancelled request counts as running until its turn is undone and its KV is back.
             for job in gone:
                 self.metrics.labels(self.metrics.failed, "disconnected").inc()
@@ -152,16 +159,20 @@ class Scheduler:
             try:
                 self._admit(admitted)
                 self._encoded()
-                self._prefill()
-                self._decode()
+                self._start_prefills()
+                if self.decoding and self.prefilling and self.config.max_step_tokens:
+                    self._mixed()
+                else:
+                    self._prefill()
+                    self._decode()
             except Exception as e:  # a bug, not bad input: fail what is in flight and keep serving
                 log.exception("worker step failed")
-                for job in [*self.encoding, *self.prefilling, *self.decoding]:
+                for job in [*self.encoding, *self.held, *self.prefilling, *self.decoding]:
                     self._fail(job, e)
-                self.encoding, self.prefilling, self.decoding = [], [], []
+                self.encoding, self.held, self.prefilling, self.decoding = [], [], [], []
             with self.cond:
                 self.cond.notify_all()  # stop() waits for the queue to empty
-        for job in [*self.waiting, *self.encoding, *self.prefilling, *self.decoding]:
+        for job in [*self.waiting, *self.encoding, *self.held, *self.prefilling, *self.decoding]:
             self._fail(job, APIError(503, "the server stopped", type="server_error"))
         self.encoder.shutdown(wait=True, cancel_futures=True)
         kept, dropped = self.store.shutdown()
@@ -170,7 +181,7 @@ class Scheduler:
 
     def _has_work(self) -> bool:
         """Whether the worker has something to do now (under the lock)."""
-        if self._stop or self._flush_asked or self.prefilling or self.decoding:
+        if self._stop or self._flush_asked or self.held or self.prefilling or self.decoding:
             return True
         if any(j.cancelled or j.encoding.done() for j in self.encoding):
             return True
@@ -208,6 +219,14 @@ class Scheduler:
         for job in jobs:
             try:
                 self._with_room(lambda j=job: j.claim(self.llm, self.store))
+            except KVCacheFullError as e:  # no room to bring its conversation back while others run:
+                if not (self.prefilling or self.decoding):  # it waits for them, with its place
+                    self._fail(job, e)
+                    continue
+                job.abandon(self.store)
+                with self.cond:
+                    self.waiting.appendleft(job)
+                continue
             except Exception as e:
                 self._fail(job, e)
                 continue
@@ -216,7 +235,7 @@ class Scheduler:
             job.encoding.add_done_callback(self._wake)
 
     def _encoded(self) -> None:
-        """Requests whose tokens are encoded begin their turn, and prefill from the next slice on."""
+        """Requests whose tokens are encoded begin their turn, and wait for KV memory."""
         for job in [j for j in self.encoding if j.encoding.done()]:
             self.encoding.remove(job)
             try:
@@ -225,15 +244,27 @@ class Scheduler:
                 self._fail(job, e)
                 continue
             job.encoding = None
-            self.prefilling.append(job)
+            self.held.append(job)
+
+    def _start_prefills(self) -> None:
+        """Held requests start their prefill, in arrival order, while the pool holds what each will
+        add beside the headroom of those running (admission.py)."""
+        while self.held and self.gate.fits(self.held[0], self.prefilling + self.decoding):
+            self.prefilling.append(self.held.pop(0))
+
+    def _slice(self, job: Job) -> int:
+        """The size of the job's next prefill slice: up to the next multiple of prefill_chunk in its
+        prompt (the runner's own chunk caps it), so boundaries never depend on load."""
+        chunk = self.config.prefill_chunk
+        return min(chunk - job.turn.prefilled % chunk, self.llm.runner.prefill_chunk)
 
     def _prefill(self) -> None:
         budget = self.config.prefill_chunk if self.decoding else float("inf")
         while self.prefilling and budget > 0:
             job = self.prefilling[0]
-            size = min(self.config.prefill_chunk, job.prefill_left)
+            size = min(self._slice(job), job.prefill_left)
             try:
-                piece, done = self._with_room(lambda: job.prefill(self.config.prefill_chunk))
+                piece, done = self._with_room(lambda: job.prefill(self._slice(job)))
             except KVCacheFullError as e:
                 self.prefilling.pop(0)
                 if self.decoding:  # memory comes back as they finish: wait for it, from the start
@@ -269,23 +300,63 @@ class Scheduler:
         its forward retried here when the KV pool is full."""
         jobs = {id(job.turn): job for job in self.decoding}
         for batch in decode_loop.batches([job.turn for job in self.decoding], self.config.max_running):
-            logits = self._decode_step(batch, jobs)
-            self.metrics.labels(self.metrics.batch).observe(len(batch))
-            now = time.perf_counter()
-            for turn, row in zip(batch, logits):
-                job = jobs[id(turn)]
-                try:
-                    piece = turn.after_step(row)
-                except Exception as e:
-                    self.decoding.remove(job)
-                    self._fail(job, e)
-                    continue
-                self.metrics.labels(self.metrics.itl).observe(now - job.last_token_at)
-                job.last_token_at = now
-                job.emit(piece)
-                if turn.done:
-                    self.decoding.remove(job)
-                    self._finish(job)
+            self._decoded(batch, self._decode_step(batch, jobs), jobs)
+
+    def _decoded(self, batch: list, logits, jobs: dict) -> None:
+        """Each turn of a decode batch takes its token from its row of logits [B, V]."""
+        self.metrics.labels(self.metrics.batch).observe(len(batch))
+        now = time.perf_counter()
+        for turn, row in zip(batch, logits):
+            job = jobs[id(turn)]
+            try:
+                piece = turn.after_step(row)
+            except Exception as e:
+                self.decoding.remove(job)
+                self._fail(job, e)
+                continue
+            self.metrics.labels(self.metrics.itl).observe(now - job.last_token_at)
+            job.last_token_at = now
+            job.emit(piece)
+            if turn.done:
+                self.decoding.remove(job)
+                self._finish(job)
+
+    def _mixed(self) -> None:
+        """One forward over every decoding request's next token and whole prefill slices of the
+        prefilling prompts (engine/mixed.py), as many as fit in max_step_tokens, at least one. On a full
+        pool with no idle conversation left to move, the step runs as a separate slice and decode step
+        instead, which know what to give up."""
+        jobs = {id(job.turn): job for job in self.decoding}
+        batches = decode_loop.batches([job.turn for job in self.decoding], self.config.max_running)
+        parts = [mixed.decode_part(batch) for batch in batches]
+        budget = self.config.max_step_tokens - sum(part.size for part in parts)
+        slices = []
+        for job in self.prefilling:
+            part = mixed.slice_part(job.turn, self._slice(job))
+            if slices and part.size > budget:
+                break
+            slices.append((job, part))
+            budget -= part.size
+        try:
+            logits = self._with_room(lambda: mixed.forward(self.llm.runner, parts + [p for _, p in slices]))
+        except KVCacheFullError:
+            self._prefill()
+            self._decode()
+            return
+        self.metrics.labels(self.metrics.mixed_steps).inc()
+        for batch, rows in zip(batches, logits):
+            self._decoded(batch, rows, jobs)
+        for (job, part), rows in zip(slices, logits[len(batches):]):
+            try:
+                last = job.turn.chunk_prefilled(part.width, rows[0])
+                piece = None if last is None else job.turn.take(last)
+            except Exception as e:
+                self.prefilling.remove(job)
+                self._fail(job, e)
+                continue
+            if piece is not None:
+                self.prefilling.remove(job)
+                self._first_token(job, piece, job.turn.done)
 
     def _decode_step(self, batch: list, jobs: dict):
         """decode_loop.forward over `batch` (turns; jobs maps id(turn) to its request); on a full
@@ -337,7 +408,7 @@ class Scheduler:
         job.sink("error", error)
 
     def _remove(self, job: Job) -> None:
-        for queue in (self.waiting, self.encoding, self.prefilling, self.decoding):
+        for queue in (self.waiting, self.encoding, self.held, self.prefilling, self.decoding):
             if job in queue:
                 queue.remove(job)
 

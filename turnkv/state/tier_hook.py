@@ -9,6 +9,7 @@ directory finds them again (`kept`).
 from __future__ import annotations
 
 import logging
+import time
 
 from turnkv.engine.conversation import Conversation
 from turnkv.kv.tiers import StateTiersFullError
@@ -17,10 +18,18 @@ log = logging.getLogger("turnkv.serve")
 
 
 class StateTierHook:
+    """on_traffic(direction, nbytes, seconds), when given, is called for each conversation moved:
+    "restore" (a tier -> the pool, in begin) and "offload" (the pool -> a tier). nbytes is what the
+    tier holds for it; seconds is the worker's time in the move, which for a restore is the time to
+    issue its copies (a strategy may leave them running on a side stream until the turn ends) and
+    includes the offloads of idle conversations the manager demoted to make room for it (reported
+    with their bytes and 0 s)."""
+
     names = ("cpu", "disk")
 
-    def __init__(self, manager, tier: str = "cpu"):
+    def __init__(self, manager, tier: str = "cpu", on_traffic=None):
         self.manager, self.tier = manager, tier
+        self.on_traffic = on_traffic
 
     @property
     def durable(self) -> bool:
@@ -31,6 +40,9 @@ class StateTierHook:
         # conversations, and puts this one in the manager's busy set: while a request runs on it,
         # making room for another conversation never demotes it (its next decode step reads the pages).
         start = len(self.manager.events)
+        stored = self.manager.where(conv) not in (None, "gpu")
+        nbytes = self.manager.stored_bytes(conv) if stored else 0
+        began = time.perf_counter()
         try:
             self.manager.before_turn(conv, 0)
         except BaseException:
@@ -38,6 +50,8 @@ class StateTierHook:
             raise
         finally:
             moved = self._take_events(start)
+        if stored and self.on_traffic is not None:
+            self.on_traffic("restore", nbytes, time.perf_counter() - began)
         return moved
 
     def end(self, conv) -> None:
@@ -50,10 +64,13 @@ class StateTierHook:
     def offload(self, conv, durable: bool = False) -> bool:
         if durable and not self.durable:
             return False
+        began = time.perf_counter()
         try:
             landed = self.manager.offload(conv, "disk" if durable else self.tier)
         except StateTiersFullError:
             return False  # every tier is full: the store decides what to drop
+        if landed != "gpu" and self.on_traffic is not None:
+            self.on_traffic("offload", self.manager.stored_bytes(conv), time.perf_counter() - began)
         # "gpu": the manager never saw the conversation run, so it stored nothing; saying True would
         # lose its KV when the store frees the pages.
         return landed != "gpu"
@@ -90,4 +107,11 @@ class StateTierHook:
             elif e["event"] == "disk_state_recomputed":
                 log.info("conversation %s: recomputed (%.2f s estimated) instead of read from disk (%.2f s)",
                          e["conversation"], e["recompute_s"], e["read_s"])
-        return ["offloaded" for e in events if e["event"] == "demoted"]
+        demoted = [e for e in events if e["event"] == "demoted"]
+        if self.on_traffic is not None:
+            for e in demoted:  # moved by the manager to make room: its time is the caller's (begin's)
+                try:
+                    self.on_traffic("offload", self.manager.tiers.stored_bytes(e["conversation"]), 0.0)
+                except (KeyError, OSError):
+                    pass
+        return ["offloaded" for _ in demoted]

@@ -1,0 +1,37 @@
+"""The capacity benchmark's smoke path (benchmarks/serving/capacity_bench.py --smoke): it starts
+`turnkv serve`, plays the workload through the openai client and writes every figure it promises."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_smoke_run_writes_results_table_and_plots(tmp_path, embedded_model):
+    out = tmp_path / "capacity"
+    subprocess.run([sys.executable, str(REPO / "benchmarks/serving/capacity_bench.py"), "--smoke",
+                    "--configs", "ada-snapkv,full-sliced", "--out", str(out)], check=True, timeout=900)
+    data = json.loads((out / "results.json").read_text())
+    assert list(data["results"]) == ["ada-snapkv", "full-sliced"]
+    users = data["workload"]["users"]
+    for name, r in data["results"].items():
+        assert r["failed"] == 0 and r["requests"] == sum(data["workload"]["turns"]), name
+        assert r["output_tokens"] == 8 * r["requests"]  # ignore_eos: every reply is max_tokens long
+        assert set(r["ttft_by_turn"]) >= {"1", "2", "3"}
+        assert r["itl_p50_s"] > 0 and r["itl_p99_s"] >= r["itl_p50_s"]
+        assert r["tokens_reused"] > 0 and r["tokens_prefilled"] > 0
+        assert r["kv_bytes_peak"] > 0
+        kept = sum(r["conversations_end"].values()) + r["conversations_dropped"]
+        assert kept >= users, name
+    assert data["results"]["full-sliced"]["mixed_steps"] == 0
+    md = (out / "results.md").read_text()
+    assert "| aggregate output tokens/s |" in md and "TTFT turn 2 p50 / p99 (ms)" in md
+    assert (out / "capacity_ttft.png").stat().st_size > 0 and (out / "capacity_capacity.png").stat().st_size > 0

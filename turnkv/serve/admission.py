@@ -1,0 +1,80 @@
+"""Admission by memory: whether a request whose tokens are known may start its prefill now.
+
+--max-running is a ceiling on requests; under it, a request starts once the KV pool can hold what it
+will add at its largest, under its recipe, beside the headroom every running request still needs.
+A compressing recipe's conversation is smaller after its prompt (ada-snapkv keep_ratio=0.1 keeps a
+tenth), so more of them run together than dense ones.
+
+Everything is counted in pages per layer, with the tokens of a (layer, KV head) spread evenly over
+the heads (a head-wise allocation such as Ada-KV's keeps the same total):
+
+    peak(job)     = pages after its prompt before compression, or after its reply, whichever is larger
+                  = pages(max(held + prompt, resident(recipe, held + prompt) + max_new_tokens))
+    headroom(job) = max(0, peak(job) - pages it holds now)           for every running request
+    available     = free pages + pages of idle conversations in the pool (they can go to the tiers)
+
+A request fits when headroom(it) + sum(headroom(running)) <= available. The first request in line
+always fits when none runs (a prompt no pool can hold was refused at ready()). Requests start in
+arrival order: one that does not fit holds the ones behind it, so a long prompt is never starved
+by short ones.
+
+Conservative where a recipe frees less than its budget says: LServe's streaming heads and the
+decode-schedule eviction count as keeping everything they are given.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def resident_tokens(recipe, positions: int, prompt: int) -> int:
+    """Tokens per KV head a conversation of `positions` positions keeps once its recipe compressed
+    the prompt it just prefilled (`prompt` tokens of them are this turn's)."""
+    evict = recipe.evict
+    if evict is None or evict.schedule not in ("prefill", "context"):
+        return positions
+    kept = evict.budget if evict.budget is not None else math.ceil(evict.keep_ratio * positions)
+    if recipe.turns.name == "flowkv":  # FlowKV keeps the running turn whole
+        kept += prompt
+    return min(positions, kept)
+
+
+class MemoryGate:
+    """Reads the pool and the store; changes nothing. `job` is a serve Job after ready()."""
+
+    def __init__(self, pool, store):
+        self.pool, self.store = pool, store
+
+    def pages(self, tokens: int) -> int:
+        """Pages per layer that `tokens` tokens in every KV head take."""
+        return self.pool.num_kv_heads * -(-tokens // self.pool.page_size)
+
+    def held(self, job) -> int:
+        """Pages per layer the request's conversation holds now (its most-used layer)."""
+        num_pages = job.conv.kv.num_pages
+        return int(num_pages.sum(axis=1).max()) if num_pages.size else 0
+
+    def peak(self, job) -> int:
+        """Pages per layer the request's conversation holds at its largest during this turn."""
+        turn = job.turn
+        lengths = job.conv.kv.lengths
+        held = int(np.ceil(lengths.mean(axis=1).max())) if lengths.size else 0
+        prompt = turn.prefill_left
+        after = resident_tokens(turn.recipe, turn.seq.next_position + prompt, prompt)
+        grow = max(0, turn.gen.params.max_new_tokens - len(turn.gen.token_ids))
+        return self.pages(max(held + prompt, after + grow))
+
+    def headroom(self, job) -> int:
+        return max(0, self.peak(job) - self.held(job))
+
+    def available(self) -> int:
+        free = min(self.pool.free_pages(layer) for layer in range(self.pool.num_layers))
+        idle = self.store.kv_bytes("gpu") // (self.pool.page_bytes * self.pool.num_layers)
+        return free + idle
+
+    def fits(self, job, running: list) -> bool:
+        if not running:
+            return True
+        return self.headroom(job) + sum(self.headroom(j) for j in running) <= self.available()
