@@ -83,14 +83,22 @@ class Grammars:
         """Output that is one JSON object (OpenAI's response_format json_object)."""
         return self.json_schema({"type": "object"}, strict=False)
 
-    def wrapped(self, prefix: str, schemas: list[dict], suffix: str) -> Compiled:
+    def wrapped(self, prefix: str, schemas: list[dict], suffix: str, leads: list[str] | None = None) -> Compiled:
         """`prefix`, then one JSON value matching any of `schemas`, then `suffix` (a tool call in a
-        chat format: e.g. "<tool_call>\\n" + {"name": ..., "arguments": {...}} + "\\n</tool_call>")."""
+        chat format: e.g. "<tool_call>\\n" + {"name": ..., "arguments": {...}} + "\\n</tool_call>").
+        With `leads`, the value matching schemas[i] comes after the text leads[i] (a function's
+        name before its arguments)."""
         texts = [json.dumps(s) for s in schemas]
-        key = "wrapped:" + json.dumps([prefix, texts, suffix])
+        key = "wrapped:" + json.dumps([prefix, texts, suffix, leads])
+
+        def one(xgr, i, text):
+            value = xgr.Grammar.from_json_schema(text, any_whitespace=False)
+            if not leads:
+                return value
+            return xgr.Grammar.concat(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(leads[i])}"), value)
 
         def build(xgr):
-            body = xgr.Grammar.union(*[xgr.Grammar.from_json_schema(t, any_whitespace=False) for t in texts])
+            body = xgr.Grammar.union(*[one(xgr, i, t) for i, t in enumerate(texts)])
             parts = [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(s)}") for s in (prefix, suffix)]
             return xgr.Grammar.concat(*([parts[0]] if prefix else []), body, *([parts[1]] if suffix else []))
 

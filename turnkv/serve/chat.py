@@ -51,7 +51,7 @@ def _grammar(llm, req: ChatCompletionRequest, fmt, tools):
     choice = req.tool_choice
     if tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
         only = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        return llm._grammars().wrapped(fmt.grammar_prefix, tool_calls.call_schemas(tools, fmt, only), fmt.grammar_suffix)
+        return llm._grammars().wrapped(*tool_calls.call_grammar(tools, fmt, only))
     rf = req.response_format
     if rf is None or rf.type == "text":
         return None
@@ -81,7 +81,7 @@ class StreamedReply:
 
     def __init__(self, plan_: ChatPlan):
         self.plan = plan_
-        self.filter = tool_calls.StreamFilter(plan_.fmt) if plan_.names else None
+        self.filter = tool_calls.StreamFilter(plan_.fmt, plan_.names) if plan_.names else None
 
     def content(self, piece: str) -> str:
         return piece if self.filter is None else self.filter.push(piece)
