@@ -6,7 +6,7 @@ Three measurements, one engine per setting:
                conversations' own pages.
   ttft         a new conversation's first turn with the prompt cached in the prefix index, against an
                engine without the index (prefix_cache=False), median of R.
-  compressed   the same C x T under turns=flowkv with snapkv budget=B: how many times the system
+  compressed   the same C x T under turns=flowkv(system=own) with snapkv budget=B: how many times the system
                prompt is compressed (Eviction.compress calls over positions [0, P)), and pool bytes.
 
 Usage:
@@ -119,7 +119,7 @@ def measure_compressed(args, system):
     Eviction.compress = counting
     try:
         llm = engine(args, prefix_cache=True, prefix_cache_memory=args.kv_memory)
-        recipe = f"flowkv budget={args.budget}"
+        recipe = f"flowkv budget={args.budget} turns=flowkv(system=own)"
         convs, replies = run_conversations(llm, system, args, recipe)
         system_end = convs[0].turns[0].system_end
         out = {"recipe": str(convs[0].recipe), "conversations": len(convs), "compress_calls": len(calls),

@@ -9,8 +9,11 @@ import turnkv
 
 SYSTEM = "You are a careful assistant. Answer every question in a few words. " * 6
 MESSAGES = ["What is the sea?", "And a mountain?"]
-RECIPES = ["full", "flowkv budget=24", "evict=snapkv(window=8)+uniform budget=24 turns=flowkv", "ada-snapkv budget=24",
-           "lserve-random"]
+# FlowKV compressing the system prompt on its own (shared compressed), and with the first query in view
+# (shared uncompressed until that compression copies what it keeps).
+OWN = "flowkv budget=24 turns=flowkv(system=own)"
+RECIPES = ["full", "flowkv budget=24", OWN, "evict=snapkv(window=8)+uniform budget=24 turns=flowkv(system=own)",
+           "ada-snapkv budget=24", "lserve-random"]
 
 
 def _run(llm, recipe: str, conversations: int = 3, close: bool = True):
@@ -48,7 +51,7 @@ def test_replies_are_the_same_with_the_prefix_index_on_and_off(engines, recipe):
 
 def test_the_compressed_system_prompt_is_computed_once_and_logged_in_every_conversation(engines):
     on, off = engines
-    recipe = "flowkv budget=24"
+    recipe = OWN
     on.prefix_index.clear()
     shared, convs = _run(on, recipe, close=False)
     alone, convs_off = _run(off, recipe, close=False)
@@ -95,8 +98,8 @@ def test_tiers_store_shared_pages_per_conversation_and_restore_them(chat_model_d
     off = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="64MiB", prefix_cache=False)
     outs = []
     for llm in (on, off):
-        a = llm.conversation(system=SYSTEM, recipe="flowkv budget=24")
-        b = llm.conversation(system=SYSTEM, recipe="flowkv budget=24")
+        a = llm.conversation(system=SYSTEM, recipe=OWN)
+        b = llm.conversation(system=SYSTEM, recipe=OWN)
         replies = [a.send(MESSAGES[0], max_new_tokens=6, ignore_eos=True),
                    b.send(MESSAGES[0], max_new_tokens=6, ignore_eos=True)]
         if llm is on:
