@@ -238,7 +238,7 @@ ERRORS = [
     ("evict=snapkv(windw=3)", ["no parameter 'windw'", "its parameters: compat, kernel, pooling, window"]),
     ("evict=snapkv+adakv(beta=1)", ["no parameter 'beta'", "its parameters: alpha, rule"]),
     ("evict=knorm(window=4)", ["scorer 'knorm' has no parameter 'window'", "its parameters: compat"]),
-    ("snapkv turns=flowkv(size=3)", ["no parameter 'size'", "its parameters: min_size, reading"]),
+    ("snapkv turns=flowkv(size=3)", ["no parameter 'size'", "its parameters: min_size, reading, system"]),
     ("evict=snapkv(window)", ["parameter 'window' of snapkv needs the form key=value"]),
     ("snapkv budget=-1", ["budget must be an integer >= 1"]),
     ("snapkv budget=0", ["budget must be an integer >= 1"]),
@@ -253,6 +253,7 @@ ERRORS = [
     ("evict=snapkv(kernel=4)", ["kernel a positive odd number"]),
     ("evict=h2o(recent_ratio=1.5)", ["recent_ratio must be in [0, 1]"]),
     ("snapkv turns=flowkv(reading=x)", ["reading must be 'segment' or 'query'"]),
+    ("snapkv turns=flowkv(system=x)", ["system must be 'next_query' or 'own'"]),
     ("snapkv turns=flowkv(min_size=-1)", ["min_size must be >= 0"]),
     ("snapkv turns=recompress(budget_rule=greedy)", ["budget_rule must be 'matched' or 'naive'"]),
     ("evict=snapkv+adakv+uniform", ["evict='snapkv+adakv+uniform'", "scorer(...)+allocator(...)"]),
@@ -341,7 +342,7 @@ def test_describe_lists_every_component_with_its_defaults():
     assert params[("scorer", "knorm")] == {"compat": "authors"}
     assert params[("allocator", "adakv")] == {"alpha": 0.2, "rule": "code"}
     assert params[("allocator", "uniform")] == {}
-    assert params[("turns", "flowkv")] == {"min_size": 32, "reading": "segment"}
+    assert params[("turns", "flowkv")] == {"min_size": 32, "reading": "segment", "system": "next_query"}
     assert params[("turns", "recompress")] == {"budget_rule": "matched"}
     # Each described component builds with no arguments, and its fields default to what describe says.
     for row in rows:
@@ -355,7 +356,7 @@ def test_describe_lists_every_component_with_its_defaults():
 def test_build_errors_list_the_options():
     with pytest.raises(InvalidRequestError, match="choose one of: adakv, uniform"):
         registry.build("allocator", "ada")
-    with pytest.raises(InvalidRequestError, match="its parameters: min_size, reading"):
+    with pytest.raises(InvalidRequestError, match="its parameters: min_size, reading, system"):
         registry.build("turns", "flowkv", {"min": 3})
     with pytest.raises(InvalidRequestError, match="turns 'flowkv': min_size must be >= 0"):
         registry.build("turns", "flowkv", {"min_size": -2})
