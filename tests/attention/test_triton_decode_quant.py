@@ -193,8 +193,9 @@ def test_window_score_kernel_over_quantized_keys(kv):
     qpos = last[:, None] - torch.arange(W - 1, -1, -1)
     q = torch.randn(B, W, H * G, D, generator=gen)
     cap = P * ps
-    got = kernel.window_scores(q, qpos, k_pool, kpos_pool, table, lengths, cap, num_splits=3, block_n=16,
-                               k_scale=k_scale)
+    # The kernel reads device tensors (CUDA, or the interpreter's CPU ones); the torch reference runs on the CPU.
+    on = [t.to(DEVICE) for t in (q, qpos, k_pool, kpos_pool, table, lengths, k_scale)]
+    got = kernel.window_scores(*on[:6], cap, num_splits=3, block_n=16, k_scale=on[6]).cpu()
     want = window_scores(q, qpos, k_pool, kpos_pool, table, lengths, cap, k_scale=k_scale)
     deq = window_scores(q, qpos, quant.dequantize(k_pool, k_scale, torch.float32), kpos_pool, table, lengths, cap)
     assert torch.equal(want, deq)

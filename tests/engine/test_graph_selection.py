@@ -346,7 +346,7 @@ def test_window_score_kernel_matches_reference(per_kv, sinks, window):
 
 
 @pytest.mark.parametrize("select", [False, True])
-def test_expand_kernel_matches_torch(pair, select):
+def test_expand_kernel_matches_torch(pair, chat_model_dir, select):
     """The paged handler's expansion (and, selecting, its commit of the refreshed rows) by the Triton
     kernel against the torch path, on random buffers."""
     pytest.importorskip("triton")
@@ -354,6 +354,11 @@ def test_expand_kernel_matches_torch(pair, select):
     from turnkv.methods.lserve.selector import SelectorConfig
 
     graphs = pair[1].runner.graphs
+    if torch.cuda.is_available():  # the compiled kernel reads CUDA buffers; the interpreter reads the CPU ones
+        from turnkv.engine.cuda_graphs import GraphedDecode
+
+        cuda = turnkv.LLM(str(chat_model_dir), device="cuda", kv_memory="64MiB")
+        graphs = GraphedDecode(cuda.model, cuda.pool, cuda.max_model_len, max_batch=4)
     cfg = SelectorConfig(physical_page=32, logical_page=16, token_budget=96, group="query")
     h = graph_paged.PagedHandler(graphs, cfg, graphs.queries.shape[2])
     gen = torch.Generator().manual_seed(4)
@@ -372,7 +377,7 @@ def test_expand_kernel_matches_torch(pair, select):
             got = page_select.expand_pages(h.chosen, h.whole, h.read, graphs.tables, graphs.lengths, 0, L, batch, kw,
                                            h.r, cfg.physical_page)
         else:
-            top = torch.randint(0, P // 2, (batch, h.R, h.K - 1), generator=gen).sort(-1).values
+            top = torch.randint(0, P // 2, (batch, h.R, h.K - 1), generator=gen).sort(-1).values.to(h.chosen.device)
             chosen = h.chosen.clone()
             got = page_select.expand_pages(h.chosen, h.whole, h.read, graphs.tables, graphs.lengths, 1, 1, batch, kw,
                                            h.r, cfg.physical_page, top=top, refresh=h.refresh)

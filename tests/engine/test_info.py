@@ -10,9 +10,11 @@ import sys
 
 import pytest
 
-from turnkv.cli import main
-from turnkv.engine.info import model_info
-from turnkv.model.config import shape_config
+pytest.importorskip("fastapi", reason="turnkv.cli imports the server (the serve extra)")
+
+from turnkv.cli import main  # noqa: E402
+from turnkv.engine.info import model_info  # noqa: E402
+from turnkv.model.config import shape_config  # noqa: E402
 
 GIB = 1 << 30
 
