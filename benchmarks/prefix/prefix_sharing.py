@@ -163,7 +163,7 @@ def main():
         print(json.dumps(result["memory"]), flush=True)
     if "ttft" not in args.skip:
         if cached_llm is None:
-            cached_llm = engine(args, prefix_cache=True)
+            cached_llm = engine(args, prefix_cache=True, prefix_cache_memory=args.kv_memory)
         result["ttft"] = measure_ttft(args, system, cached_llm)
         print(json.dumps(result["ttft"]), flush=True)
     del cached_llm
