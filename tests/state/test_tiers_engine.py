@@ -5,7 +5,6 @@ full; and the pieces under Krul checked against brute force (estimator, pyramid 
 from __future__ import annotations
 
 import shutil
-import time
 
 import pytest
 import torch
@@ -207,30 +206,31 @@ def test_pyramid_recompute_rebuilds_the_kv(llm):
     conv.close()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the stream overlap needs CUDA")
-def test_recompute_and_load_streams_overlap_on_gpu():
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the two restore streams need CUDA")
+def test_recompute_and_load_streams_restore_the_kv_on_gpu():
+    """The split restore's recompute and load streams run concurrently on CUDA and must not race: the
+    restored KV is the prefilled one (the loaded part bit for bit, the recomputed part within bf16
+    rounding). How well the streams overlap is a benchmark figure (benchmarks/state/gpu_state_restore.py,
+    column overlap), not a test."""
     llm = turnkv.LLM("llama-3.2-1b", dtype="bfloat16", device="cuda", kv_memory="8GiB", state_cpu_memory="2GiB")
     ids = torch.randint(0, 32000, (8192,)).tolist()
-    seq = SequenceKV(llm.pool)
-    llm.runner.prefill(seq, ids)
-    n = seq.next_position
+    ref = SequenceKV(llm.pool)
+    llm.runner.prefill(ref, ids)
+    n = ref.next_position
     ctx = llm.state.ctx
-    ratio = ctx.recompute_ratio(n, "cpu")
-    meta, tensors = pack_split(seq, [int(round(ratio * n))] * llm.config.num_layers)
-    seq.free()
+    starts = [int(round(ctx.recompute_ratio(n, "cpu") * n)) or 512] * llm.config.num_layers
+    meta, tensors = pack_split(ref, starts)
     host = llm.state.tiers.host.store(tensors)
-
-    def timed(**parts):
-        best = float("inf")
-        for _ in range(3):
-            s = SequenceKV(llm.pool)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            restore_split(ctx, s, ids, meta, host, gate=False, **parts).wait_all()
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t)
-            s.free()
-        return best
-
-    t_compute, t_load, t_both = timed(load=False), timed(recompute=False), timed()
-    assert t_both <= 1.15 * max(t_compute, t_load), (t_both, t_compute, t_load, ratio)
+    for _ in range(3):
+        s = SequenceKV(llm.pool)
+        restore_split(ctx, s, ids, meta, host, gate=False).wait_all()
+        torch.cuda.synchronize()
+        assert s.next_position == n
+        for layer in range(llm.config.num_layers):
+            for a, b in zip(s.gather(layer)[:2], ref.gather(layer)[:2]):
+                assert torch.equal(a[:, starts[layer]:], b[:, starts[layer]:]), layer
+                # A race leaves zeros or another token's rows (relative error near 1), not bf16 rounding.
+                error = (a - b).float().norm() / b.float().norm()
+                assert error < 0.05, (layer, float(error))
+        s.free()
+    ref.free()
