@@ -164,3 +164,23 @@ def test_a_conversation_taken_back_from_disk_has_the_clean_boundaries_it_had(cha
     store = ConversationStore(again, tiers=StateTierHook(again.state))
     assert store.adopt() == 1
     assert store.entries[0].marks == marks and store.entries[0].anchor == anchor
+
+
+def test_a_strategy_that_stores_after_every_turn_reports_that_offload(chat_model_dir):
+    """state=load stores the conversation when each turn ends. Through the hook, the next request's
+    restore is reported as restore traffic and the store at its end as offload traffic, both with the
+    bytes the tier holds."""
+    llm = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="64MiB", state_cpu_memory="16MiB")
+    conv = llm.conversation(recipe="state=load")
+    conv.send("Hello there.", max_new_tokens=3, ignore_eos=True)  # the manager stores it at the turn's end
+    assert llm.state.where(conv) == "cpu"
+    stored = llm.state.stored_bytes(conv)
+    moves = []
+    hook = StateTierHook(llm.state, on_traffic=lambda *move: moves.append(move))
+    hook.begin(conv)
+    assert llm.state.where(conv) in (None, "gpu") and [(d, b) for d, b, _ in moves] == [("restore", stored)]
+    hook.end(conv)
+    assert llm.state.where(conv) == "cpu"
+    assert [(d, b) for d, b, _ in moves] == [("restore", stored), ("offload", llm.state.stored_bytes(conv))]
+    assert all(seconds >= 0 for _, _, seconds in moves)
+    conv.close()

@@ -19,7 +19,8 @@ log = logging.getLogger("turnkv.serve")
 
 class StateTierHook:
     """on_traffic(direction, nbytes, seconds), when given, is called for each conversation moved:
-    "restore" (a tier -> the pool, in begin) and "offload" (the pool -> a tier). nbytes is what the
+    "restore" (a tier -> the pool, in begin) and "offload" (the pool -> a tier: offload, and end for a
+    strategy that stores the state after every turn). nbytes is what the
     tier holds for it; seconds is the worker's time in the move, which for a restore is the time to
     issue its copies (a strategy may leave them running on a side stream until the turn ends) and
     includes the offloads of idle conversations the manager demoted to make room for it (reported
@@ -58,7 +59,11 @@ class StateTierHook:
         # Also for an undone request: its KV is back to what it was, and the restore's source copy
         # (or a strategy that offloads between turns) is dealt with as after any turn.
         start = len(self.manager.events)
+        began = time.perf_counter()
         self.manager.after_turn(conv)
+        # A strategy that offloads between turns (state=krul, ...) moved the conversation off the GPU here.
+        if self.on_traffic is not None and self.manager.where(conv) not in (None, "gpu"):
+            self.on_traffic("offload", self.manager.stored_bytes(conv), time.perf_counter() - began)
         self._take_events(start)
 
     def offload(self, conv, durable: bool = False) -> bool:
