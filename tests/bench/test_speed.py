@@ -87,7 +87,7 @@ def test_prefill_flops_by_hand(tiny):
 
 def test_run_speed_measures_every_planned_figure(tiny, tmp_path):
     # 16 new tokens: the peer's time per token is T(16) - T(1), which must stand clear of timer noise.
-    cfg = SpeedConfig(contexts=[24, 48], batches=[1, 2], new_tokens=16, turns=2, turn_tokens=8,
+    cfg = SpeedConfig(contexts=[24, 48], batches=[1, 2], new_tokens=16, turns=2, turn_tokens=(8, 3),
                       recipes={"full": Recipe(), "snapkv": Recipe.parse("snapkv budget=16")}, repeat=1)
     result = run_speed(tiny, cfg, progress=False)
     hw = result["hardware"]
@@ -106,7 +106,10 @@ def test_run_speed_measures_every_planned_figure(tiny, tmp_path):
     # The KV a last step reads: the prompt and every generated token but the last.
     assert batch2["kv_read_bytes"] == 2 * (48 + 15) * tiny.config.kv_bytes_per_token(4)
     turns = [r for r in rows if "turns" in r]
-    assert [t["history_tokens"] for t in turns[0]["turns"]] == [24, 32]
+    # Each size over the same history; the history then grows by a turn of the first size.
+    assert [(t["turn"], t["history_tokens"], t["new_tokens"]) for t in turns[0]["turns"]] == \
+        [(2, 24, 8), (2, 24, 3), (3, 32, 8), (3, 32, 3)]
+    assert all(t["prefill_s"] > 0 and t["floor_s"] > 0 for t in turns[0]["turns"])
     assert "reprefill_whole_history_s" in turns[0]["turns"][-1]
     hf = [r for r in rows if r["engine"] == "transformers"]
     assert len(hf) == 4 and all(r["tpot_s"] > 0 and r["ttft_s"] > 0 for r in hf)

@@ -87,7 +87,8 @@ def add_speed_parser(sub) -> None:
     p.add_argument("--batch", default="1", help="comma-separated batch sizes")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row")
     p.add_argument("--turns", type=int, default=2, help="later turns timed against kept history")
-    p.add_argument("--turn-tokens", type=int, default=256, help="new tokens of each later turn")
+    p.add_argument("--turn-tokens", default="256",
+                   help="new tokens of a later turn; a comma list (e.g. 64,512,4096) times each over the same history")
     p.add_argument("--recipes", default="full", help="comma-separated presets or recipe strings")
     p.add_argument("--peers", default="transformers,sdpa", help="comma-separated; 'none' for none")
     p.add_argument("--repeat", type=int, default=3, help="runs per figure at batch 1 (the median is kept)")
@@ -114,7 +115,8 @@ def cmd_speed(args) -> int:
 
     contexts, batches = _integers("--contexts", args.contexts), _integers("--batch", args.batch)
     recipes = {spec: Recipe.parse(spec) for spec in _split(args.recipes)}  # a bad one fails before the load
-    need = max(contexts) + args.new_tokens + args.turns * args.turn_tokens
+    turn_tokens = _integers("--turn-tokens", args.turn_tokens)
+    need = max(contexts) + args.new_tokens + args.turns * max(turn_tokens)
 
     def kv_memory(config, dtype):  # room for the largest batch at the largest context, and no more
         tokens = max(need, (max(contexts) + args.new_tokens + 16) * max(batches))
@@ -125,7 +127,7 @@ def cmd_speed(args) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory or kv_memory,
               max_model_len=need + 16, kv_dtype=args.kv_dtype)
     config = SpeedConfig(contexts=contexts, batches=batches, new_tokens=args.new_tokens, turns=args.turns,
-                         turn_tokens=args.turn_tokens, recipes=recipes,
+                         turn_tokens=tuple(turn_tokens), recipes=recipes,
                          peers=tuple(p for p in _split(args.peers) if p != "none"), repeat=args.repeat,
                          skip_tokens=args.skip_tokens)
     rows_path = user_path(args.out) / "rows.jsonl"

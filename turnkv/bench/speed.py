@@ -30,12 +30,15 @@ class SpeedConfig:
     batches: list[int] = field(default_factory=lambda: [1])
     new_tokens: int = 64
     turns: int = 2  # later turns timed against kept history
-    turn_tokens: int = 256  # tokens of each later turn
+    turn_tokens: int | tuple[int, ...] = 256  # new tokens of a later turn; several: each timed over the same history
     recipes: dict = field(default_factory=dict)  # label -> Recipe; {} means dense only
     peers: tuple[str, ...] = ("transformers", "sdpa")
     repeat: int = 3
     seed: int = 0
     skip_tokens: int = 16  # decode steps left out of the time per token (warm-up; LoopServe's is 16)
+
+    def __post_init__(self):
+        self.turn_tokens = (self.turn_tokens,) if isinstance(self.turn_tokens, int) else tuple(self.turn_tokens)
 
 
 def _prompt(ctx: int, vocab: int, seed: int) -> list[int]:
@@ -97,20 +100,23 @@ def measure(llm, recipe, ctx: int, batch: int, cfg: SpeedConfig, hw: dict) -> di
 
 @torch.inference_mode()
 def measure_turns(llm, ctx: int, cfg: SpeedConfig, hw: dict) -> list[dict]:
-    """Turn k+1's prefill of `turn_tokens` new tokens against a kept history of ctx + k turns, beside
-    re-prefilling that whole history (what an engine without conversation state pays)."""
+    """Turn k+1's prefill against a kept history of ctx + k turns, one row per size in
+    `cfg.turn_tokens` (each timed over the same history, then taken back); the history then grows by a
+    turn of the first size. The last row also holds the time to re-prefill that whole history (what an
+    engine without conversation state pays)."""
     seq = SequenceKV(llm.pool)
     rows = []
     try:
         llm.runner.prefill(seq, _prompt(ctx, llm.config.vocab_size, cfg.seed))
         for k in range(cfg.turns):
-            new = _prompt(cfg.turn_tokens, llm.config.vocab_size, cfg.seed + 100 + k)
             history = seq.next_position
-            kept = hardware.median_time(lambda: (llm.runner.prefill(seq, new), seq.truncate(history)), llm.device,
-                                        repeat=cfg.repeat)
-            llm.runner.prefill(seq, new)
-            rows.append({"turn": k + 2, "history_tokens": history, "new_tokens": cfg.turn_tokens, "prefill_s": kept,
-                         "floor_s": hardware.prefill_flops(llm.config, cfg.turn_tokens, history) / hw["matmul_rate"]})
+            for size in cfg.turn_tokens:
+                new = _prompt(size, llm.config.vocab_size, cfg.seed + 100 + k)
+                kept = hardware.median_time(lambda: (llm.runner.prefill(seq, new), seq.truncate(history)),
+                                            llm.device, repeat=cfg.repeat)
+                rows.append({"turn": k + 2, "history_tokens": history, "new_tokens": size, "prefill_s": kept,
+                             "floor_s": hardware.prefill_flops(llm.config, size, history) / hw["matmul_rate"]})
+            llm.runner.prefill(seq, _prompt(cfg.turn_tokens[0], llm.config.vocab_size, cfg.seed + 100 + k))
         whole = _prompt(seq.next_position, llm.config.vocab_size, cfg.seed)
         seq.free()  # the pool needs room for the history once, not twice
         fresh = SequenceKV(llm.pool)
@@ -133,7 +139,8 @@ def _settings(llm, cfg: SpeedConfig) -> dict:
     """What every row's figures depend on besides its own recipe, context and batch size."""
     return {"model": llm.name, "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."),
             "kv_dtype": llm.pool.kv_dtype_name,
-            **{k: getattr(cfg, k) for k in ("new_tokens", "turns", "turn_tokens", "repeat", "seed", "skip_tokens")}}
+            **{k: getattr(cfg, k) for k in ("new_tokens", "turns", "repeat", "seed", "skip_tokens")},
+            "turn_tokens": list(cfg.turn_tokens)}  # a list, as the rows file's JSON reads it back
 
 
 def _row_key(kind: str, spec: str, ctx: int, batch: int) -> str:
