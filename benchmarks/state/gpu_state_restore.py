@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import replace
 
 import torch
 
@@ -57,6 +58,8 @@ import turnkv
 from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.registry import build
 from turnkv.model.config import SHAPES, shape_config
+from turnkv.model.load import embedded_model_path
+from turnkv.model.tokenizer import load_gguf_tokenizer
 from turnkv.state import schedule
 from turnkv.state.split import restore_split
 
@@ -90,6 +93,20 @@ def extend_context(shape: str, positions: int) -> int | None:
     if own >= positions:
         return None
     SHAPES[shape.lower()] = shape_config(shape, positions)
+    return own
+
+
+def extend_vocabulary(shape: str) -> int | None:
+    """Raise a random-weight shape's vocabulary to the borrowed tokenizer's size where it is smaller
+    (llama-2-7b: 32000 against SmolLM2's 49152), so that every id the chat template and the replies'
+    re-encoding produce has an embedding row; returns the shape's own size (None: kept)."""
+    key = shape.lower()
+    if key not in SHAPES:
+        return None
+    own, borrowed = SHAPES[key].vocab_size, len(load_gguf_tokenizer(embedded_model_path()))
+    if own >= borrowed:
+        return None
+    SHAPES[key] = replace(SHAPES[key], vocab_size=borrowed)
     return own
 
 
@@ -348,6 +365,7 @@ def run(args, disk_dir):
     out_json = os.path.join(args.out, "gpu_state_restore.json")
     positions = max(map(int, args.histories.split(","))) + args.new_prompt + 1024
     args.raised_context = extend_context(args.shape, positions)
+    args.raised_vocabulary = extend_vocabulary(args.shape)
     torch.manual_seed(0)
     llm = turnkv.LLM(args.shape, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory,
                      state_cpu_memory=args.cpu_memory,
@@ -362,6 +380,7 @@ def run(args, disk_dir):
               "device": torch.cuda.get_device_name() if llm.device.type == "cuda" else "cpu", "shape": args.shape,
               "dtype": args.dtype, "template_overheads": overheads, "max_model_len": llm.max_model_len,
               "shape_max_positions": args.raised_context or llm.config.max_position_embeddings,
+              "shape_vocab_size": args.raised_vocabulary or llm.config.vocab_size, "vocab_size": llm.config.vocab_size,
               "h2d_pinned_gb_s": cost.bytes_per_s / 1e9,
               "h2d_pageable_gb_s": schedule.measure_bandwidth(llm.device, pinned=False) / 1e9,
               "recompute_a_s_per_token_layer": cost.per_token_layer_s,

@@ -20,6 +20,9 @@ from turnkv.model.config import SHAPES, shape_config
 job = json.load(open(sys.argv[1]))
 if job["positions"]:  # the parent's raised context of a random-weight shape (extend_context)
     SHAPES[job["shape"].lower()] = shape_config(job["shape"], job["positions"])
+if job["vocab_size"]:  # and its raised vocabulary (extend_vocabulary)
+    from dataclasses import replace
+    SHAPES[job["shape"].lower()] = replace(SHAPES[job["shape"].lower()], vocab_size=job["vocab_size"])
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -72,6 +75,7 @@ def disk_restart(llm, n, args, history, store_dir: str) -> list[dict]:
             torch.cuda.empty_cache()
         job = {"shape": args.shape, "dtype": args.dtype, "device": str(llm.device), "store": store_dir,
                "positions": llm.config.max_position_embeddings if args.raised_context else None,
+               "vocab_size": llm.config.vocab_size if args.raised_vocabulary else None,
                "kv_memory": (n + 4096) * llm.kv_bytes_per_token(), "prompt": history.new,
                "conversations": {name: conv.id for name, conv in convs.items()}}
         job_path = os.path.join(os.path.dirname(store_dir), "restart_job.json")  # beside the store, not in it
