@@ -81,6 +81,28 @@ def test_host_pool_is_all_or_nothing_and_coalesces():
     assert whole is not None and pool.free_bytes() == 0
 
 
+def test_a_host_pool_the_driver_cannot_pin_falls_back_to_pageable_memory(monkeypatch, caplog):
+    """Pinning more host memory than the driver allows fails (a CUDA out-of-memory error): the CPU
+    tier then works from pageable memory and says so, instead of failing every offload."""
+    real_empty = torch.empty
+
+    def empty(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    with caplog.at_level("WARNING", logger="turnkv.kv"):
+        pool = HostPool(8 * 512, pin=True)
+    assert not pool.pinned and not pool.buffer.is_pinned() and pool.capacity == 8 * 512
+    assert "could not pin" in caplog.text and "pageable" in caplog.text
+    stored = pool.store({"x": torch.arange(16.0)})
+    assert torch.equal(stored["x"], torch.arange(16.0))
+    with pytest.raises(RuntimeError):  # an unpinned allocation that fails is not hidden
+        monkeypatch.setattr(torch, "empty", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("host OOM")))
+        HostPool(8 * 512, pin=False)
+
+
 def test_disk_store_survives_reopening_and_detects_corruption(tmp_path):
     tensors = {"k.0": torch.randn(5, 4).to(torch.bfloat16), "pos.0": torch.arange(5)}
     DiskStore(tmp_path).write("conv1", tensors, {"tokens": [1, 2, 3]})

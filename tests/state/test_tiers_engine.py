@@ -53,6 +53,40 @@ def test_lru_demotion_moves_the_idle_conversation_down_and_back(model_dir, refer
     assert all(e["tier"] == "cpu" for e in llm.state.events if e["event"] == "demoted")
 
 
+def test_compressed_conversations_need_room_for_what_they_keep_not_for_their_positions(model_dir):
+    """Room for a turn is counted from the tokens each head keeps: two conversations compressed to a
+    few pages each stay resident in a pool that could not hold either one's positions again."""
+    doc = " ".join(["the river runs past the old mill and the bakery"] * 30)
+    messages = [doc, "and then what?", "why so?", "tell me more"]
+
+    def play(llm):
+        convs = [llm.conversation(recipe="snapkv budget=16") for _ in range(2)]
+        replies = [[c.send(m, max_new_tokens=4).token_ids for m in messages[:2]] for c in convs]
+        for m in messages[2:]:
+            for c, r in zip(convs, replies):
+                r.append(c.send(m, max_new_tokens=4).token_ids)
+        return convs, replies
+
+    big = turnkv.LLM(str(model_dir), device="cpu", kv_memory="64MiB", page_size=16)
+    probe = big.conversation(recipe="snapkv budget=16")
+    probe.send(messages[0], max_new_tokens=4)
+    peak = int(probe.kv.num_pages.sum(axis=1).max())  # the uncompressed first turn
+    probe.send(messages[1], max_new_tokens=4)
+    kept = int(probe.kv.num_pages.sum(axis=1).max())  # compressed at the second turn's prefill
+    positions = probe.kv.next_position
+    probe.close()
+    _, reference = play(big)
+
+    pages = peak + kept + 4  # a first turn beside one compressed conversation, and little more
+    heads = big.pool.num_kv_heads
+    assert 2 * kept + heads * (-(-positions // 16) + 1) > pages  # room for the positions would demote
+    llm = turnkv.LLM(str(model_dir), device="cpu", kv_memory=pages * 2048 * LAYERS, page_size=16)
+    convs, replies = play(llm)
+    assert replies == reference
+    assert [e for e in llm.state.events if e["event"] == "demoted"] == []
+    assert all(c.location == "gpu" for c in convs)
+
+
 def test_a_conversation_mid_turn_is_never_demoted(model_dir, reference):
     """a's stream is paused mid-reply while b needs room: b must not take a's pages (a's next decode
     step reads them), so b's turn fails cleanly instead, and a finishes its reply unchanged."""

@@ -9,8 +9,11 @@ all-or-nothing.
 from __future__ import annotations
 
 import bisect
+import logging
 
 import torch
+
+log = logging.getLogger("turnkv.kv")
 
 ALIGN = 512  # bytes; keeps every tensor aligned for any dtype and for fast DMA
 
@@ -21,7 +24,15 @@ class HostPool:
             raise ValueError(f"a host pool needs at least {ALIGN} bytes")
         self.capacity = capacity - capacity % ALIGN
         pin = torch.cuda.is_available() if pin is None else pin
-        self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pin)
+        try:
+            self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pin)
+        except RuntimeError as e:  # the driver pins less than the host has (torch.AcceleratorError too)
+            if not pin:
+                raise
+            log.warning("could not pin %.1f GiB of host memory for the CPU tier (%s); it uses pageable memory, "
+                        "whose copies to the GPU are slower and do not overlap compute: ask for less "
+                        "(state_cpu_memory / --state-cpu-memory)", self.capacity / 2**30, str(e).splitlines()[0])
+            self.buffer, pin = torch.empty(self.capacity, dtype=torch.uint8), False
         self.pinned = pin
         self._free: list[tuple[int, int]] = [(0, self.capacity)]  # sorted (offset, size)
         self.used = 0

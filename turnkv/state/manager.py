@@ -62,16 +62,21 @@ class StateManager:
         if tier is None or conv.id in self.resident:
             if tier is not None:  # a stale copy of a state that is back on the GPU
                 self.tiers.delete(conv.id)
-            self._make_room(conv, conv.kv.next_position + new_tokens)
+            self._make_room(conv, conv.kv.lengths, new_tokens)
             self.resident[conv.id] = conv
             self.resident.move_to_end(conv.id)
             return
         meta = self.tiers.meta(conv.id)
         n = meta["state"]["next_position"]
-        self._make_room(conv, n + new_tokens)
         c = self.llm.config
         estimate = self._disk_estimate(meta) if tier == "disk" else None
-        if estimate is not None and estimate["recompute_s"] < estimate["read_s"]:
+        # A restore that prefills needs the whole history at once; one that loads, what was stored.
+        stored = meta["state"].get("lengths")
+        recomputes = estimate is not None and estimate["recompute_s"] < estimate["read_s"]
+        if stored is None or meta["strategy"]["name"] == "recompute" or recomputes:
+            stored = [[n] * c.num_kv_heads for _ in range(c.num_layers)]
+        self._make_room(conv, np.asarray(stored, dtype=np.int64), new_tokens)
+        if recomputes:
             strategy, tensors, state = Recompute(), {}, full_layout_meta(c.num_layers, c.num_kv_heads, n)
             self.events.append({"conversation": conv.id, "event": "disk_state_recomputed", **estimate})
         else:
@@ -166,18 +171,19 @@ class StateManager:
         if stream is not None:
             stream.synchronize()
 
-    def _make_room(self, conv, tokens: int) -> None:
-        """Demote least recently used resident conversations until `conv` can hold `tokens`."""
+    def _make_room(self, conv, lengths: np.ndarray, new_tokens: int) -> None:
+        """Demote least recently used resident conversations until `conv`, holding `lengths` tokens
+        per [layer, KV head] (its own, or its stored state's), can add `new_tokens` to every head.
+        A compressed conversation needs pages for what it keeps, not for its positions."""
         pool = self.llm.pool
-        H = pool.num_kv_heads
-        need = H * (-(-tokens // pool.page_size) + 1) - int(conv.kv.num_pages.sum(axis=1).min(initial=0))
-        need_bytes = need * pool.num_layers * pool.page_bytes
+        pages = -(-(np.asarray(lengths) + new_tokens) // pool.page_size) + 1  # [L, H]: one page of slack a head
+        need = np.maximum(pages - conv.kv.num_pages, 0).sum(axis=1)  # [L] pages to add per layer
+        need_bytes = int(need.sum()) * pool.page_bytes
 
         def short() -> bool:
             if pool.reclaim is not None:  # pages only a cache holds (the prefix index) go first
-                pool.reclaim([need] * pool.num_layers)
-            free = min(pool.free_pages(layer) for layer in range(pool.num_layers))
-            if free < need:
+                pool.reclaim(need.tolist())
+            if any(pool.free_pages(layer) < need[layer] for layer in range(pool.num_layers)):
                 return True
             if self.gpu_memory is None:
                 return False
@@ -192,7 +198,7 @@ class StateManager:
                     landed = self.offload(self.resident[victim_id], "cpu")
                 except StateTiersFullError as e:
                     raise StateTiersFullError(
-                        f"KV pool full: this turn needs {need} pages per layer and the idle conversation "
+                        f"KV pool full: this turn needs {int(need.max())} pages per layer and the idle conversation "
                         f"{victim_id} cannot move down: {e}") from None
                 self.events.append({"conversation": victim_id, "event": "demoted", "tier": landed})
 
