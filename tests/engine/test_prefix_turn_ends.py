@@ -5,6 +5,7 @@ turn, with the index on, on for system prompts only, and off."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import turnkv
@@ -73,3 +74,103 @@ def test_a_resent_history_takes_the_last_turn_end_and_replies_the_same(engines, 
     assert out["turns"] == out["system"] == out["off"]
     for llm in engines.values():
         assert llm.pool.bytes_in_use() == llm.prefix_cache_bytes()
+
+
+def _distinct_pages(entries, num_layers: int) -> int:
+    return sum(len(np.unique(np.concatenate([e.kv.held_pages()[layer] for e in entries])))
+               for layer in range(num_layers))
+
+
+def _four_turns(llm):
+    conv = llm.conversation(system=SYSTEM, recipe="full")
+    for message in ASKED + FOLLOW_UPS:
+        conv.send(message, max_new_tokens=6, ignore_eos=True)
+    return conv
+
+
+def test_successive_turn_ends_count_their_shared_pages_once(chat_model_dir):
+    llm = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="64MiB", prefix_cache_memory="64MiB")
+    pool, index = llm.pool, llm.prefix_index
+    conv = _four_turns(llm)
+    entries = sorted(index._entries.values(), key=lambda e: len(e.tokens))
+    assert len(entries) == 5  # the system prompt and four turn ends
+    assert len(entries[-1].tokens) == conv.kv.next_position
+    distinct = _distinct_pages(entries, pool.num_layers)
+    assert index.bytes() == distinct * pool.page_bytes < sum(e.nbytes for e in entries)
+    # While the conversation lives, the index costs only the pages nobody else holds: each entry's
+    # partial last pages, which the conversation copied before writing into them.
+    own = [set(p.tolist()) for p in conv.kv.held_pages()]
+    index_only = sum(len(set(np.concatenate([e.kv.held_pages()[layer] for e in entries]).tolist()) - own[layer])
+                     for layer in range(pool.num_layers))
+    assert 0 < index_only < distinct and pool.bytes_in_use() == conv.kv_bytes + index_only * pool.page_bytes
+    conv.close()
+    assert pool.bytes_in_use() == llm.prefix_cache_bytes() == index.bytes()
+
+    # A cap of exactly those bytes keeps every entry; one page less drops the least recently used
+    # (the system prompt's, whose pages but its partial last ones the turn ends hold too).
+    for cap, kept in ((index.bytes(), 5), (index.bytes() - pool.page_bytes, 4)):
+        capped = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="64MiB", prefix_cache_memory=cap)
+        _four_turns(capped).close()
+        lengths = sorted(len(e.tokens) for e in capped.prefix_index._entries.values())
+        assert lengths == sorted(len(e.tokens) for e in entries)[5 - kept:]
+        assert capped.prefix_index.bytes() <= cap
+
+
+def test_turn_ends_give_way_when_the_pool_runs_short(chat_model_dir):
+    size = 30 * 16 * 512  # 30 pages of 16 tokens per head (the tiny model's 512 bytes per token)
+    llm = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory=size, prefix_cache_memory=size)
+    off = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory=size, prefix_cache=False)
+    pool, index = llm.pool, llm.prefix_index
+    _four_turns(llm).close()
+    old = set(index._entries)
+    assert len(old) == 5 and pool.bytes_in_use() == index.bytes() > 0
+    # A long first turn of another conversation needs more pages than are free: the entries go.
+    free_tokens = pool.free_pages(0) // pool.num_kv_heads * pool.page_size
+    long = "Tell me about the sea and the land. " * ((free_tokens + 64) // 9)
+    replies = []
+    for engine in (llm, off):
+        conv = engine.conversation(recipe="full")
+        replies.append(conv.send(long, max_new_tokens=4, ignore_eos=True))
+        conv.close()
+    assert free_tokens < replies[0].prompt_tokens < pool.sequence_capacity
+    assert replies[0].token_ids == replies[1].token_ids
+    # Least recently used first: the system prompt's entry, then the turn ends in their order.
+    dropped = old - set(index._entries)
+    assert index.evictions == len(dropped) > 0
+    assert sorted(len(k[1]) for k in dropped) == sorted(len(k[1]) for k in old)[: len(dropped)]
+    assert pool.bytes_in_use() == index.bytes()  # the new conversation's turn end, and what is left
+
+
+def test_a_conversation_on_a_turn_end_offloads_restarts_and_replies_the_same(chat_model_dir, tmp_path):
+    out = []
+    for mode in ("turns", "off"):
+        llm = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="64MiB", prefix_cache=mode,
+                         state_disk_dir=str(tmp_path / mode))
+        origin = _history(llm, "full")
+        conv = llm.conversation(system=SYSTEM, recipe="full")
+        conv.messages = [dict(m) for m in origin.messages]
+        replies = [conv.send(FOLLOW_UPS[0], max_new_tokens=6, ignore_eos=True)]
+        assert replies[0].cached_tokens == (origin.kv.next_position if mode == "turns" else 0)
+        origin.close()  # the turn end's pages stay for the index and the conversation
+        conv.offload("cpu")
+        assert conv.location == "cpu"
+        replies.append(conv.send(FOLLOW_UPS[1], max_new_tokens=6, ignore_eos=True))
+        conv.offload("disk")
+        restarted = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="64MiB", prefix_cache=mode,
+                               state_disk_dir=str(tmp_path / mode))
+        again = restarted.resume(conv.id)
+        replies.append(again.send("One more word?", max_new_tokens=6, ignore_eos=True))
+        out.append([r.token_ids for r in replies])
+    assert out[0] == out[1]
+
+
+@pytest.mark.parametrize("value", ["all", "on", 1, None])
+def test_prefix_cache_takes_turns_system_or_off(chat_model_dir, value):
+    with pytest.raises(InvalidRequestError, match="'turns', 'system', 'off'"):
+        turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="8MiB", prefix_cache=value)
+
+
+def test_true_and_false_mean_turns_and_off(chat_model_dir):
+    on = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="8MiB", prefix_cache=True)
+    off = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="8MiB", prefix_cache=False)
+    assert (on.prefix_mode, off.prefix_mode, off.prefix_index) == ("turns", "off", None)
