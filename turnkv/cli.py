@@ -307,7 +307,8 @@ def cmd_serve(args) -> int:
                          head_patterns=dict(args.head_pattern or []))
 
     # _load's engine plus the state tiers idle conversations move to when the KV pool fills.
-    llm = _load(args, prefix_cache="off" if args.no_prefix_cache else args.prefix_cache, prefix_cache_memory=args.prefix_cache_memory,
+    prefix_cache = "off" if args.no_prefix_cache else args.prefix_cache
+    llm = _load(args, prefix_cache=prefix_cache, prefix_cache_memory=args.prefix_cache_memory,
                 state_cpu_memory=args.state_cpu_memory, state_disk_dir=args.state_disk_dir,
                 state_disk_memory=args.state_disk_memory)
     serve(llm, config, idle_ttl_s=args.idle_ttl, log_level=args.log_level, tiers=None if args.no_tiers else "state")

@@ -266,13 +266,10 @@ class Recipe:
         attends by position alone, the decode selection starts afresh every turn, the state strategy
         records no more than the last queries, and the previous reply's KV is kept (answer=keep).
 
-        The contract: a conversation that prefills the same tokens in one pass keeps the same tokens
-        in every (layer, head) with the same bookkeeping beside them. Their values differ only in how
-        the replies' tokens were computed: by decode steps, each reading what the recipe's decode
-        reads, against one prefill (rounding for dense decode; a selecting decode or a streaming head
-        reads less per step than a prefill row). Such a recipe's turn ends can be shared
-        (turnkv/engine/prefix.py): a conversation taking one sees what the conversation that wrote it
-        carries into its own next turn."""
+        Contract: a conversation that prefills the same tokens in one pass keeps the same tokens in
+        every (layer, head), with the same bookkeeping. Values differ only where replies were decoded
+        (rounding under dense decode; a selecting decode or a streaming head reads less per step than
+        a prefill row). Its turn ends can be shared (turnkv/engine/prefix.py)."""
         return (self.evict is None and self.answer == "keep" and self.prefill.path_independent
                 and self.decode.path_independent and self.state.path_independent)
 
