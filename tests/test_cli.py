@@ -102,3 +102,20 @@ def test_bad_recipe_is_a_clear_error(monkeypatch, capsys, chat_model_dir):
     code, _, err = run_cli(monkeypatch, capsys, ["generate", "hi", "--model", str(chat_model_dir), "--recipe",
                                                  "evict=snapx", "--kv-memory", "32MiB"])
     assert code == 2 and "unknown scorer 'snapx'" in err and "snapkv" in err
+
+
+@pytest.mark.parametrize("flags, mode", [([], "turns"), (["--prefix-cache", "system"], "system"),
+                                         (["--prefix-cache", "off"], "off"), (["--no-prefix-cache"], "off")])
+def test_serve_takes_the_prefix_cache_mode(monkeypatch, capsys, chat_model_dir, flags, mode):
+    served = []
+    monkeypatch.setattr("turnkv.cli.serve", lambda llm, config, **options: served.append(llm))
+    code, _, err = run_cli(monkeypatch, capsys, ["serve", "--model", str(chat_model_dir), "--kv-memory", "8MiB",
+                                                 "--no-tiers", *flags])
+    assert code == 0, err
+    assert served[0].prefix_mode == mode and (served[0].prefix_index is None) == (mode == "off")
+
+
+def test_serve_names_the_prefix_cache_modes(monkeypatch, capsys, chat_model_dir):
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", str(chat_model_dir), "--prefix-cache", "all"])
+    assert "choose from 'turns', 'system', 'off'" in capsys.readouterr().err

@@ -18,7 +18,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from turnkv.bench.cli import add_quality_parser, add_speed_parser
 from turnkv.engine.info import model_info
-from turnkv.engine.llm import LLM
+from turnkv.engine.llm import LLM, PREFIX_MODES
 from turnkv.errors import InvalidRequestError, TurnkvError
 from turnkv.methods.evict.eviction import SCHEDULES
 from turnkv.methods.recipe import PRESET_DOCS, Recipe, presets
@@ -307,7 +307,8 @@ def cmd_serve(args) -> int:
                          head_patterns=dict(args.head_pattern or []))
 
     # _load's engine plus the state tiers idle conversations move to when the KV pool fills.
-    llm = _load(args, prefix_cache=not args.no_prefix_cache, prefix_cache_memory=args.prefix_cache_memory,
+    prefix_cache = "off" if args.no_prefix_cache else args.prefix_cache
+    llm = _load(args, prefix_cache=prefix_cache, prefix_cache_memory=args.prefix_cache_memory,
                 state_cpu_memory=args.state_cpu_memory, state_disk_dir=args.state_disk_dir,
                 state_disk_memory=args.state_disk_memory)
     serve(llm, config, idle_ttl_s=args.idle_ttl, log_level=args.log_level, tiers=None if args.no_tiers else "state")
@@ -421,9 +422,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="disk tier under the CPU tier; SIGTERM writes idle conversations there, and a server "
                           "started over it continues them (one server per directory)")
     srv.add_argument("--state-disk-memory", default=None, help="cap on the disk tier, e.g. 20GiB (default: none)")
-    srv.add_argument("--no-prefix-cache", action="store_true",
-                     help="do not share system prompts' KV between conversations (the prefix index; replies are "
-                          "the same either way)")
+    srv.add_argument("--prefix-cache", choices=PREFIX_MODES, default="turns",
+                     help="what the prefix index shares between conversations of a recipe: 'turns' system prompts "
+                          "and, under recipes that keep the KV of every token they saw (full, lserve, ...), every "
+                          "turn's end, which a request carrying earlier turns takes instead of prefilling them "
+                          "(reply KV written by decode steps: a fresh prefill matches it up to rounding); 'system' "
+                          "system prompts only (replies bitwise the same as 'off'); 'off' no index")
+    srv.add_argument("--no-prefix-cache", action="store_true", help="the same as --prefix-cache off")
     srv.add_argument("--prefix-cache-memory", default=None,
                      help="cap on the prefix index's pages, e.g. 2GiB (default: a quarter of the KV pool)")
     srv.add_argument("--no-tiers", action="store_true",

@@ -88,3 +88,5 @@ def test_the_public_api_is_documented_and_internals_are_private():
         assert key in Recipe.of.__doc__, key
     for word in ("system", "recipe", "budget"):
         assert word in turnkv.LLM.conversation.__doc__
+    for mode in ('"turns"', '"system"', '"off"'):  # LLM(prefix_cache=...)
+        assert mode in turnkv.LLM.__doc__

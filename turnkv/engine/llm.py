@@ -31,6 +31,20 @@ def _optional_bytes(size: int | str | None) -> int | None:
     return None if size is None else parse_bytes(size)
 
 
+PREFIX_MODES = ("turns", "system", "off")
+
+
+def prefix_mode(value) -> str:
+    """The prefix index's mode for LLM(prefix_cache=value): one of PREFIX_MODES (True: "turns",
+    False: "off"); InvalidRequestError for anything else."""
+    if value is True or value is False:
+        return "turns" if value else "off"
+    if isinstance(value, str) and value in PREFIX_MODES:
+        return value
+    raise InvalidRequestError(f"prefix_cache must be one of {', '.join(map(repr, PREFIX_MODES))} (or True / False), "
+                              f"not {value!r}")
+
+
 class LLM:
     """Load a model and serve conversations on it.
 
@@ -54,10 +68,15 @@ class LLM:
     kv_dtype: how the pool stores K/V: None or "none" (the model's dtype), "int8" or "fp8" (e4m3),
     quantized per token and head with an fp32 scale (turnkv/kv/quant.py). A recipe's kv_dtype key
     sets it too; conversations whose recipe asks for another one are refused.
-    prefix_cache: keep the KV of system prompts in a prefix index and share its pages with later
-    conversations of the same recipe that begin with the same prompt (turnkv/engine/prefix.py);
-    replies are the same with it off. prefix_cache_memory: the index's cap (bytes or "1GiB";
-    default a quarter of the pool); when the pool runs short, index entries go first.
+    prefix_cache: what the prefix index keeps and shares with later conversations of the same recipe
+    whose tokens begin the same way (turnkv/engine/prefix.py): "turns" (the default; True) the KV
+    of system prompts and, under a recipe whose kept state depends on the token ids alone
+    (Recipe.path_independent: full, lserve, ...), of every turn's end, which a conversation whose first
+    request carries earlier turns takes instead of prefilling them; "system" system prompts only
+    (replies bitwise the same as with no index); "off" (False) no index. A turn end's reply KV was
+    written by decode steps, which a fresh prefill matches up to rounding (docs/serving.md).
+    prefix_cache_memory: the index's cap (bytes or "1GiB"; default a quarter of the pool); when the
+    pool runs short, index entries go first.
     """
 
     def __init__(self, model: str | None = None, dtype=None, device: str | None = None,
@@ -65,13 +84,14 @@ class LLM:
                  tokenizer: str | None = None, prefill_chunk: int | None = None, seed: int = 0, recipe=None,
                  cuda_graphs: bool = True, state_cpu_memory: int | str = "1GiB", state_disk_dir: str | None = None,
                  state_disk_memory: int | str | None = None, state_gpu_memory: int | str | None = None,
-                 kv_dtype: str | torch.dtype | None = None, prefix_cache: bool = True,
+                 kv_dtype: str | torch.dtype | None = None, prefix_cache: bool | str = "turns",
                  prefix_cache_memory: int | str | None = None, **recipe_options):
         unknown = sorted(set(recipe_options) - RECIPE_KEYS)
         if unknown:
             raise InvalidRequestError(f"LLM() got an unknown argument {unknown[0]!r}: neither an engine argument nor "
                                       f"a recipe option ({', '.join(sorted(RECIPE_KEYS))})")
         default_recipe = Recipe.of(recipe, **recipe_options)  # a bad recipe fails before the model loads
+        self.prefix_mode = prefix_mode(prefix_cache)
         self.device = resolve_device(device)
         loaded = load_model(model, dtype, self.device, seed)
         self.model, self.name, self.source = loaded.model, loaded.name, loaded.source
@@ -93,7 +113,7 @@ class LLM:
         self.pool = PagePool.for_budget(self.config, self._kv_budget(kv_memory), page_size, self.dtype, self.device,
                                         self.kv_dtype)
         self.prefix_index = None
-        if prefix_cache:
+        if self.prefix_mode != "off":
             cap = _optional_bytes(prefix_cache_memory)
             self.prefix_index = PrefixIndex(self.pool, self.pool.capacity_bytes() // 4 if cap is None else cap)
             self.pool.reclaim = self.prefix_index.reclaim

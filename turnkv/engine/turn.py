@@ -104,11 +104,12 @@ class TurnRun:
         self.window_before = window.snapshot() if window is not None else None
         if not conv.turns and inputs.prefix_end > self.cached:
             self.prefix_at = inputs.prefix_end
-            if self.cached == 0:
-                attached = prefix.attach(conv, self.prompt, self.prefix_at)
-                if attached:
-                    self.started, self.prefix_at = True, 0
-                    self.cached, self.prompt = attached, self.prompt[attached:]
+        if not conv.turns and self.cached == 0 and inputs.messages is not None:
+            # A chat's first turn: the index may hold its system prompt, or earlier turns it carries.
+            attached = prefix.attach(conv, self.prompt, inputs.prefix_end)
+            if attached:
+                self.started, self.prefix_at = True, 0
+                self.cached, self.prompt = attached, self.prompt[attached:]
         return self
 
     def prefill(self, size: int | None = None) -> torch.Tensor | None:
@@ -201,6 +202,7 @@ class TurnRun:
         reply = self.gen.reply(prompt_tokens=len(self.prompt), cached_tokens=self.cached)
         if self.inputs.messages is not None:
             conv._record_turn(self.inputs, self.cached, reply)
+            prefix.publish_turn_end(conv)
         self.finished = True
         if self.tiers is not None:
             self.tiers.after_turn(conv)

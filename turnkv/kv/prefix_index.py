@@ -1,6 +1,7 @@
 """A radix tree over token ids of prefixes whose KV stays in the page pool for later conversations.
 
-An entry is the KV of one conversation at a clean boundary (the end of its system prompt), kept
+An entry is the KV of one conversation at a clean boundary (the end of its system prompt, or of a
+turn under a recipe whose kept state depends on the token ids alone), kept
 under a namespace (what else decides that KV: the model and the recipe's canonical string) and the
 token ids before the boundary. The entry holds the conversation's pages as one more holder
 (SequenceKV.share_from), so they stay when the conversation goes; a conversation that begins with the
@@ -8,15 +9,18 @@ same tokens takes them (`attach`) instead of prefilling them, and copies a page 
 it (turnkv/kv/sequence.py). `extra` carries what the recipe kept beside the KV at that point (its
 observation window, its log), opaque here.
 
-Entries are kept least recently used first, under `max_bytes` of pages counted once per entry; the
-pool calls `reclaim` when an allocation lacks room, which drops entries in the same order. Dropping
-an entry releases its hold only: a page that a conversation still holds stays in the pool.
+Entries are kept least recently used first, under `max_bytes` of the distinct pages they hold: the
+successive turn ends of one conversation share their earlier pages, which count once. The pool
+calls `reclaim` when an allocation lacks room, which drops entries in the same order. Dropping an
+entry releases its hold only: a page that a conversation still holds stays in the pool.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
@@ -33,6 +37,7 @@ class PrefixEntry:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the pages this entry holds (pages other entries hold too included)."""
         return self.kv.bytes()
 
 
@@ -49,34 +54,45 @@ class PrefixIndex:
         self._roots: dict[str, _Node] = {}
         self._entries: dict[tuple[str, tuple[int, ...]], PrefixEntry] = {}
         self._clock = itertools.count(1)
+        # Entries holding each page [layers, pages], and how many pages at least one holds.
+        self._holds = np.zeros((pool.num_layers, pool.num_pages), dtype=np.int32)
+        self._distinct = 0
         self.hits = self.misses = self.inserts = self.evictions = 0
+        self.hit_tokens = 0  # tokens the hits gave (the entries' lengths, summed)
 
     # ---- queries ----------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._entries)
 
     def bytes(self) -> int:
-        """Bytes of the pages the entries hold, per entry (a page two entries hold counts twice)."""
-        return sum(e.nbytes for e in self._entries.values())
+        """Bytes of the distinct pages the entries hold (a page several entries hold counts once)."""
+        return self._distinct * self.pool.page_bytes
 
-    def lookup(self, namespace: str, tokens, lengths=None) -> PrefixEntry | None:
+    def longest(self, namespace: str, tokens, lengths=None, at_least: int = 0) -> PrefixEntry | None:
         """The entry of `namespace` with the longest token ids that begin `tokens`, among those whose
-        length is in `lengths` (None: any); None when there is none. A hit counts as a use."""
+        length is in `lengths` (None: any) and at least `at_least`; None when there is none. Not
+        counted as a use."""
         best, node, at = None, self._roots.get(namespace), 0
         tokens = tuple(tokens)
         while node is not None:
             if tokens[at : at + len(node.edge)] != node.edge:
                 break
             at += len(node.edge)
-            if node.entry is not None and (lengths is None or at in lengths):
+            if node.entry is not None and at >= at_least and (lengths is None or at in lengths):
                 best = node.entry
             if at >= len(tokens):
                 break
             node = node.children.get(tokens[at])
+        return best
+
+    def lookup(self, namespace: str, tokens, lengths=None, at_least: int = 0) -> PrefixEntry | None:
+        """longest(), counted: a hit as a use of the entry (and in `hits`), none in `misses`."""
+        best = self.longest(namespace, tokens, lengths, at_least)
         if best is None:
             self.misses += 1
             return None
         self.hits += 1
+        self.hit_tokens += len(best.tokens)
         best.hits += 1
         best.last_used = next(self._clock)
         return best
@@ -97,13 +113,14 @@ class PrefixIndex:
             return found
         if seq.bytes() > self.max_bytes:
             return None
-        self._shrink_to(self.max_bytes - seq.bytes())
         held = SequenceKV(self.pool)
         held.share_from(seq)
         entry = PrefixEntry(namespace, tokens, held, extra, next(self._clock))
         self._place(self._roots.setdefault(namespace, _Node()), tokens, entry)
         self._entries[(namespace, tokens)] = entry
+        self._count(entry, +1)
         self.inserts += 1
+        self._shrink_to(self.max_bytes, keep=entry)
         return entry
 
     def remove(self, entry: PrefixEntry) -> None:
@@ -117,6 +134,7 @@ class PrefixIndex:
                 node.entry = None
                 break
             node = node.children[entry.tokens[at]]
+        self._count(entry, -1)
         entry.kv.free()
         self.evictions += 1
 
@@ -137,11 +155,21 @@ class PrefixIndex:
             self.remove(entry)
 
     # ---- internals --------------------------------------------------------------------------
-    def _shrink_to(self, limit: int) -> None:
+    def _shrink_to(self, limit: int, keep: PrefixEntry | None = None) -> None:
+        """Drop entries but `keep`, least recently used first, until the distinct pages fit `limit`."""
         for entry in sorted(self._entries.values(), key=lambda e: e.last_used):
             if self.bytes() <= limit:
                 return
-            self.remove(entry)
+            if entry is not keep:
+                self.remove(entry)
+
+    def _count(self, entry: PrefixEntry, step: int) -> None:
+        """Add (+1) or take (-1) `entry`'s hold on its pages in the per-page counts."""
+        for layer, pages in enumerate(entry.kv.held_pages()):
+            holds = self._holds[layer]
+            before = int((holds[pages] > 0).sum())
+            holds[pages] += step
+            self._distinct += int((holds[pages] > 0).sum()) - before
 
     @staticmethod
     def _place(root: _Node, tokens: tuple[int, ...], entry: PrefixEntry) -> None:

@@ -45,6 +45,10 @@ class Prefill(ABC):
 
     name: ClassVar[str]
     sparse: ClassVar[bool] = True
+    # Whether every row's attention depends on positions alone, whatever chunks the prompt is
+    # prefilled in (Recipe.path_independent). False by default: a pattern estimated from a chunk's
+    # last queries depends on where the chunks start.
+    path_independent: ClassVar[bool] = False
 
     def bind(self, num_layers: int) -> None:
         """Called once per conversation, before its first `attend`, with the model's layer count
@@ -306,6 +310,10 @@ class Decode(ABC):
 
     name: ClassVar[str]
     selects: ClassVar[bool] = True
+    # Whether a turn's selections depend on nothing a conversation carries from earlier turns beyond
+    # its KV (they start afresh at every prefill, from the pool and the turn's own queries):
+    # Recipe.path_independent. False by default.
+    path_independent: ClassVar[bool] = False
 
     @abstractmethod
     def new_state(self, num_layers: int) -> DecodeSelection | None:
@@ -328,6 +336,10 @@ class StateStrategy(ABC):
 
     name: ClassVar[str]
     offloads_between_turns: ClassVar[bool] = True
+    # False for a strategy whose query_window records more than the last queries (the whole turn's):
+    # what it stores then depends on which tokens were computed in which turn (Recipe.path_independent,
+    # and no prefix sharing at all: turnkv/engine/prefix.py).
+    path_independent: ClassVar[bool] = True
 
     def query_window(self, num_layers: int, size: int) -> QueryWindow | None:
         """The per-conversation query recorder the engine fills during a turn, for an eviction scorer

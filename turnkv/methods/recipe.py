@@ -259,6 +259,21 @@ class Recipe:
                            sparse_prefill=self.prefill if self.sparse_prefill else None)
 
     @property
+    def path_independent(self) -> bool:
+        """Whether what a conversation keeps at the end of a turn depends on its token ids alone, not
+        on the path that wrote them (which tokens were prompt or reply of which turn, in which chunks):
+        nothing is evicted or compressed at any boundary (no eviction axis), the prefill pattern
+        attends by position alone, the decode selection starts afresh every turn, the state strategy
+        records no more than the last queries, and the previous reply's KV is kept (answer=keep).
+
+        Contract: a conversation that prefills the same tokens in one pass keeps the same tokens in
+        every (layer, head), with the same bookkeeping. Values differ only where replies were decoded
+        (rounding under dense decode; a selecting decode or a streaming head reads less per step than
+        a prefill row). Its turn ends can be shared (turnkv/engine/prefix.py)."""
+        return (self.evict is None and self.answer == "keep" and self.prefill.path_independent
+                and self.decode.path_independent and self.state.path_independent)
+
+    @property
     def accumulates_attention(self) -> bool:
         return self.evict is not None and self.evict.scorer.accumulates_attention
 

@@ -147,6 +147,8 @@ class KrulStrategy(SharedLayers):
             return None
         return FALLBACKS[best](), predicted
 
+    path_independent = False  # TurnQueries: the whole turn's queries choose the pairs
+
     def query_window(self, num_layers, size):
         return TurnQueries(num_layers, size)
 

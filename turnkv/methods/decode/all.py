@@ -14,6 +14,7 @@ class AllDecode(Decode):
     """Each decode step attends to every token the store keeps."""
 
     selects = False
+    path_independent = True
 
     def new_state(self, num_layers: int) -> None:
         return None

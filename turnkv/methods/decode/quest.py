@@ -23,6 +23,8 @@ class QuestDecode(Decode):
     budget: tokens each head reads (4096). page: tokens per page (16). dense_layers: layers below it
     read everything (2, as the Quest paper)."""
 
+    path_independent = True  # PagedSelection: selects afresh at every prefill, statistics from the pool
+
     budget: int = 4096
     page: int = 16
     dense_layers: int = 2

@@ -54,6 +54,14 @@ class LoopServeDecode(Decode):
     def observation(self) -> int:
         return self.window if self.window is not None else self.interval
 
+    @property
+    def path_independent(self) -> bool:
+        """Selections start afresh at every prefill; the first one, at decode step `warmup`, reads
+        the last `observation` queries, all of the turn's own decode steps when observation <= warmup.
+        A longer window reaches into the prompt's tail and earlier turns: what a conversation
+        recorded there depends on where its turns began."""
+        return self.observation <= self.warmup
+
     def new_state(self, num_layers: int) -> ProgressiveSelection:
         return ProgressiveSelection(self, num_layers)
 

@@ -48,6 +48,8 @@ class LServeDecode(Decode):
     a selection serves (4). group: "query" (select per query head, as LServe's code), "max" or "sum"
     (per KV head, the group's scores reduced)."""
 
+    path_independent = True  # PagedSelection: selects afresh at every prefill, statistics from the pool
+
     budget: int = 4096
     physical_page: int = 64
     logical_page: int = 16

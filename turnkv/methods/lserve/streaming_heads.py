@@ -79,6 +79,12 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
                 raise ValueError("dense names the dense heads' pattern; streaming_heads cannot nest")
             self._dense_method = build("prefill", name, params)
 
+    @property
+    def path_independent(self) -> bool:
+        """Streaming heads attend and keep by position alone; a `dense` method may estimate its
+        pattern from a chunk's queries, and is then path-independent only if it says so."""
+        return self._dense_method is None or self._dense_method.path_independent
+
     # ---- the pattern ----------------------------------------------------------------------------
     def flags(self, num_layers: int, num_kv_heads: int) -> np.ndarray:
         """[layers, kv_heads] bool, True = streaming; loaded once per model shape."""

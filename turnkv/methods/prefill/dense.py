@@ -16,6 +16,7 @@ class DensePrefill(Prefill):
     """Dense causal prefill (no sparsity)."""
 
     sparse = False  # the engine's own dense path runs; attend is the same attention on the mask path
+    path_independent = True
 
     def attend(self, layer: int, keys: Keys):
         return fixed_pattern(layer, keys, keys.visible)
