@@ -194,6 +194,48 @@ def test_a_corrupt_file_falls_back_to_recompute(model_dir, reference, tmp_path):
     assert event["event"] == "corrupt_state_recomputed" and "truncated or corrupt" in event["error"]
 
 
+def test_an_offload_without_gpu_memory_to_stage_the_state_goes_through_host_memory(model_dir, reference, monkeypatch):
+    """Packing a state stages its rows on the GPU. When that finds no memory (an offload that must make
+    room), the pack runs again one layer at a time through host memory; when even that fails, the
+    conversation stays where it was (a StateTiersFullError: the server drops another one instead)."""
+    llm = turnkv.LLM(str(model_dir), device="cpu", kv_memory="64MiB", state_cpu_memory="64MiB")
+    a = llm.conversation(system="A")
+    first = a.send(MESSAGES[0], max_new_tokens=10).token_ids
+    strategy = type(a.recipe.state)
+    real_pack, calls = strategy.pack, []
+
+    def staged_on_host_only(self, ctx, *args, **kwargs):
+        calls.append(ctx.stage_on_host)
+        if not ctx.stage_on_host:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 66.00 MiB.")
+        return real_pack(self, ctx, *args, **kwargs)
+
+    monkeypatch.setattr(strategy, "pack", staged_on_host_only)
+    assert a.offload("cpu") == "cpu" and calls == [False, True]
+    assert llm.state.ctx.stage_on_host is False
+    assert [first, a.send(MESSAGES[1], max_new_tokens=10).token_ids] == reference["A"][:2]
+
+    def no_memory(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 66.00 MiB.")
+
+    monkeypatch.setattr(strategy, "pack", no_memory)
+    with pytest.raises(StateTiersFullError, match="no GPU memory to stage"):
+        a.offload("cpu")
+    assert a.location == "gpu"
+    monkeypatch.undo()
+    assert a.send(MESSAGES[2], max_new_tokens=10).token_ids == reference["A"][2]
+
+
+def test_a_state_packed_through_host_memory_equals_the_one_staged_on_the_gpu(llm):
+    conv = llm.conversation(system="A")
+    conv.send(MESSAGES[0], max_new_tokens=10)
+    meta, on_gpu = pack_split(conv.kv, [3] * LAYERS)
+    meta_host, on_host = pack_split(conv.kv, [3] * LAYERS, on_host=True)
+    assert meta_host == meta and on_host.keys() == on_gpu.keys()
+    assert all(on_host[k].device.type == "cpu" and torch.equal(on_host[k], on_gpu[k].cpu()) for k in on_gpu)
+    conv.close()
+
+
 def test_estimator_matches_the_full_attention_maps(llm):
     conv = llm.conversation(system="A")
     conv.send(MESSAGES[0], max_new_tokens=4)

@@ -17,6 +17,9 @@ class RestoreContext:
         self.config = model.config
         self._costs = dict(costs or {})
         self._compute: tuple[float, float] | None = None
+        # Packs move each layer's rows to host memory as they export them (split.pack_split's on_host):
+        # set by the state manager for an offload whose whole-state staging found no GPU memory.
+        self.stage_on_host = False
 
     @property
     def element_size(self) -> float:

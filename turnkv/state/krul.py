@@ -81,7 +81,8 @@ class SharedLayers(StateStrategy):
             stored = baseline.pack(ctx, seq, window, tier)
             return Stored({**stored.meta, **info, "fallback": baseline.name, "predicted_s": predicted,
                            "planned_starts": [int(x) for x in starts], "pack_timing": timing}, stored.tensors)
-        meta, tensors = pack_split(seq, starts, pairs, self.tau, self.retain_threshold, self.max_retained, clock)
+        meta, tensors = pack_split(seq, starts, pairs, self.tau, self.retain_threshold, self.max_retained, clock,
+                                   on_host=ctx.stage_on_host)
         full = schedule.full_bytes(n, c.num_layers, c.num_kv_heads, c.head_dim, ctx.element_size)
         stored = Stored(meta, tensors).nbytes
         return Stored({**meta, **info, "recompute_ratio": ratio,

@@ -22,7 +22,7 @@ class LoadStrategy(StateStrategy):
     layerwise: bool = True
 
     def pack(self, ctx, seq, window, tier="cpu") -> Stored:
-        return Stored(*pack_split(seq, [0] * seq.pool.num_layers))
+        return Stored(*pack_split(seq, [0] * seq.pool.num_layers, on_host=ctx.stage_on_host))
 
     def restore(self, ctx, seq, tokens, meta, tensors):
         stream = restore_split(ctx, seq, tokens, meta, tensors)

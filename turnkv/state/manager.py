@@ -19,6 +19,7 @@ from collections import OrderedDict
 from dataclasses import fields
 
 import numpy as np
+import torch
 
 from turnkv.errors import InvalidRequestError
 from turnkv.kv.disk import CorruptStateError
@@ -113,7 +114,8 @@ class StateManager:
 
     def offload(self, conv, tier: str = "cpu") -> str:
         """Store the conversation's state in `tier` (or lower) and free its GPU pages; returns the
-        tier it landed in. On StateTiersFullError the conversation stays as it was."""
+        tier it landed in. On StateTiersFullError (no tier has room, or no GPU memory to stage the
+        copy) the conversation stays as it was."""
         self._settle(conv)
         where = self.where(conv)
         if where is None:
@@ -124,7 +126,7 @@ class StateManager:
             return self.tiers.tier_of(conv.id)
         strategy = conv.recipe.state
         window = conv.method_state.window
-        stored = strategy.pack(self.ctx, conv.kv, window, tier)
+        stored = self._pack(conv, strategy, window, tier)
         if "fallback" in stored.meta:  # the strategy stored it by a baseline it predicts to be faster
             self.events.append({"conversation": conv.id, "event": "state_fallback", "strategy": strategy.name,
                                 "to": stored.meta["fallback"], "predicted_s": stored.meta.get("predicted_s")})
@@ -137,6 +139,21 @@ class StateManager:
         conv.kv.free()
         del self.resident[conv.id]
         return landed
+
+    def _pack(self, conv, strategy, window, tier: str):
+        """strategy.pack, which stages the state's rows on the GPU before they go down; where that
+        finds no GPU memory (an offload to make room), again one layer at a time through host memory.
+        StateTiersFullError when even that fails; the pages are untouched either way."""
+        for on_host in (False, True):
+            self.ctx.stage_on_host = on_host
+            try:
+                return strategy.pack(self.ctx, conv.kv, window, tier)
+            except torch.OutOfMemoryError as e:
+                torch.cuda.empty_cache()
+                error = str(e).splitlines()[0]
+            finally:
+                self.ctx.stage_on_host = False
+        raise StateTiersFullError(f"no GPU memory to stage conversation {conv.id}'s state for the copy down ({error})")
 
     def discard(self, conv) -> None:
         """Forget a conversation's stored state (reset, close)."""

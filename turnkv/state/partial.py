@@ -28,7 +28,7 @@ class PartialStrategy(StateStrategy):
     def pack(self, ctx, seq, window, tier="cpu") -> Stored:
         n = seq.next_position
         ratio = self.recompute_ratio if self.recompute_ratio is not None else ctx.recompute_ratio(n, tier)
-        meta, tensors = pack_split(seq, [int(round(ratio * n))] * seq.pool.num_layers)
+        meta, tensors = pack_split(seq, [int(round(ratio * n))] * seq.pool.num_layers, on_host=ctx.stage_on_host)
         return Stored({**meta, "recompute_ratio": ratio}, tensors)
 
     def restore(self, ctx, seq, tokens, meta, tensors):

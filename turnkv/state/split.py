@@ -26,10 +26,13 @@ def _same_tokens(layout: Layout, i: int, j: int) -> bool:
 
 
 def pack_split(seq, starts: list[int], pairs: list[tuple[int, int]] = (), tau: float = 0.6,
-               retain_threshold: float = 0.05, max_retained: float = 0.05, clock=None) -> tuple[dict, dict[str, torch.Tensor]]:
+               retain_threshold: float = 0.05, max_retained: float = 0.05, clock=None,
+               on_host: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
     """(meta, tensors) of the split form. Pairs whose layers hold different tokens (uneven eviction)
     cannot share rows; they are stored unmerged and listed under meta["unmergeable"]. clock: times
-    the export (rows out of the pages) and the merge apart, as clock.lap(key)."""
+    the export (rows out of the pages) and the merge apart, as clock.lap(key). on_host: move each
+    layer's rows to host memory as it is exported, so the GPU stages one layer, not the whole state
+    (slower: for an offload that must free GPU memory when little is left)."""
     lap = clock.lap if clock is not None else (lambda key: None)
     layout = layout_of(seq)
     tensors = layout.tensors()
@@ -40,7 +43,8 @@ def pack_split(seq, starts: list[int], pairs: list[tuple[int, int]] = (), tau: f
     retained = {}
     for layer in range(seq.pool.num_layers):
         if layer not in paired:
-            put_stored_rows(tensors, layer, stored_rows(seq, layer, starts[layer]))
+            rows = stored_rows(seq, layer, starts[layer])
+            put_stored_rows(tensors, layer, {k: t.cpu() for k, t in rows.items()} if on_host else rows)
     lap("export_s")
     for i, j in merged:
         ki, vi = export_rows(seq, i, starts[i])
