@@ -108,7 +108,8 @@ def run_config(args, config: str, users, out: Path) -> dict:
     cmd = server_command(args, config, port)
     proc = start_server(cmd, port, out / f"server_{config}.log")
     try:
-        records, wall, samples = asyncio.run(capacity_client.run(f"http://127.0.0.1:{port}", users, args.max_tokens))
+        records, wall, samples = asyncio.run(capacity_client.run(f"http://127.0.0.1:{port}", users, args.max_tokens,
+                                                                 deadline_s=args.deadline_s))
     finally:
         proc.terminate()
         try:
@@ -141,6 +142,8 @@ def main() -> None:
     p.add_argument("--prefill-chunk", type=int, default=2048)
     p.add_argument("--max-step-tokens", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="start no turn after this many seconds (turns left are reported as unplayed)")
     p.add_argument("--out", required=True, help="a folder for results.json, results.md, plots and server logs")
     args = p.parse_args()
     if args.smoke:

@@ -36,7 +36,10 @@ async def one_turn(client: openai.AsyncOpenAI, messages: list[dict], max_tokens:
             "completion_tokens": usage.completion_tokens}
 
 
-async def converse(client, user: User, max_tokens: int, t0: float, records: list[dict]) -> None:
+async def converse(client, user: User, max_tokens: int, t0: float, records: list[dict],
+                   deadline_s: float | None = None) -> None:
+    """Play the user's turns; a turn that would start after `deadline_s` (from t0) is recorded as
+    unplayed, and so are the rest."""
     await asyncio.sleep(max(0.0, user.arrival_s - (time.perf_counter() - t0)))
     messages = [{"role": "system", "content": "You are a careful assistant."},
                 {"role": "user", "content": user.first_message()}]
@@ -44,6 +47,9 @@ async def converse(client, user: User, max_tokens: int, t0: float, records: list
         if turn > 1:
             await asyncio.sleep(user.think_s[turn - 2])
             messages.append({"role": "user", "content": user.questions[turn - 1]})
+        if deadline_s is not None and time.perf_counter() - t0 > deadline_s:
+            records.extend({"user": user.index, "turn": t, "unplayed": True} for t in range(turn, user.turns + 1))
+            return
         for attempt in range(60):
             try:
                 result = await one_turn(client, messages, max_tokens, t0)
@@ -51,6 +57,10 @@ async def converse(client, user: User, max_tokens: int, t0: float, records: list
             except (openai.RateLimitError, openai.InternalServerError) as e:  # 429 queue full, 503 pool full
                 error = f"{type(e).__name__}: {e}"
                 await asyncio.sleep(1.0)
+            except openai.APIError as e:  # anything else (a 500 mid-stream): this user's conversation ends
+                records.append({"user": user.index, "turn": turn, "failed": f"{type(e).__name__}: {e}",
+                                "retries": attempt})
+                return
         else:
             records.append({"user": user.index, "turn": turn, "failed": error, "retries": attempt + 1})
             return
@@ -93,8 +103,9 @@ async def sample_metrics(url: str, every_s: float, out: list[tuple[float, dict]]
             pass
 
 
-async def run(url: str, users: list[User], max_tokens: int, sample_s: float = 1.0):
-    """Every user's conversation against the server at `url`; returns (records, wall seconds, samples)."""
+async def run(url: str, users: list[User], max_tokens: int, sample_s: float = 1.0, deadline_s: float | None = None):
+    """Every user's conversation against the server at `url` (no turn starts after `deadline_s`);
+    returns (records, wall seconds, samples)."""
     records, samples, stop = [], [], asyncio.Event()
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
                                 timeout=httpx.Timeout(7200.0), http_client=httpx.AsyncClient(
@@ -102,7 +113,7 @@ async def run(url: str, users: list[User], max_tokens: int, sample_s: float = 1.
     t0 = time.perf_counter()
     sampler = asyncio.create_task(sample_metrics(url, sample_s, samples, t0, stop))
     async with client:
-        await asyncio.gather(*(converse(client, u, max_tokens, t0, records) for u in users))
+        await asyncio.gather(*(converse(client, u, max_tokens, t0, records, deadline_s) for u in users))
     wall = time.perf_counter() - t0
     stop.set()
     await sampler

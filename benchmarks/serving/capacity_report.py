@@ -23,7 +23,7 @@ def _gaps(records: list[dict]) -> list[tuple[float, float, int]]:
 
 
 def summarise(records: list[dict], wall_s: float, samples: list[tuple[float, dict]]) -> dict:
-    ok = [r for r in records if "failed" not in r]
+    ok = [r for r in records if "failed" not in r and "unplayed" not in r]
     turns = sorted({r["turn"] for r in ok})
     ttft = {t: [r["first"] - r["sent"] for r in ok if r["turn"] == t] for t in turns}
     later = [v for t in turns if t > 1 for v in ttft[t]]
@@ -37,7 +37,8 @@ def summarise(records: list[dict], wall_s: float, samples: list[tuple[float, dic
     return {
         "wall_s": wall_s,
         "requests": len(records),
-        "failed": len(records) - len(ok),
+        "failed": sum("failed" in r for r in records),
+        "unplayed": sum("unplayed" in r for r in records),  # turns not started before --deadline-s
         "retries": sum(r.get("retries", 0) for r in records),  # 429 / 503 answers retried after 1 s
         "output_tokens": sum(r["completion_tokens"] for r in ok),
         "output_tokens_per_s": sum(r["completion_tokens"] for r in ok) / wall_s,
@@ -86,7 +87,8 @@ def table(results: dict[str, dict]) -> str:
     names = list(results)
     turns = sorted({int(t) for r in results.values() for t in r["ttft_by_turn"]})
     rows = [("aggregate output tokens/s", lambda r: r["output_tokens_per_s"], ""),
-            ("requests (failed, retried)", lambda r: f"{r['requests']} ({r['failed']}, {r.get('retries', 0)})", "")]
+            ("requests (failed, retried, unplayed)",
+             lambda r: f"{r['requests']} ({r['failed']}, {r.get('retries', 0)}, {r.get('unplayed', 0)})", "")]
     for t in turns:
         rows.append((f"TTFT turn {t} p50 / p99 (ms)", lambda r, t=t: _pair(r["ttft_by_turn"].get(t, r["ttft_by_turn"]
                                                                                                   .get(str(t)))), ""))

@@ -43,6 +43,28 @@ def test_turns_equal_full_recompute_turn_by_turn(chat_llm):
     conv.close()
 
 
+def test_a_conversation_continues_a_given_history(chat_llm):
+    """history=: earlier turns the first send prefills with its message, exactly as the chat template
+    renders them; reset goes back to that history; malformed histories are refused."""
+    history = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Teal."}]
+    conv = chat_llm.conversation(system="You are terse.", history=history)
+    reply = conv.send("Another one?", max_new_tokens=8)
+    asked = [{"role": "system", "content": "You are terse."}, *history, {"role": "user", "content": "Another one?"}]
+    prompt = chat_llm.tokenizer.apply_chat_template(asked, tokenize=False, add_generation_prompt=True)
+    ids = chat_llm.tokenizer.encode(prompt, add_special_tokens=False)
+    assert reply.cached_tokens == 0 and reply.prompt_tokens == len(ids) and conv.tokens[: len(ids)] == ids
+    assert greedy_from_scratch(chat_llm, ids, len(reply.token_ids)) == reply.token_ids
+    assert conv.messages == [*asked, {"role": "assistant", "content": reply.text}]
+    conv.reset()
+    assert conv.messages == asked[:-1] and conv.tokens == []
+    assert conv.send("Another one?", max_new_tokens=8).token_ids == reply.token_ids
+    conv.close()
+    for bad in ("Teal.", [{"role": "system", "content": "x"}], [{"role": "user"}],
+                [{"role": "user", "content": "x", "name": "n"}], [["user", "x"]]):
+        with pytest.raises(InvalidRequestError, match="history"):
+            chat_llm.conversation(history=bad)
+
+
 def test_turn_stats_and_kv_accounting(chat_llm):
     conv = chat_llm.conversation()
     r1 = conv.send("One.", max_new_tokens=5)

@@ -38,8 +38,7 @@ def _history(llm, recipe):
 def _resent(llm, recipe, messages):
     """A new conversation whose first request carries `messages` (earlier turns), then follow-ups:
     its greedy replies."""
-    conv = llm.conversation(system=SYSTEM, recipe=recipe)
-    conv.messages = [dict(m) for m in messages]
+    conv = llm.conversation(system=SYSTEM, recipe=recipe, history=messages[1:])
     replies = [conv.send(m, max_new_tokens=6, ignore_eos=True) for m in FOLLOW_UPS]
     return conv, replies
 
@@ -147,8 +146,7 @@ def test_a_conversation_on_a_turn_end_offloads_restarts_and_replies_the_same(cha
         llm = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="64MiB", prefix_cache=mode,
                          state_disk_dir=str(tmp_path / mode))
         origin = _history(llm, "full")
-        conv = llm.conversation(system=SYSTEM, recipe="full")
-        conv.messages = [dict(m) for m in origin.messages]
+        conv = llm.conversation(system=SYSTEM, recipe="full", history=origin.messages[1:])
         replies = [conv.send(FOLLOW_UPS[0], max_new_tokens=6, ignore_eos=True)]
         assert replies[0].cached_tokens == (origin.kv.next_position if mode == "turns" else 0)
         origin.close()  # the turn end's pages stay for the index and the conversation

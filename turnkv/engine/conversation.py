@@ -40,23 +40,28 @@ class Conversation:
     tokens the chat template adds after what is kept. Made by LLM.conversation() (or LLM.resume()).
 
     llm: the engine. system: the system prompt, or None. recipe: how the KV is compressed and
-    stored (anything LLM.resolve_recipe takes; None: the engine's default recipe).
+    stored (anything LLM.resolve_recipe takes; None: the engine's default recipe). history: earlier
+    turns to continue from ({"role": "user" | "assistant", "content": str} dicts, in order), which
+    the first send prefills with its message (taking what the prefix index holds of them).
     Attributes: id (the key of its stored state; resume() takes it), messages (the chat so far,
     OpenAI-style dicts), turns (per turn: its token span and Reply), last_reply, recipe, kv."""
 
-    def __init__(self, llm: LLM, system: str | None = None, recipe=None):
+    def __init__(self, llm: LLM, system: str | None = None, recipe=None, history: list[dict] | None = None):
         self.llm = llm
         self.system = system
+        self.history = _checked_history(history)
         self.recipe = llm.resolve_recipe(recipe)
         self.id = uuid.uuid4().hex  # the key of its stored state in the CPU and disk tiers
         self.kv = SequenceKV(llm.pool)
         self.reset()
 
     def reset(self) -> None:
-        """Forget every turn and free the KV, wherever it is stored."""
+        """Forget every turn and free the KV, wherever it is stored (back to the system prompt and the
+        history it was made with)."""
         self.kv.free()
         self.llm.state.discard(self)
-        self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        self.messages: list[dict] = system + [dict(m) for m in self.history]
         self.tokens: list[int] = []  # the whole history as the model saw it
         self.text = ""  # what `tokens` render to
         self.turns: list[Turn] = []
@@ -254,7 +259,7 @@ class Conversation:
         turn: a turn under way adds to the history when it ends). copy_decode: copy the decode
         selection's state too (valid only for a selection that names kept entries by index, which a
         copied KV keeps, not pages); otherwise the copy's selection starts afresh."""
-        twin = type(self)(self.llm, self.system, self.recipe)
+        twin = type(self)(self.llm, self.system, self.recipe, self.history)
         import_kv(twin.kv, *export_kv(self.kv))
         st, tw = self.method_state, twin.method_state
         if st.window is not None:
@@ -291,3 +296,19 @@ class Conversation:
         conv.method_state.frozen_upto = record["frozen_upto"]
         conv.method_state.since_compression = record.get("since_compression", 0)
         return conv
+
+
+def _checked_history(history) -> list[dict]:
+    """`history` as a list of {"role", "content"} dicts; InvalidRequestError for anything else."""
+    if history is None:
+        return []
+    if not isinstance(history, (list, tuple)):
+        raise InvalidRequestError("history must be a list of {'role': 'user' | 'assistant', 'content': str} messages")
+    out = []
+    for i, m in enumerate(history):
+        if (not isinstance(m, dict) or m.get("role") not in ("user", "assistant")
+                or not isinstance(m.get("content"), str) or set(m) - {"role", "content"}):
+            raise InvalidRequestError(f"history[{i}] must be {{'role': 'user' | 'assistant', 'content': str}}; "
+                                      f"the system prompt is the system argument")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out

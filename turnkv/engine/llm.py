@@ -215,16 +215,20 @@ class LLM:
         return torch.tensor(tokens, dtype=torch.int64, device=self.device)
 
     # ---- public API -----------------------------------------------------------------------------
-    def conversation(self, system: str | None = None, recipe=None, **recipe_options) -> Conversation:
+    def conversation(self, system: str | None = None, recipe=None, history: list[dict] | None = None,
+                     **recipe_options) -> Conversation:
         """A new conversation that keeps its KV between turns (send/stream a message per turn).
 
         system: the system prompt, or None.
+        history: earlier turns to continue from, [{"role": "user" | "assistant", "content": str}, ...];
+        the first send prefills them with its message, taking the longest part the prefix index
+        holds (another conversation's turn end, under a recipe that shares turn ends).
         recipe, **recipe_options: how its KV is compressed and stored, in any form Recipe.of takes,
         over this engine's default recipe when `recipe` is None:
         conversation(recipe="ada-snapkv", budget=64), conversation(recipe="snapkv", keep_ratio=0.25,
         turns="flowkv"), conversation(budget=128) (when the engine's default recipe evicts).
         InvalidRequestError for an unknown preset, key or value, as in the string form."""
-        return Conversation(self, system, self.resolve_recipe(recipe, **recipe_options))
+        return Conversation(self, system, self.resolve_recipe(recipe, **recipe_options), history)
 
     def resume(self, conversation_id: str) -> Conversation:
         """The conversation stored in the state tiers under `conversation_id` (Conversation.id; the
