@@ -168,7 +168,7 @@ class Conversation:
         if context is not None:
             cuts.append(full_text.index(content) + len(context))
         new_ids, boundaries = self._split_at(full_text, keep, new_ids, cuts)
-        self.llm.check_ids(new_ids)
+        self.llm._check_ids(new_ids)
         total = keep + len(new_ids)
         if total + 1 > self.llm.max_model_len:
             raise ContextLengthError(

@@ -191,7 +191,7 @@ class LLM:
                                            self.eos_ids)
         return self._grammar_cache
 
-    def check_ids(self, ids: list[int]) -> list[int]:
+    def _check_ids(self, ids: list[int]) -> list[int]:
         """`ids` (a tokenizer's output) unchanged, or InvalidRequestError where one lies outside the model's
         vocabulary: a random-weight shape can borrow a tokenizer larger than its own vocabulary."""
         top = max(ids, default=-1)
@@ -242,7 +242,7 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty")
-            return self.check_ids(self._require_tokenizer().encode(prompt))
+            return self._check_ids(self._require_tokenizer().encode(prompt))
         # One numpy pass, not a Python check per id: strings, floats
         # and ints too big for int64 give a dtype that is not an integer kind.
         try:

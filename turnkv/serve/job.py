@@ -105,7 +105,7 @@ class Job:
         """The token ids of each piece claim() left (encoder thread; touches nothing shared)."""
         if not self.is_chat:
             return [llm.encode(self.pieces[0])]
-        return [llm.check_ids(chat_template.encode(llm.tokenizer, piece)) for piece in self.pieces]
+        return [llm._check_ids(chat_template.encode(llm.tokenizer, piece)) for piece in self.pieces]
 
     def ready(self, llm, encoded: list[list[int]]) -> None:
         """Check the tokens fit and begin the turn (worker thread)."""
