@@ -322,6 +322,9 @@ def test_ada_snapkv_preset_is_snapkv_scores_with_adakv_budgets():
 
 def test_conversation_with_ada_snapkv_keeps_budget_and_frees_memory(chat_llm):
     pool = chat_llm.pool
+    # The prefix index keeps full's turn ends: pages that only it holds once full wrote past them.
+    # Counted without it, before and after.
+    chat_llm.prefix_index.clear()
     used_before = [pool.used_pages(layer) for layer in range(pool.num_layers)]
     conv = chat_llm.conversation(recipe="evict=snapkv(window=8)+adakv budget=24")
     full = chat_llm.conversation()
@@ -343,7 +346,6 @@ def test_conversation_with_ada_snapkv_keeps_budget_and_frees_memory(chat_llm):
         assert kv.bytes() == int((-(-kv.lengths // pool.page_size)).sum()) * pool.page_bytes
         assert kv.bytes() < full.kv.bytes()
         assert full.kv.tokens() > kv.tokens()
-        # The prefix index keeps full's turn ends: pages that only it holds once full wrote past them.
         chat_llm.prefix_index.clear()
         used = [pool.used_pages(layer) - used_before[layer] for layer in range(pool.num_layers)]
         assert used == (kv.num_pages.sum(axis=1) + full.kv.num_pages.sum(axis=1)).tolist()
