@@ -33,8 +33,10 @@ def replay(llm, recipe, reference=None):
 # What each lossy restore measured on the returning turn's 16 greedy tokens (fp32, on CPU), and the
 # margins the test allows: one token of agreement (1/16), and a quarter more KL. SmolLM2's adjacent
 # layers are nearly orthogonal, so merging them is lossy; a change that loses more than the margin
-# fails here. recipe: (greedy agreement, mean KL in nats, stored / full KV)
-MEASURED = {"state=krul(fallback=never)": (0.375, 0.84, 0.767), "state=minicache": (0.1875, 1.57, 0.796)}
+# fails here. recipe: (greedy agreement, mean KL in nats, stored / full KV). Krul's agreement is the
+# lower of two machines' values: 0.375 on the 2-core CI machine, 0.25 on the GPU lane's host CPU
+# (KL 0.84 on both): fp32 sums in another order flip near-tied greedy tokens after a lossy restore.
+MEASURED = {"state=krul(fallback=never)": (0.25, 0.84, 0.767), "state=minicache": (0.1875, 1.57, 0.796)}
 AGREEMENT_MARGIN, KL_MARGIN = 1 / 16, 1.25
 
 
