@@ -109,7 +109,7 @@ def run_config(args, config: str, users, out: Path) -> dict:
     proc = start_server(cmd, port, out / f"server_{config}.log")
     try:
         records, wall, samples = asyncio.run(capacity_client.run(f"http://127.0.0.1:{port}", users, args.max_tokens,
-                                                                 deadline_s=args.deadline_s))
+                                                                 deadline_s=args.deadline_s, cut_s=args.cut_s))
     finally:
         proc.terminate()
         try:
@@ -144,6 +144,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deadline-s", type=float, default=None,
                    help="start no turn after this many seconds (turns left are reported as unplayed)")
+    p.add_argument("--cut-s", type=float, default=None,
+                   help="cancel the turns still running after this many seconds (reported as unfinished), so "
+                        "that a run ends and writes its figures within a time limit")
     p.add_argument("--out", required=True, help="a folder for results.json, results.md, plots and server logs")
     args = p.parse_args()
     if args.smoke:

@@ -39,17 +39,33 @@ async def one_turn(client: openai.AsyncOpenAI, messages: list[dict], max_tokens:
 async def converse(client, user: User, max_tokens: int, t0: float, records: list[dict],
                    deadline_s: float | None = None) -> None:
     """Play the user's turns; a turn that would start after `deadline_s` (from t0) is recorded as
-    unplayed, and so are the rest."""
+    unplayed, and so are the rest. Cancelled (run's cut), the turn in flight is recorded as
+    unfinished and the rest as unplayed."""
+    state = {"turn": 1, "in_flight": False}
+    try:
+        await _play(client, user, max_tokens, t0, records, deadline_s, state)
+    except asyncio.CancelledError:
+        turn = state["turn"]
+        if state["in_flight"]:
+            records.append({"user": user.index, "turn": turn, "unfinished": True})
+            turn += 1
+        records.extend({"user": user.index, "turn": t, "unplayed": True} for t in range(turn, user.turns + 1))
+        raise
+
+
+async def _play(client, user: User, max_tokens: int, t0: float, records: list[dict], deadline_s, state) -> None:
     await asyncio.sleep(max(0.0, user.arrival_s - (time.perf_counter() - t0)))
     messages = [{"role": "system", "content": "You are a careful assistant."},
                 {"role": "user", "content": user.first_message()}]
     for turn in range(1, user.turns + 1):
+        state["turn"] = turn
         if turn > 1:
             await asyncio.sleep(user.think_s[turn - 2])
             messages.append({"role": "user", "content": user.questions[turn - 1]})
         if deadline_s is not None and time.perf_counter() - t0 > deadline_s:
             records.extend({"user": user.index, "turn": t, "unplayed": True} for t in range(turn, user.turns + 1))
             return
+        state["in_flight"] = True
         for attempt in range(60):
             try:
                 result = await one_turn(client, messages, max_tokens, t0)
@@ -64,6 +80,7 @@ async def converse(client, user: User, max_tokens: int, t0: float, records: list
         else:
             records.append({"user": user.index, "turn": turn, "failed": error, "retries": attempt + 1})
             return
+        state["in_flight"] = False
         result["retries"] = attempt
         records.append({"user": user.index, "turn": turn, **result})
         messages.append({"role": "assistant", "content": result["text"]})
@@ -103,9 +120,24 @@ async def sample_metrics(url: str, every_s: float, out: list[tuple[float, dict]]
             pass
 
 
-async def run(url: str, users: list[User], max_tokens: int, sample_s: float = 1.0, deadline_s: float | None = None):
-    """Every user's conversation against the server at `url` (no turn starts after `deadline_s`);
-    returns (records, wall seconds, samples)."""
+async def play_all(client, users: list[User], max_tokens: int, t0: float, records: list[dict],
+                   deadline_s: float | None = None, cut_s: float | None = None) -> None:
+    """Every user's conversation at once; at `cut_s` seconds from t0 the ones still going are cancelled
+    (their turns recorded as unfinished or unplayed), so a run always ends and reports."""
+    plays = asyncio.gather(*(converse(client, u, max_tokens, t0, records, deadline_s) for u in users))
+    if cut_s is None:
+        await plays
+        return
+    try:
+        await asyncio.wait_for(plays, max(0.0, cut_s - (time.perf_counter() - t0)))
+    except asyncio.TimeoutError:
+        pass
+
+
+async def run(url: str, users: list[User], max_tokens: int, sample_s: float = 1.0, deadline_s: float | None = None,
+              cut_s: float | None = None):
+    """Every user's conversation against the server at `url` (no turn starts after `deadline_s`, and
+    turns still running at `cut_s` are cut); returns (records, wall seconds, samples)."""
     records, samples, stop = [], [], asyncio.Event()
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
                                 timeout=httpx.Timeout(7200.0), http_client=httpx.AsyncClient(
@@ -113,7 +145,7 @@ async def run(url: str, users: list[User], max_tokens: int, sample_s: float = 1.
     t0 = time.perf_counter()
     sampler = asyncio.create_task(sample_metrics(url, sample_s, samples, t0, stop))
     async with client:
-        await asyncio.gather(*(converse(client, u, max_tokens, t0, records, deadline_s) for u in users))
+        await play_all(client, users, max_tokens, t0, records, deadline_s, cut_s)
     wall = time.perf_counter() - t0
     stop.set()
     await sampler

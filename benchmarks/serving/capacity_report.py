@@ -23,7 +23,7 @@ def _gaps(records: list[dict]) -> list[tuple[float, float, int]]:
 
 
 def summarise(records: list[dict], wall_s: float, samples: list[tuple[float, dict]]) -> dict:
-    ok = [r for r in records if "failed" not in r and "unplayed" not in r]
+    ok = [r for r in records if not {"failed", "unplayed", "unfinished"} & set(r)]
     turns = sorted({r["turn"] for r in ok})
     ttft = {t: [r["first"] - r["sent"] for r in ok if r["turn"] == t] for t in turns}
     later = [v for t in turns if t > 1 for v in ttft[t]]
@@ -39,6 +39,7 @@ def summarise(records: list[dict], wall_s: float, samples: list[tuple[float, dic
         "requests": len(records),
         "failed": sum("failed" in r for r in records),
         "unplayed": sum("unplayed" in r for r in records),  # turns not started before --deadline-s
+        "unfinished": sum("unfinished" in r for r in records),  # turns cut at --cut-s
         "retries": sum(r.get("retries", 0) for r in records),  # 429 / 503 answers retried after 1 s
         "output_tokens": sum(r["completion_tokens"] for r in ok),
         "output_tokens_per_s": sum(r["completion_tokens"] for r in ok) / wall_s,
@@ -87,8 +88,9 @@ def table(results: dict[str, dict]) -> str:
     names = list(results)
     turns = sorted({int(t) for r in results.values() for t in r["ttft_by_turn"]})
     rows = [("aggregate output tokens/s", lambda r: r["output_tokens_per_s"], ""),
-            ("requests (failed, retried, unplayed)",
-             lambda r: f"{r['requests']} ({r['failed']}, {r.get('retries', 0)}, {r.get('unplayed', 0)})", "")]
+            ("requests (failed, retried, unplayed, unfinished)",
+             lambda r: f"{r['requests']} ({r['failed']}, {r.get('retries', 0)}, {r.get('unplayed', 0)}, "
+                       f"{r.get('unfinished', 0)})", "")]
     for t in turns:
         rows.append((f"TTFT turn {t} p50 / p99 (ms)", lambda r, t=t: _pair(r["ttft_by_turn"].get(t, r["ttft_by_turn"]
                                                                                                   .get(str(t)))), ""))

@@ -35,11 +35,11 @@ class Stream:
             yield c
 
 
-def stub_client(fail_user: int | None = None):
+def stub_client(fail_user: int | None = None, seconds: float = 0.05):
     async def create(messages, **kwargs):
         if fail_user is not None and f"user {fail_user}" in messages[1]["content"]:
             raise openai.APIError("internal server error", request=None, body=None)
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(seconds)
         return Stream()
 
     return SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
@@ -80,3 +80,23 @@ def test_a_server_error_ends_that_users_conversation_only():
     failed = [r for r in records if "failed" in r]
     assert len(failed) == 1 and failed[0]["user"] == 1 and "internal server error" in failed[0]["failed"]
     assert capacity_report.summarise(records, 1.0, [(1.0, {})])["failed"] == 1
+
+
+def test_a_cut_ends_the_run_with_turns_in_flight_unfinished():
+    """At cut_s the conversations still going are cancelled: the turn in flight is unfinished, the
+    rest unplayed, and the run returns (it would otherwise wait for the slow replies)."""
+    records, t0 = [], time.perf_counter()
+    users = [user(0, 0.0, 0.0), user(1, 0.0, 0.0)]
+
+    async def play():
+        await capacity_client.play_all(stub_client(seconds=0.2), users, 1, t0, records, cut_s=0.5)
+
+    asyncio.run(play())
+    assert time.perf_counter() - t0 < 1.0
+    for u in (0, 1):  # turns 1 and 2 took 0.4 s; turn 3 was in flight at 0.5 s
+        mine = {r["turn"]: r for r in records if r["user"] == u}
+        assert "unfinished" not in mine[1] and "unfinished" not in mine[2] and mine[3] == {
+            "user": u, "turn": 3, "unfinished": True}
+    summary = capacity_report.summarise(records, 1.0, [(1.0, {})])
+    assert (summary["requests"], summary["unfinished"], summary["unplayed"], summary["failed"]) == (6, 2, 0, 0)
+    assert summary["output_tokens"] == 4
