@@ -54,9 +54,10 @@ from capacity_workload import make_users  # noqa: E402
 CONFIGS = {
     "full": ["--recipe", "full"],
     "no-reuse": ["--recipe", "full", "--no-reuse"],
-    # Compressed at each turn's end: the presets' question-aware schedule keeps the running turn whole
-    # until the next question arrives, so between turns a conversation would hold its 32K document.
-    "ada-snapkv": ["--recipe", "ada-snapkv keep_ratio=0.1 schedule=turn_end"],
+    # Compressed as soon as a turn's prompt is prefilled: the presets' question-aware schedule keeps the
+    # running turn whole until the next question arrives, so between turns a conversation would hold its
+    # 32K document. FlowKV keeps the running turn whole by design: it compresses at the turn's end.
+    "ada-snapkv": ["--recipe", "ada-snapkv keep_ratio=0.1 schedule=prompt"],
     "lserve": ["--recipe", "lserve-random"],
     "flowkv": ["--recipe", "flowkv keep_ratio=0.1 schedule=turn_end"],
     "full-krul": ["--recipe", "state=krul"],

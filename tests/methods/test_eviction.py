@@ -13,6 +13,7 @@ import torch
 
 from turnkv.attention import reference
 from turnkv.engine.step import Step
+from turnkv.errors import InvalidRequestError
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.evict.adakv import AdaKVAllocator
@@ -318,6 +319,38 @@ def test_ada_snapkv_preset_is_snapkv_scores_with_adakv_budgets():
     assert isinstance(evict.scorer, SnapKVScorer) and isinstance(evict.allocator, AdaKVAllocator)
     assert (evict.scorer.window, evict.scorer.kernel, evict.scorer.pooling) == (32, 7, "max")
     assert (evict.allocator.alpha, evict.allocator.rule, evict.budget, evict.schedule) == (0.2, "code", 64, "prefill")
+
+
+def test_prompt_schedule_compresses_the_running_turn_as_generate_compresses_a_prompt(chat_llm):
+    """schedule=prompt: a turn's whole prompt but its observation window goes to the budget right
+    after its prefill (SnapKV's code on one prompt), which is what LLM.generate does; the preset's
+    prefill schedule keeps the running turn whole until the next message."""
+    recipe = "evict=snapkv(window=8)+adakv budget=24 schedule=prompt"
+    conv = chat_llm.conversation(recipe=recipe)
+    try:
+        reply = conv.send(LONG, max_new_tokens=6)
+        prompt_end = conv.turns[0].prompt_end
+        assert [e["event"] for e in conv.compression_log] == ["prompt"]
+        assert list(conv.compression_log[0]["span"]) == [0, prompt_end]
+        H_ = chat_llm.config.num_kv_heads
+        for layer in range(chat_llm.config.num_layers):
+            assert int(conv.kv.count_positions(layer, 0, prompt_end).sum()) == H_ * 24
+        alone = chat_llm.generate(conv.tokens[:prompt_end], recipe=recipe, max_new_tokens=6)
+        assert alone.token_ids == reply.token_ids
+        later = conv.send("And then?", max_new_tokens=6)  # the next prompt is compressed again, with the history
+        assert [e["event"] for e in conv.compression_log] == ["prompt", "prompt"] and later.token_ids
+        for layer in range(chat_llm.config.num_layers):
+            assert int(conv.kv.count_positions(layer, 0, conv.turns[1].prompt_end).sum()) == H_ * 24
+    finally:
+        conv.close()
+    whole = chat_llm.conversation(recipe="evict=snapkv(window=8)+adakv budget=24")
+    try:
+        whole.send(LONG, max_new_tokens=6)
+        assert whole.compression_log == []  # the default schedule waits for a finished segment
+    finally:
+        whole.close()
+    with pytest.raises(InvalidRequestError, match="flowkv keeps the running turn whole"):
+        chat_llm.conversation(recipe="snapkv budget=24 schedule=prompt turns=flowkv")
 
 
 def test_conversation_with_ada_snapkv_keeps_budget_and_frees_memory(chat_llm):

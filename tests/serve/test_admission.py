@@ -26,6 +26,7 @@ def test_resident_tokens_follow_the_recipe():
     assert resident_tokens(recipe("snapkv budget=128"), 100, 100) == 100  # never more than it holds
     assert resident_tokens(recipe("flowkv budget=128"), 5000, 1000) == 1128  # the running turn stays whole
     assert resident_tokens(recipe("snapkv budget=128 schedule=turn_end"), 5000, 1000) == 5000
+    assert resident_tokens(recipe("ada-snapkv keep_ratio=0.1 schedule=prompt"), 32768, 32768) == 3277
 
 
 class FakeStore:

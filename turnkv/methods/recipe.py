@@ -95,7 +95,7 @@ class Recipe:
             self.kv_dtype = kv_dtype_name(self.kv_dtype)
         if self.answer not in ("keep", "reprefill"):
             raise InvalidRequestError(f"answer must be 'keep' or 'reprefill', not {self.answer!r}")
-        if self.evict is not None and self.evict.schedule == "decode" and self.turns.name == "flowkv":
+        if self.evict is not None and self.evict.schedule in ("decode", "prompt") and self.turns.name == "flowkv":
             raise InvalidRequestError("flowkv keeps the running turn whole; use schedule=prefill or turn_end with it")
         if self.accumulates_attention and (self.sparse_prefill or self.selects_decode):
             raise InvalidRequestError(f"{self.evict.scorer.name} accumulates the attention of every key; it cannot "
@@ -305,6 +305,8 @@ class Recipe:
             st.pattern_stats.clear()
         if self._scheduled("prefill"):
             self._compress(kv, st, self.turns.span_end(segment_end, kv.next_position), inv_freq, turn, "prefill")
+        if self._scheduled("prompt"):  # the running turn's prompt too; the scorer keeps the window
+            self._compress(kv, st, kv.next_position, inv_freq, turn, "prompt")
         self._trim(kv)
 
     def after_prefix(self, kv, st: MethodState, prefix_end: int, inv_freq, turn: int) -> None:

@@ -33,7 +33,7 @@ def resident_tokens(recipe, positions: int, prompt: int) -> int:
     """Tokens per KV head a conversation of `positions` positions keeps once its recipe compressed
     the prompt it just prefilled (`prompt` tokens of them are this turn's)."""
     evict = recipe.evict
-    if evict is None or evict.schedule not in ("prefill", "context"):
+    if evict is None or evict.schedule not in ("prefill", "prompt", "context"):
         return positions
     kept = evict.budget if evict.budget is not None else math.ceil(evict.keep_ratio * positions)
     if recipe.turns.name == "flowkv":  # FlowKV keeps the running turn whole

@@ -21,6 +21,8 @@ from turnkv.methods.window import QueryWindow
 
 SCHEDULES = {
     "prefill": "after each turn's prompt is prefilled; the window is the end of that prompt (question-aware)",
+    "prompt": "after each turn's prompt is prefilled, that prompt included but for its window (SnapKV's and "
+              "Ada-KV's code on one prompt, as LLM.generate compresses)",
     "context": "after a context is prefilled and before the question that follows it (question-agnostic)",
     "turn_end": "after each reply, before the next message is known (question-agnostic across turns)",
     "decode": "every `every` generated tokens, back to the budget",
