@@ -66,7 +66,20 @@ def summarise(records: list[dict], wall_s: float, samples: list[tuple[float, dic
         "tokens_prefilled": metric(end, "turnkv:prefilled_tokens_total"),
         "mixed_steps": metric(end, "turnkv:mixed_steps_total"),
         "requests_failed_on_server": metric(end, "turnkv:requests_failed_total"),
+        "worker_phases": {p: _phase(end, p) for p in PHASES},
     }
+
+
+PHASES = ("admit", "prefill", "decode", "mixed", "finish")
+
+
+def _phase(end: dict, phase: str) -> dict:
+    """Where the server's worker spent its time: a phase's iterations, seconds in all, and the
+    iterations over 250 ms (the histogram's bucket edge)."""
+    name = "turnkv:worker_phase_seconds"
+    count = metric(end, name + "_count", phase=phase)
+    return {"count": count, "seconds": metric(end, name + "_sum", phase=phase),
+            "over_250ms": count - metric(end, name + "_bucket", phase=phase, le="0.25")}
 
 
 def _fmt(value, unit: str = "") -> str:
@@ -112,11 +125,20 @@ def table(results: dict[str, dict]) -> str:
              ("prompt tokens reused / prefilled",
               lambda r: f"{_fmt(r['tokens_reused'])} / {_fmt(r['tokens_prefilled'])}", ""),
              ("mixed steps", lambda r: r["mixed_steps"], "")]
+    for p in PHASES:
+        rows.append((f"worker {p}: iterations / seconds / over 250 ms",
+                     lambda r, p=p: _phase_cell(r.get("worker_phases", {}).get(p)), ""))
     lines = ["| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for label, get, unit in rows:
         cells = [get(results[n]) for n in names]
         lines.append(f"| {label} | " + " | ".join(c if isinstance(c, str) else _fmt(c, unit) for c in cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _phase_cell(entry: dict | None) -> str:
+    if entry is None:
+        return "-"
+    return f"{_fmt(entry['count'])} / {entry['seconds']:.1f} / {_fmt(entry['over_250ms'])}"
 
 
 def _pair(entry: dict | None) -> str:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import turnkv
+from turnkv.engine import chat_template
 from turnkv.errors import ContextLengthError, InvalidRequestError, KVCacheFullError
 from turnkv.kv.sequence import SequenceKV
 
@@ -101,6 +102,30 @@ def test_stop_string_cuts_reply_and_next_turn_still_matches_recompute(chat_llm):
     assert greedy_from_scratch(chat_llm, conv.tokens[: turn.prompt_end], 6) == second.token_ids
     assert conv.kv.next_position == len(conv.tokens) - 1
     conv.close()
+
+
+def test_a_generated_special_token_keeps_the_next_turn_on_every_kept_token(chat_llm):
+    """A reply's text skips the special tokens the model generated inside it, so a client sends the
+    reply back without them: the next turn still continues every kept token (a compressing recipe's
+    server conversation could not roll back, and would prefill the whole history again)."""
+    tok = chat_llm.tokenizer
+    special = next(t for t in tok.all_special_ids if t not in chat_llm.eos_ids)
+    words = chat_template.encode(tok, "The sea is deep.")
+    eos = next(iter(chat_llm.eos_ids))
+    for forced, finish in [([words[0], special, *words[1:], eos], "stop"), ([*words, special], "forced")]:
+        conv = chat_llm.conversation()
+        reply = conv.send("Hello.", force=forced)
+        assert reply.finish_reason == finish and reply.text == "The sea is deep."
+        assert conv.messages[-1] == {"role": "assistant", "content": "The sea is deep."}
+        next_text = chat_template.render(tok, [*conv.messages, {"role": "user", "content": "More."}])
+        assert next_text.startswith(conv.text)
+        kept = len(conv.tokens)
+        second = conv.send("More.", max_new_tokens=3)
+        assert second.cached_tokens == kept - 1  # every kept token but the last reply token, never fed
+        assert conv.tokens[: kept] == [*conv.tokens[: kept - len(forced)], *forced]
+        turn = conv.turns[-1]
+        assert greedy_from_scratch(chat_llm, conv.tokens[: turn.prompt_end], 3) == second.token_ids
+        conv.close()
 
 
 def test_abandoned_stream_undoes_the_turn(chat_llm):

@@ -31,7 +31,11 @@ def test_smoke_run_writes_results_table_and_plots(tmp_path, embedded_model):
         assert r["kv_bytes_peak"] > 0
         kept = sum(r["conversations_end"].values()) + r["conversations_dropped"]
         assert kept >= users, name
+        phases = r["worker_phases"]
+        assert phases["mixed"]["count"] == r["mixed_steps"] and phases["finish"]["count"] == r["requests"], name
+        assert phases["decode"]["count"] > 0 and phases["decode"]["seconds"] > 0, name
     assert data["results"]["full-sliced"]["mixed_steps"] == 0
     md = (out / "results.md").read_text()
+    assert "| worker mixed: iterations / seconds / over 250 ms |" in md
     assert "| aggregate output tokens/s |" in md and "TTFT turn 2 p50 / p99 (ms)" in md
     assert (out / "capacity_ttft.png").stat().st_size > 0 and (out / "capacity_capacity.png").stat().st_size > 0

@@ -124,6 +124,20 @@ def test_a_compressing_recipe_reuses_exact_extensions_only(server):
     assert usage3.prompt_tokens_details.cached_tokens == system_tokens
 
 
+def test_a_reply_of_generated_special_tokens_is_continued_under_a_compressing_recipe(server):
+    """The streamed and returned text skips special tokens the model generates; the client sends
+    that text back, and the compressed conversation (which cannot roll back) still continues."""
+    client = server.client()
+    special = server.llm.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    recipe = {"recipe": "evict=snapkv(window=8) budget=16 schedule=prompt"}
+    messages = [SYSTEM, {"role": "user", "content": "Describe a river in many words, please. " * 6}]
+    reply, usage = ask(client, messages, max_tokens=4, logit_bias={str(special): 100}, extra_body=recipe)
+    assert reply == "" and usage.completion_tokens == 4  # four <|im_start|>, none of them text
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Shorter."}]
+    _, usage2 = ask(client, messages, extra_body=recipe)
+    assert usage2.prompt_tokens_details.cached_tokens == usage.prompt_tokens + usage.completion_tokens - 1
+
+
 def test_text_completions(server):
     client = server.client()
     r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0)

@@ -5,6 +5,7 @@ greedy replies each request gets alone."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -44,8 +45,46 @@ def test_a_prompt_arriving_during_decode_gives_the_reply_it_gets_alone(smol, max
         out["second"] = ask(server, second, 8)
         decoding.join(120)
         mixed_steps = server.metric("turnkv:mixed_steps_total")
+        phases = {p: server.metric("turnkv:worker_phase_seconds_count", phase=p)
+                  for p in ("admit", "prefill", "decode", "mixed", "finish")}
     assert [out["first"], out["second"]] == alone
+    assert phases["mixed"] == mixed_steps and phases["finish"] == 4 and phases["decode"] >= 48
+    assert phases["admit"] >= 4 and phases["prefill"] >= 3  # the first slices of the three requests alone
     if max_step_tokens:
         assert mixed_steps >= 5  # the long prompt's slices of 32 rode along the decode steps
     else:
         assert mixed_steps == 0
+
+
+def test_a_short_later_turn_is_not_queued_behind_long_prompts(long_llm):
+    """Two long prompts prefill in mixed steps whose budget takes one of their slices; a later turn of
+    a kept conversation, a few new tokens, rides in the room the second long slice does not fit, and
+    its reply ends before either long prompt's first token."""
+    with running(long_llm, served_model_name="m", prefill_chunk=32, max_step_tokens=48) as server:
+        client = server.client()
+
+        def ask_at(name: str, messages: list, max_tokens: int, done: dict, **extra):
+            reply = client.chat.completions.create(model="m", messages=messages, max_tokens=max_tokens,
+                                                   temperature=0, extra_body={"ignore_eos": True, **extra})
+            done[name] = (time.monotonic(), reply.usage)
+
+        done: dict = {}
+        chat = [{"role": "user", "content": "Hi."}]
+        ask_at("turn 1", chat, 2, done)
+        reply = server.store.entries[0].conv.last_reply.text
+        chat += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And?"}]
+        document = " ".join(["The river runs past the old mill and on to the sea."] * 300)
+        threads = [threading.Thread(target=ask_at, args=("stream", [{"role": "user", "content": "Count."}], 400,
+                                                         done))]
+        threads[0].start()
+        wait_for(lambda: server.scheduler.decoding, timeout=60, what="a stream decoding")
+        for name in ("long 1", "long 2"):
+            threads.append(threading.Thread(target=ask_at, args=(name, [{"role": "user", "content": name + document}],
+                                                                  1, done)))
+            threads[-1].start()
+        wait_for(lambda: len(server.scheduler.prefilling) == 2, timeout=60, what="both long prompts prefilling")
+        ask_at("turn 2", chat, 2, done)
+        for thread in threads:
+            thread.join(120)
+    assert done["turn 2"][1].prompt_tokens - done["turn 2"][1].prompt_tokens_details.cached_tokens <= 32
+    assert done["turn 2"][0] < min(done["long 1"][0], done["long 2"][0])

@@ -248,10 +248,23 @@ class Conversation:
     def _record_turn(self, inputs: TurnInput, cached: int, reply: Reply) -> None:
         """A turn ended: its message and reply join the history."""
         self.tokens = self.tokens[: inputs.keep] + inputs.new_ids + reply.token_ids
-        self.text = inputs.full_text + self.llm.tokenizer.decode(reply.token_ids, skip_special_tokens=False)
+        self.text = inputs.full_text + self._reply_text(reply)
         self.messages = [*inputs.messages, {"role": "assistant", "content": reply.text}]
         self.turns.append(Turn(cached, inputs.keep + len(inputs.new_ids), len(self.tokens), reply, inputs.segment_end))
         self.last_reply = reply
+
+    def _reply_text(self, reply: Reply) -> str:
+        """The reply's part of `text`: the text its client was sent, so that a client sending the reply
+        back continues every kept token. Special tokens generated inside the reply render as nothing
+        (a reply's text skips them); an end-of-sequence token that ends it renders as itself, since
+        the chat template writes it back. A reply whose text is not its tokens' (a stop string cut
+        it) renders its tokens in full, and the next turn rolls back to what the template confirms."""
+        decode, ids = self.llm.tokenizer.decode, reply.token_ids
+        end = ids[-1:] if ids and ids[-1] in self.llm.eos_ids else []
+        body = ids[: len(ids) - len(end)]
+        if decode(body, skip_special_tokens=True).rstrip("\ufffd") != reply.text:
+            return decode(ids, skip_special_tokens=False)
+        return reply.text + decode(end, skip_special_tokens=False)
 
     def clone(self, copy_decode: bool = False) -> Conversation:
         """A new conversation of the same class in this one's state: the KV copied into its own pages,

@@ -15,8 +15,9 @@ the heads (a head-wise allocation such as Ada-KV's keeps the same total):
 
 A request fits when headroom(it) + sum(headroom(running)) <= available. The first request in line
 always fits when none runs (a prompt no pool can hold was refused at ready()). Requests start in
-arrival order: one that does not fit holds the ones behind it, so a long prompt is never starved
-by short ones.
+arrival order: one that does not fit holds the longer ones behind it, so a long prompt is never
+starved by long ones, and only short prompts (one prefill chunk at most) pass it; the scheduler
+(scheduler.py) says why they do not delay it.
 
 Conservative where a recipe frees less than its budget says: LServe's streaming heads and the
 decode-schedule eviction count as keeping everything they are given.

@@ -23,6 +23,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 
+PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
 
 class Metrics:
     def __init__(self, model_name: str):
@@ -61,6 +63,11 @@ class Metrics:
                                buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.mixed_steps = counter("turnkv:mixed_steps",
                                    "Forwards that carried decode tokens and prefill slices together.")
+        self.worker_seconds = Histogram(
+            "turnkv:worker_phase_seconds", "Seconds of one worker iteration's phase: admit (find and restore "
+            "conversations, start prefills), prefill (slices as their own forwards), decode (a batched step), "
+            "mixed (a step with decode tokens and prefill slices), finish (a turn's end, inside decode or mixed).",
+            label + ["phase"], buckets=PHASE_BUCKETS, registry=r)
         self.held = gauge("turnkv:requests_held_for_memory",
                           "Requests whose tokens are ready, waiting for KV memory to start their prefill.")
         self.tier_bytes = counter("turnkv:tier_traffic_bytes", "Bytes of conversation state moved between the KV "

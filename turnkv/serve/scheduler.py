@@ -9,13 +9,15 @@ Each iteration:
    against the context and the pool, and starts its prefill when the KV pool holds what it will add
    beside the headroom of the running requests (admission.py; in arrival order);
 3. while requests decode, ONE forward (a mixed step, engine/mixed.py) carries every decoding
-   request's next token plus whole prefill slices of the prefilling prompts, as many as fit in
-   `max_step_tokens` (at least one): a long prompt adds at most its slices to the running streams'
-   inter-token gap. With max_step_tokens 0, one slice runs as its own forward, then one batched
-   decode step (one runner.decode call per group of recipes that agree on what the step records).
-   Pure-decode steps go through runner.decode, which replays CUDA graphs;
-4. when nothing decodes, prompts prefill in full, slice by slice. Slice boundaries are multiples of
-   `prefill_chunk` in the prompt whatever the load, so a request's tokens do not depend on it.
+   request's next token plus whole prefill slices of the prefilling prompts, in arrival order, as
+   many as fit in `max_step_tokens` (at least one; a slice too big for what is left lets a shorter
+   prompt's by): a long prompt adds at most its slices to the running streams' inter-token gap, and
+   a short later turn is not queued behind it. With max_step_tokens 0, one slice runs as its own
+   forward, then one batched decode step (one runner.decode call per group of recipes that agree on
+   what the step records). Pure-decode steps go through runner.decode, which replays CUDA graphs;
+4. when nothing decodes, prompts prefill slice by slice until the first of them decodes. Slice
+   boundaries are multiples of `prefill_chunk` in the prompt whatever the load, so a request's
+   tokens do not depend on it.
 When the KV pool is full, idle conversations leave it, least recently used first, and the step is
 retried. With none left, a prompt waits for running requests to finish, and a decode step ends its
 newest request where it is (finish_reason "length", its reply kept) so that the others go on. A
@@ -24,6 +26,7 @@ prompt that no pool of this size can hold is refused at admission (400).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -157,14 +160,18 @@ class Scheduler:
                 self._flushed.set()
             self._expire()
             try:
-                self._admit(admitted)
-                self._encoded()
-                self._start_prefills()
+                with self._timed("admit", admitted or self.encoding or self.held):
+                    self._admit(admitted)
+                    self._encoded()
+                    self._start_prefills()
                 if self.decoding and self.prefilling and self.config.max_step_tokens:
-                    self._mixed()
+                    with self._timed("mixed"):
+                        self._mixed()
                 else:
-                    self._prefill()
-                    self._decode()
+                    with self._timed("prefill", self.prefilling):
+                        self._prefill()
+                    with self._timed("decode", self.decoding):
+                        self._decode()
             except Exception as e:  # a bug, not bad input: fail what is in flight and keep serving
                 log.exception("worker step failed")
                 for job in [*self.encoding, *self.held, *self.prefilling, *self.decoding]:
@@ -178,6 +185,14 @@ class Scheduler:
         kept, dropped = self.store.shutdown()
         if kept or dropped:
             log.info("stopped: %d idle conversations kept in the durable tier, %d dropped", kept, dropped)
+
+    @contextlib.contextmanager
+    def _timed(self, phase: str, work=True):
+        """Observe the seconds of a phase of the iteration in /metrics, when it had `work` to do."""
+        work, start = bool(work), time.perf_counter()  # what there was before the phase ran
+        yield
+        if work:
+            self.metrics.labels(self.metrics.worker_seconds, phase).observe(time.perf_counter() - start)
 
     def _has_work(self) -> bool:
         """Whether the worker has something to do now (under the lock)."""
@@ -248,9 +263,19 @@ class Scheduler:
 
     def _start_prefills(self) -> None:
         """Held requests start their prefill, in arrival order, while the pool holds what each will
-        add beside the headroom of those running (admission.py)."""
-        while self.held and self.gate.fits(self.held[0], self.prefilling + self.decoding):
-            self.prefilling.append(self.held.pop(0))
+        add beside the headroom of those running (admission.py). Behind one that does not fit, only
+        short prompts (at most one prefill chunk, such as a later turn of a kept conversation) may
+        start, if they fit: each runs for a reply's length, after which its pages are an idle
+        conversation's, which admission counts as available, so the long prompt waits no longer."""
+        blocked = False
+        for job in list(self.held):
+            if blocked and job.prefill_left > self.config.prefill_chunk:
+                continue
+            if self.gate.fits(job, self.prefilling + self.decoding):
+                self.held.remove(job)
+                self.prefilling.append(job)
+            else:
+                blocked = True
 
     def _slice(self, job: Job) -> int:
         """The size of the job's next prefill slice: up to the next multiple of prefill_chunk in its
@@ -259,8 +284,12 @@ class Scheduler:
         return min(chunk - job.turn.prefilled % chunk, self.llm.runner.prefill_chunk)
 
     def _prefill(self) -> None:
-        budget = self.config.prefill_chunk if self.decoding else float("inf")
-        while self.prefilling and budget > 0:
+        """Prefill slices in arrival order until a decode step is due: while requests decode, after one
+        prefill_chunk of tokens; when none did, once the first prompt decodes (with mixed steps, the
+        next iteration's mixed step carries the other prompts' slices beside it)."""
+        budget = self.config.prefill_chunk if self.decoding or not self.config.max_step_tokens else 0
+        spent = 0
+        while self.prefilling and not (self.decoding and spent >= budget):
             job = self.prefilling[0]
             size = min(self._slice(job), job.prefill_left)
             try:
@@ -278,7 +307,7 @@ class Scheduler:
                 self.prefilling.pop(0)
                 self._fail(job, e)
                 continue
-            budget -= size
+            spent += size
             if job.prefill_left:
                 continue
             self.prefilling.pop(0)
@@ -331,10 +360,10 @@ class Scheduler:
         parts = [mixed.decode_part(batch) for batch in batches]
         budget = self.config.max_step_tokens - sum(part.size for part in parts)
         slices = []
-        for job in self.prefilling:
+        for job in self.prefilling:  # in arrival order; a slice that does not fit lets shorter ones by
             part = mixed.slice_part(job.turn, self._slice(job))
             if slices and part.size > budget:
-                break
+                continue
             slices.append((job, part))
             budget -= part.size
         try:
@@ -387,7 +416,8 @@ class Scheduler:
     # ---- endings -----------------------------------------------------------------------------------
     def _finish(self, job: Job) -> None:
         try:
-            outcome = job.finish(self.store)
+            with self._timed("finish"):
+                outcome = job.finish(self.store)
         except Exception as e:
             self._fail(job, e)
             return

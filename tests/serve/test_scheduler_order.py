@@ -1,0 +1,83 @@
+"""The worker's order of work, on fakes: which held requests start their prefill when memory is
+short, and when a prefill pass hands over to decode steps."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from turnkv.serve.config import ServeConfig
+from turnkv.serve.scheduler import Scheduler
+
+CHUNK = 32
+
+
+class FakeJob:
+    """A request with `left` prompt tokens to prefill, whose turn takes `pages` pages at its largest."""
+
+    def __init__(self, name: str, left: int, pages: int = 0):
+        self.name, self.prefill_left, self.pages = name, left, pages
+        self.turn = SimpleNamespace(prefilled=0)
+        self.slices: list[int] = []
+
+    def prefill(self, size: int):
+        size = min(size, self.prefill_left)
+        self.slices.append(size)
+        self.turn.prefilled += size
+        self.prefill_left -= size
+        return "", False
+
+
+class FakeGate:
+    """Fits a job when its pages and those of the running jobs fit in `available`."""
+
+    def __init__(self, available: int):
+        self.available = available
+
+    def fits(self, job, running) -> bool:
+        return job.pages + sum(j.pages for j in running) <= self.available
+
+
+def scheduler(max_step_tokens: int, available: int = 100) -> Scheduler:
+    s = Scheduler(SimpleNamespace(pool=None, runner=SimpleNamespace(prefill_chunk=CHUNK)), store=None,
+                  config=ServeConfig(prefill_chunk=CHUNK, max_step_tokens=max_step_tokens), metrics=None)
+    s.gate = FakeGate(available)
+    s._first_token = lambda job, piece, done: s.decoding.append(job)
+    return s
+
+
+def names(jobs) -> list[str]:
+    return [j.name for j in jobs]
+
+
+def test_only_short_prompts_pass_a_held_request_that_does_not_fit():
+    s = scheduler(max_step_tokens=64, available=100)
+    s.decoding = [FakeJob("running", 0, pages=60)]
+    s.held = [FakeJob("long 1", 4096, pages=50), FakeJob("short", CHUNK, pages=10),
+              FakeJob("long 2", 4096, pages=20), FakeJob("short 2", CHUNK - 1, pages=35)]
+    s._start_prefills()
+    # long 1 (50) does not fit beside running (60). long 2 (20) would, but waits behind it; short
+    # (10) passes; short 2 (35) would pass but no longer fits (60 + 10 + 35 > 100).
+    assert names(s.prefilling) == ["short"]
+    assert names(s.held) == ["long 1", "long 2", "short 2"]
+    s.decoding = []  # the running request finished: the rest start in arrival order
+    s._start_prefills()
+    assert names(s.prefilling) == ["short", "long 1", "long 2"] and names(s.held) == ["short 2"]
+
+
+def test_with_nothing_decoding_a_prefill_pass_ends_when_the_first_prompt_decodes():
+    s = scheduler(max_step_tokens=64)
+    first, second = FakeJob("first", 40), FakeJob("second", 200)
+    s.prefilling = [first, second]
+    s._prefill()
+    # first's prompt took two slices (32, 8) and it decodes; second waits for the next (mixed) step
+    assert first.slices == [32, 8] and second.slices == [] and names(s.decoding) == ["first"]
+
+
+def test_the_sliced_scheduler_runs_one_chunk_between_decode_steps():
+    s = scheduler(max_step_tokens=0)
+    first, second = FakeJob("first", 40), FakeJob("second", 200)
+    s.prefilling = [first, second]
+    s._prefill()  # nothing decoded at the start: prefill until the first decodes and a chunk is spent
+    assert first.slices == [32, 8] and second.slices == [] and names(s.decoding) == ["first"]
+    s._prefill()  # now one chunk's worth, then the decode step
+    assert second.slices == [32]
