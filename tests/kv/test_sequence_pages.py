@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from turnkv.errors import KVCacheFullError
-from turnkv.kv.sequence import SequenceKV
+from turnkv.kv.sequence import SequenceKV, reserve_step
 from tests.kv.conftest import (PS, D, Expected, append, assert_pool_same, assert_same, check, check_pool,
                               make_pool, owned_pages, pool_snapshot, snapshot)
 
@@ -303,3 +303,53 @@ def test_random_drop_pages_mixed_with_appends_keep_and_truncate():
             check(s, e)
         check_pool(pool, seqs)
     assert drops > 20
+
+
+# ---- 4. a decode step's reservation, and the device copy of the page table ---------------------
+
+def test_reserve_step_gives_what_reserve_gives():
+    gen = torch.Generator().manual_seed(5)
+    pools = [make_pool(layers=2, heads=3, num_pages=200) for _ in range(2)]
+    pairs = [[SequenceKV(pool) for _ in range(3)] for pool in pools]
+    for a, b in zip(*pairs):  # uneven heads, as after eviction
+        for seq in (a, b):
+            seq.reserve(20)
+            seq.keep(0, [list(range(n)) for n in (3, 17, 20)])
+    for _ in range(20):
+        slots = [s.reserve(1) for s in pairs[0]]
+        assert [torch.equal(x, y) for x, y in zip(slots, reserve_step(pairs[1]))] == [True] * 3
+        assert torch.equal(pools[0].positions, pools[1].positions)
+    assert [s.lengths.tolist() for s in pairs[0]] == [s.lengths.tolist() for s in pairs[1]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_device_table_follows_every_edit_of_the_host_table():
+    rng = random.Random(4)
+    pool = make_pool(layers=2, heads=3, num_pages=300, device="cuda")
+    seqs = [SequenceKV(pool) for _ in range(2)]
+    for _ in range(300):
+        seq = seqs[rng.randrange(2)]
+        op = rng.random()
+        try:
+            if op < 0.4:
+                reserve_step(seqs) if rng.random() < 0.5 else seq.reserve(rng.randint(1, 20))
+            elif op < 0.6 and seq.next_position:
+                layer = rng.randrange(2)
+                seq.keep(layer, [sorted(rng.sample(range(n), rng.randint(0, n))) for n in seq.lengths[layer]])
+            elif op < 0.8:
+                layer, head = rng.randrange(2), rng.randrange(3)
+                full = int(seq.lengths[layer, head]) // PS
+                if full:
+                    first = rng.randrange(full)
+                    seq.drop_pages(layer, head, first, rng.randint(1, full - first))
+            else:
+                seq.truncate(rng.randint(0, seq.next_position))
+        except KVCacheFullError:
+            seq.truncate(0)
+        for s in seqs:
+            device = s.device_table().cpu().numpy()
+            for layer in range(2):
+                for head in range(3):
+                    n = s.num_pages[layer, head]
+                    assert (device[layer, head, :n] == s.table[layer, head, :n]).all()

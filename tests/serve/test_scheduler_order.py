@@ -38,7 +38,7 @@ class FakeGate:
 
 
 def scheduler(max_step_tokens: int, available: int = 100) -> Scheduler:
-    s = Scheduler(SimpleNamespace(pool=None, runner=SimpleNamespace(prefill_chunk=CHUNK)), store=None,
+    s = Scheduler(SimpleNamespace(pool=None, runner=SimpleNamespace(prefill_chunk=CHUNK, graph_batch=None)), store=None,
                   config=ServeConfig(prefill_chunk=CHUNK, max_step_tokens=max_step_tokens), metrics=None)
     s.gate = FakeGate(available)
     s._first_token = lambda job, piece, done: s.decoding.append(job)
@@ -81,3 +81,20 @@ def test_the_sliced_scheduler_runs_one_chunk_between_decode_steps():
     assert first.slices == [32, 8] and second.slices == [] and names(s.decoding) == ["first"]
     s._prefill()  # now one chunk's worth, then the decode step
     assert second.slices == [32]
+
+
+def test_decode_steps_split_at_the_cuda_graphs_batch():
+    s = scheduler(max_step_tokens=64)
+    s.config.max_running = 128
+    s.llm.runner.graph_batch = 32
+    plain = SimpleNamespace(accumulate=False, selector=None)
+    s.decoding = [SimpleNamespace(turn=SimpleNamespace(done=False, context=plain)) for _ in range(70)]
+    sizes = []
+    s._decode_step = lambda batch, jobs: sizes.append(len(batch))
+    s._decoded = lambda batch, logits, jobs: None
+    s._decode()
+    assert sizes == [32, 32, 6]  # each batch replays from the graphs; 70 in one would run eagerly
+    s.llm.runner.graph_batch = None  # no graphs (CPU): one batch up to --max-running
+    sizes.clear()
+    s._decode()
+    assert sizes == [70]

@@ -23,6 +23,7 @@ import torch
 from turnkv.engine import graph_selection
 from turnkv.engine.step import Step
 from turnkv.engine.turn import TurnRun
+from turnkv.kv.sequence import reserve_step
 
 
 @dataclass
@@ -74,7 +75,7 @@ def forward(runner, parts: list[Part]) -> list[torch.Tensor]:
         for part in parts:
             T = part.width
             start = torch.tensor([s.next_position for s in part.seqs], device=device)
-            slots = [s.reserve(T) for s in part.seqs]
+            slots = reserve_step(part.seqs) if T == 1 else [s.reserve(T) for s in part.seqs]
             pos = start[:, None] + torch.arange(T, device=device)  # [B, T]
             steps.append(Step(runner.pool, part.seqs, slots, pos, runner.model.config.sliding_window,
                               part.contexts, part.decoding))

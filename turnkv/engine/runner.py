@@ -12,7 +12,7 @@ from turnkv.engine import graph_selection
 from turnkv.engine.cuda_graphs import GraphedDecode
 from turnkv.engine.step import Step
 from turnkv.kv.pool import PagePool
-from turnkv.kv.sequence import SequenceKV
+from turnkv.kv.sequence import SequenceKV, reserve_step
 from turnkv.methods.step_context import StepContext
 from turnkv.model.decoder import Transformer
 
@@ -28,6 +28,12 @@ class ModelRunner:
         if cuda_graphs and self.device.type == "cuda" and decode_kernel.uses_kernel(self.device):
             self.graphs = GraphedDecode(model, pool, max_model_len or model.config.max_position_embeddings, max_batch)
 
+    @property
+    def graph_batch(self) -> int | None:
+        """The largest decode batch replayed from CUDA graphs (None without graphs): a caller with more
+        sequences decodes them in batches of this size rather than in one eager step."""
+        return None if self.graphs is None else self.graphs.buckets[-1]
+
     @torch.inference_mode()
     def forward(self, seqs: list[SequenceKV], token_ids: torch.Tensor, all_logits: bool = False,
                 contexts: list[StepContext | None] | None = None, decoding: bool = False) -> torch.Tensor:
@@ -37,7 +43,7 @@ class ModelRunner:
         B, T = token_ids.shape
         before = [s.next_position for s in seqs]
         try:
-            slots = [s.reserve(T) for s in seqs]
+            slots = reserve_step(seqs) if T == 1 else [s.reserve(T) for s in seqs]
             positions = torch.tensor(before, device=self.device)[:, None] + torch.arange(T, device=self.device)
             step = Step(self.pool, seqs, slots, positions, self.model.config.sliding_window, contexts, decoding)
             last = None if all_logits else torch.full((B, 1), T - 1, device=self.device)

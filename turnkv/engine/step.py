@@ -45,6 +45,7 @@ class Step:
         # Per sequence a QueryWindow (or None) that records each layer's queries for the scorers.
         windows = [c.window for c in contexts]
         self.windows = windows if any(w is not None for w in windows) else None
+        self._step_queries: list[torch.Tensor] = []  # a one-token step's q per layer, until the last
         accumulate = self.accumulate
         self.pool, self.num_new = pool, num_new
         self.sliding_window = sliding_window
@@ -83,6 +84,24 @@ class Step:
             if not (self.indexed and decoding):
                 self.selectors = None
 
+    def _record_windows(self, layer: int, q: torch.Tensor) -> None:
+        """Hand q [B, T, Hq, D] to the observation windows. A one-token step hands every layer's at
+        once after the last layer (QueryWindow.record_all): one copy per sequence and step, not one
+        per layer (a batch of 64 at 32 layers would file 2048 times a step)."""
+        if self.num_new > 1:
+            for b, window in enumerate(self.windows):
+                if window is not None:
+                    window.record(layer, q[b], self.query_positions[b])
+            return
+        self._step_queries.append(q)
+        if len(self._step_queries) < self.pool.num_layers:
+            return
+        queries = torch.stack(self._step_queries)  # [L, B, 1, Hq, D]
+        self._step_queries = []
+        for b, window in enumerate(self.windows):
+            if window is not None:
+                window.record_all(queries[:, b], self.query_positions[b])  # a copy per sequence
+
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B, T, Hq, D = q.shape
         self.pool.write_heads(layer, self.slots[layer], k, v)
@@ -92,9 +111,7 @@ class Step:
             for b, sel in self.writers:
                 sel.written(layer, self.seqs[b], self.slots[layer][b * n : (b + 1) * n], flat_k[b * n : (b + 1) * n])
         if self.windows is not None:
-            for b, window in enumerate(self.windows):
-                if window is not None:
-                    window.record(layer, q[b], self.query_positions[b])
+            self._record_windows(layer, q)
         if self.observers is not None:
             for b, sel in enumerate(self.observers):
                 if sel is not None:

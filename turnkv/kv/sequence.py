@@ -37,6 +37,9 @@ class SequenceKV:
         self.next_position = 0
         self._table_device: torch.Tensor | None = None
         self._dirty_from = 0  # first table column whose device copy is stale
+        # Per (layer, head), the first table column a page was appended at since the device copy was
+        # made (uneven heads: a decode step crosses a page in a few heads only).
+        self._appended_from = np.full((L, H), np.iinfo(np.int64).max, dtype=np.int64)
         # Bumped whenever keep / truncate / free release pages: table columns below num_pages may then
         # be refilled with other page ids, so a copy of the table kept elsewhere (the CUDA-graph
         # step's) is stale. drop_pages does not bump it: it records its edits per head (below).
@@ -213,31 +216,49 @@ class SequenceKV:
                 # Every head grows alike (no eviction yet): a block copy. A 32K prefill places 16K
                 # pages per layer, and the general scatter below would delay the first kernel.
                 self.table[layer, :, first[0] : first[0] + n[0]] = pages.reshape(H, n[0])
+                self._dirty_from = min(self._dirty_from, int(first[0]))
                 continue
             heads = np.repeat(np.arange(H), needed[layer])
             first = np.repeat(self.num_pages[layer], needed[layer])
             # k-th new page of a head goes right after the pages it already has.
             offsets = np.arange(len(pages)) - np.repeat(np.cumsum(needed[layer]) - needed[layer], needed[layer])
             self.table[layer, heads, first + offsets] = pages
-        if needed.any():
-            self._dirty_from = min(self._dirty_from, int(self.num_pages[needed > 0].min()))
+            grew = needed[layer] > 0
+            self._appended_from[layer, grew] = np.minimum(self._appended_from[layer, grew], self.num_pages[layer, grew])
         self.num_pages = new_total
 
     # ---- reads ------------------------------------------------------------------------------
     def device_table(self) -> torch.Tensor:
         """The page table [layers, kv_heads, capacity] on the pool's device."""
+        appended_from, self._appended_from = self._appended_from, np.full_like(self._appended_from,
+                                                                              np.iinfo(np.int64).max)
         if self.pool.device.type == "cpu":
             return torch.from_numpy(self.table)
         if self._table_device is None or self._table_device.shape != self.table.shape:
             self._table_device = torch.from_numpy(self.table).to(self.pool.device)
-        elif self._dirty_from < self.table.shape[2]:
-            lo = self._dirty_from
+        else:
             # The copy may have been made under inference mode (inside a forward); updating it in
-            # place is allowed only there.
+            # place is allowed only there. Columns past a head's pages are never read.
+            lo, hi = self._dirty_from, int(self.num_pages.max(initial=0))
             with torch.inference_mode():
-                self._table_device[:, :, lo:].copy_(torch.from_numpy(self.table[:, :, lo:]), non_blocking=False)
+                if lo < hi:
+                    tail = _staged(self.table[:, :, lo:hi], self.pool.device)
+                    self._table_device[:, :, lo:hi].copy_(tail, non_blocking=True)
+                self._upload_appended(appended_from)
         self._dirty_from = self.table.shape[2]
         return self._table_device
+
+    def _upload_appended(self, appended_from: np.ndarray) -> None:
+        """Copy to the device table the cells from appended_from[layer, head] to the head's last page
+        (some may be in the columns copied whole just before: copied twice, the same)."""
+        if not (appended_from < self.num_pages).any():
+            return
+        cols = np.arange(int(self.num_pages.max()))
+        layer, head, col = np.nonzero((cols >= appended_from[:, :, None]) & (cols < self.num_pages[:, :, None]))
+        cells = (layer * self.table.shape[1] + head) * self.table.shape[2] + col
+        staged = _staged(np.concatenate([cells, self.table.reshape(-1)[cells]]), self.pool.device)
+        cells, pages = staged.to(self.pool.device, non_blocking=True).split(len(cells))
+        self._table_device.view(-1).index_copy_(0, cells, pages)
 
     def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """K, V [kv_heads, S, D] (in the compute dtype, dequantized from a quantized pool) and positions
@@ -385,3 +406,28 @@ class SequenceKV:
         for layer in range(self.pool.num_layers):
             self._shrink(layer, np.zeros(self.pool.num_kv_heads, dtype=np.int64))
         self.next_position = 0
+
+
+def _staged(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`array` as a host tensor a non-blocking copy to `device` may read: pinned for CUDA (a copy from
+    pageable memory waits for every step in flight). PyTorch's pinned-memory cache keeps the block
+    until the copy that reads it is done."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    return host.pin_memory() if device.type == "cuda" else host
+
+
+def reserve_step(seqs: list[SequenceKV]) -> list[torch.Tensor]:
+    """reserve(1) for every sequence of a decode step, the batch's slots uploaded in one copy: per
+    sequence the slots [layers, kv_heads, 1] on the pool's device, with the tokens' positions written
+    and their attention mass zeroed in the pool, as reserve() does. A sequence that cannot take its
+    token raises KVCacheFullError with the ones before it reserved (the caller truncates them)."""
+    pool = seqs[0].pool
+    host = np.stack([s.reserve_on_host(1) for s in seqs])  # [B, L, H, 1]
+    B, L, H, _ = host.shape
+    flat = host + np.arange(L)[None, :, None, None] * pool.positions[0].numel()
+    positions = np.repeat(np.array([s.next_position - 1 for s in seqs], dtype=np.int64), L * H)
+    upload = _staged(np.concatenate([host.reshape(-1), flat.reshape(-1), positions]), pool.device)
+    slots, flat_slots, positions = upload.to(pool.device, non_blocking=True).split(B * L * H)
+    pool.positions.view(-1).index_copy_(0, flat_slots, positions)
+    pool.attention_mass.view(-1).index_fill_(0, flat_slots, 0.0)
+    return list(slots.view(B, L, H, 1).unbind(0))

@@ -21,7 +21,18 @@ class QueryWindow:
         self._queries: list[torch.Tensor | None] = [None] * num_layers  # [W, Hq, D]
         self._positions: list[torch.Tensor | None] = [None] * num_layers  # [W]
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # ([L, T, Hq, D], [T])
-        self.moments: QueryMoments | None = None  # set by the recipe for a scorer that reads them
+        self._moments: QueryMoments | None = None  # set by the recipe for a scorer that reads them
+
+    @property
+    def moments(self) -> QueryMoments | None:
+        return self._moments
+
+    @moments.setter
+    def moments(self, moments: QueryMoments | None) -> None:
+        """The running moments; reading them files the steps still pending first."""
+        self._moments = moments
+        if moments is not None:
+            moments.before_read = self.flush
 
     @property
     def queries(self) -> list[torch.Tensor | None]:
@@ -59,8 +70,8 @@ class QueryWindow:
             self._observe(layer, q[layer], positions)
 
     def _observe(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> None:
-        if self.moments is not None:
-            self.moments.add(layer, q, positions)
+        if self._moments is not None:
+            self._moments.add(layer, q, positions)
         self._file(layer, q, positions)
 
     def _file(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> None:
@@ -157,6 +168,7 @@ class QueryMoments:
     def __init__(self, num_layers: int, inv_freq: torch.Tensor, skip_below: int = 0):
         self.inv_freq = inv_freq
         self.skip_below = skip_below
+        self.before_read = lambda: None  # the window that feeds them files its pending steps
         self.clear(num_layers)
 
     def clear(self, num_layers: int | None = None) -> None:
@@ -177,11 +189,13 @@ class QueryMoments:
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(count [], sum [Hq, D], outer-product sum [Hq, D, D]) of `layer`, or None before any query."""
+        self.before_read()
         if self.counts[layer] is None:
             return None
         return self.counts[layer], self.sums[layer], self.outers[layer]
 
     def state(self) -> tuple[list, list, list]:
+        self.before_read()
         return list(self.counts), list(self.sums), list(self.outers)
 
     def set_state(self, state: tuple[list, list, list]) -> None:

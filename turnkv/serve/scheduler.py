@@ -328,7 +328,8 @@ class Scheduler:
         """One step of the engine's step loop (engine/decode_loop.py) over every decoding request,
         its forward retried here when the KV pool is full."""
         jobs = {id(job.turn): job for job in self.decoding}
-        for batch in decode_loop.batches([job.turn for job in self.decoding], self.config.max_running):
+        size = self.llm.runner.graph_batch or self.config.max_running  # batches the graphs replay
+        for batch in decode_loop.batches([job.turn for job in self.decoding], size):
             self._decoded(batch, self._decode_step(batch, jobs), jobs)
 
     def _decoded(self, batch: list, logits, jobs: dict) -> None:
