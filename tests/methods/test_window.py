@@ -3,6 +3,7 @@ records, across flushes, truncation and snapshots."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from turnkv.methods import window
@@ -44,3 +45,35 @@ def test_truncate_and_snapshot_see_pending_steps():
         w.record_all(q, pos)
     w.restore(snap)  # pending steps after the snapshot are dropped with it
     assert w.positions[0].tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphed_and_eager_steps_file_together():
+    """Graphed decode steps hand their positions in from the host, eager ones (a mixed step) on the
+    device: one flush files both, in order."""
+    lazy, eager = QueryWindow(3, 6), QueryWindow(3, 6)
+    for i, (q, pos) in enumerate(_steps(7)):
+        q = q.cuda()
+        lazy.record_all(q, pos if i % 2 else pos.cuda())
+        for layer in range(3):
+            eager.record(layer, q[layer], pos.cuda())
+    for layer in range(3):
+        torch.testing.assert_close(lazy.queries[layer], eager.queries[layer], rtol=0, atol=0)
+        assert lazy.positions[layer].tolist() == eager.positions[layer].tolist() == [1, 2, 3, 4, 5, 6]
+
+
+def test_moments_read_through_a_window_see_its_pending_steps():
+    from turnkv.methods.window import QueryMoments
+
+    lazy, eager = QueryWindow(3, 2), QueryWindow(3, 2)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    lazy.moments, eager.moments = QueryMoments(3, inv_freq), QueryMoments(3, inv_freq)
+    moments = lazy.moments  # held before the steps, read after them
+    for q, pos in _steps(5):
+        lazy.record_all(q, pos)
+        for layer in range(3):
+            eager.record(layer, q[layer], pos)
+    for layer in range(3):
+        for a, b in zip(moments.layer(layer), eager.moments.layer(layer)):
+            torch.testing.assert_close(a, b)

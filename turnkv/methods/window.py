@@ -9,6 +9,14 @@ import torch
 FLUSH_EVERY = 64  # decode steps held back before they are filed per layer
 
 
+def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, from pinned memory without waiting: a pageable copy would hold the
+    host until the GPU finishes the step in flight, and decode runs a step ahead of the host."""
+    if host.device == device:
+        return host
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
 class QueryWindow:
     """The last `size` post-RoPE queries of every layer for one conversation, across steps.
 
@@ -61,11 +69,12 @@ class QueryWindow:
             return
         pending, self._pending = self._pending, []
         q = torch.cat([p[0] for p in pending], dim=1)
-        positions = torch.cat([p[1].cpu() if p[1].device != q.device else p[1] for p in pending])
-        if positions.device != q.device:
-            # From pinned memory, without waiting: a pageable copy would hold the host until the GPU
-            # finishes the step in flight, and decode runs a step ahead of the host (decode_loop.py).
-            positions = positions.pin_memory().to(q.device, non_blocking=True) if q.is_cuda else positions.to(q.device)
+        # Graphed steps hand their positions in from the host, eager ones on q's device.
+        on_host = [p[1] for p in pending if p[1].device != q.device]
+        if len(on_host) == len(pending):
+            positions = _to(torch.cat(on_host), q.device)
+        else:
+            positions = torch.cat([p[1] if p[1].device == q.device else _to(p[1], q.device) for p in pending])
         for layer in range(q.shape[0]):
             self._observe(layer, q[layer], positions)
 
