@@ -18,6 +18,7 @@ Configurations (--configs picks some, in order):
     full-krul     the dense cache; conversations leave the GPU after each turn in Krul's stored form
     full-sliced   full with --max-step-tokens 0: a prefill slice runs as its own forward between two
                   decode steps (the scheduler before mixed steps), for the inter-token comparison
+    ada-snapkv-sliced  ada-snapkv with --max-step-tokens 0, the same comparison without tier traffic
 
 CPU smoke run (embedded SmolLM2-135M, a few users, short documents):
     python benchmarks/serving/capacity_bench.py --smoke --out benchmarks/serving/results/capacity_cpu_smoke
@@ -62,6 +63,7 @@ CONFIGS = {
     "flowkv": ["--recipe", "flowkv keep_ratio=0.1 schedule=turn_end"],
     "full-krul": ["--recipe", "state=krul"],
     "full-sliced": ["--recipe", "full", "--max-step-tokens", "0"],
+    "ada-snapkv-sliced": ["--recipe", "ada-snapkv keep_ratio=0.1 schedule=prompt", "--max-step-tokens", "0"],
 }
 SMOKE = {"model": None, "dtype": "float32", "device": "cpu", "users": 4, "turns": "3-4", "doc_tokens": 320,
          "max_tokens": 8, "kv_memory": "64MiB", "state_cpu_memory": "256MiB", "prefill_chunk": 64,
