@@ -260,10 +260,9 @@ class Conversation:
         the chat template writes it back. A reply whose text is not its tokens' (a stop string cut
         it) renders its tokens in full, and the next turn rolls back to what the template confirms."""
         decode, ids = self.llm.tokenizer.decode, reply.token_ids
-        end = ids[-1:] if ids and ids[-1] in self.llm.eos_ids else []
-        body = ids[: len(ids) - len(end)]
-        if decode(body, skip_special_tokens=True).rstrip("\ufffd") != reply.text:
+        if not reply.text_complete:
             return decode(ids, skip_special_tokens=False)
+        end = ids[-1:] if ids and ids[-1] in self.llm.eos_ids else []
         return reply.text + decode(end, skip_special_tokens=False)
 
     def clone(self, copy_decode: bool = False) -> Conversation:

@@ -36,6 +36,9 @@ class Reply:
     # others (each such page's bytes over its number of holders).
     kv_own_bytes: int = 0
     kv_shared_bytes: int = 0
+    # Whether `text` is every generated token's (special tokens render as nothing there), not cut by
+    # a stop string.
+    text_complete: bool = True
 
     @property
     def time_per_token_s(self) -> float:
@@ -166,4 +169,5 @@ class Generation:
             token_times=[t - self.started for t in self.token_times],
             token_logprobs=None if self.token_logprobs is None else list(self.token_logprobs),
             kv_own_bytes=own, kv_shared_bytes=share,
+            text_complete=self.detok is None or not self.detok.stopped,
         )
