@@ -256,13 +256,13 @@ class Conversation:
     def _reply_text(self, reply: Reply) -> str:
         """The reply's part of `text`: the text its client was sent, so that a client sending the reply
         back continues every kept token. Special tokens generated inside the reply render as nothing
-        (a reply's text skips them); an end-of-sequence token that ends it renders as itself, since
-        the chat template writes it back. A reply whose text is not its tokens' (a stop string cut
+        (a reply's text skips them), but for the tokenizer's end-of-sequence token ending it, which
+        the chat template writes back. A reply whose text is not its tokens' (a stop string cut
         it) renders its tokens in full, and the next turn rolls back to what the template confirms."""
         decode, ids = self.llm.tokenizer.decode, reply.token_ids
         if not reply.text_complete:
             return decode(ids, skip_special_tokens=False)
-        end = ids[-1:] if ids and ids[-1] in self.llm.eos_ids else []
+        end = ids[-1:] if ids and ids[-1] == self.llm.tokenizer.eos_token_id else []
         return reply.text + decode(end, skip_special_tokens=False)
 
     def clone(self, copy_decode: bool = False) -> Conversation:
