@@ -122,6 +122,7 @@ def run_config(args, config: str, users, out: Path) -> dict:
     summary = capacity_report.summarise(records, wall, samples)
     summary["server_command"] = cmd[1:]
     summary["replies"] = {f"{r['user']}.{r['turn']}": r.get("text") for r in records}
+    summary["timeline"] = capacity_report.timeline(records)
     return summary
 
 

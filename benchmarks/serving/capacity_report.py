@@ -70,6 +70,18 @@ def summarise(records: list[dict], wall_s: float, samples: list[tuple[float, dic
     }
 
 
+SLOW_GAP_S = 0.25
+
+
+def timeline(records: list[dict]) -> dict:
+    """What a later look at a run needs to place its slow moments: every played turn as [user, turn,
+    sent, first token, end] and every gap between two streamed chunks over SLOW_GAP_S as [start,
+    end, user], in seconds from the run's start."""
+    played = [r for r in records if all(k in r for k in ("sent", "first", "end", "chunks"))]
+    return {"turns": [[r["user"], r["turn"], *(round(r[k], 3) for k in ("sent", "first", "end"))] for r in played],
+            "slow_gaps": [[round(a, 3), round(b, 3), u] for a, b, u in _gaps(played) if b - a > SLOW_GAP_S]}
+
+
 PHASES = ("admit", "prefill", "decode", "mixed", "finish")
 
 

@@ -31,6 +31,9 @@ def test_smoke_run_writes_results_table_and_plots(tmp_path, embedded_model):
         assert r["kv_bytes_peak"] > 0
         kept = sum(r["conversations_end"].values()) + r["conversations_dropped"]
         assert kept >= users, name
+        turns = r["timeline"]["turns"]
+        assert len(turns) == r["requests"] - r["failed"] and all(sent <= first <= end for _, _, sent, first, end in turns)
+        assert all(b - a > 0.25 for a, b, _ in r["timeline"]["slow_gaps"])
         phases = r["worker_phases"]
         assert phases["mixed"]["count"] == r["mixed_steps"] and phases["finish"]["count"] == r["requests"], name
         assert phases["decode"]["count"] > 0 and phases["decode"]["seconds"] > 0, name
