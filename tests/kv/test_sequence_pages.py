@@ -308,7 +308,6 @@ def test_random_drop_pages_mixed_with_appends_keep_and_truncate():
 # ---- 4. a decode step's reservation, and the device copy of the page table ---------------------
 
 def test_reserve_step_gives_what_reserve_gives():
-    gen = torch.Generator().manual_seed(5)
     pools = [make_pool(layers=2, heads=3, num_pages=200) for _ in range(2)]
     pairs = [[SequenceKV(pool) for _ in range(3)] for pool in pools]
     for a, b in zip(*pairs):  # uneven heads, as after eviction

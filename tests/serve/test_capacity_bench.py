@@ -32,7 +32,8 @@ def test_smoke_run_writes_results_table_and_plots(tmp_path, embedded_model):
         kept = sum(r["conversations_end"].values()) + r["conversations_dropped"]
         assert kept >= users, name
         turns = r["timeline"]["turns"]
-        assert len(turns) == r["requests"] - r["failed"] and all(sent <= first <= end for _, _, sent, first, end in turns)
+        assert len(turns) == r["requests"] - r["failed"]
+        assert all(sent <= first <= end for _, _, sent, first, end in turns)
         assert all(b - a > 0.25 for a, b, _ in r["timeline"]["slow_gaps"])
         phases = r["worker_phases"]
         assert phases["mixed"]["count"] == r["mixed_steps"] and phases["finish"]["count"] == r["requests"], name
