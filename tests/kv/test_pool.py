@@ -193,3 +193,17 @@ def test_write_overwrites_and_keeps_bf16_exact():
     flat_k, flat_v = pool.k[0].reshape(-1, D), pool.v[0].reshape(-1, D)
     assert torch.equal(flat_k[2], k1[0]) and torch.equal(flat_v[2], v1[0])
     assert torch.equal(flat_k[5], k2[0]) and torch.equal(flat_v[5], v2[0])
+
+
+def test_allocate_pops_each_layers_free_stack_and_fails_whole():
+    pool = PagePool(3, 2, 4, 10, 4, dtype=torch.float32)
+    first = pool.allocate([2, 0, 3])
+    assert [p.tolist() for p in first] == [[0, 1], [], [0, 1, 2]]  # the stack's top first
+    pool.release(0, [1])
+    flat = pool.allocate_flat(np.array([2, 1, 0]))
+    assert flat.tolist() == [1, 2, 0]  # layer 0 takes its freed page back first, then layer 1's top
+    assert [pool.free_pages(layer) for layer in range(3)] == [7, 9, 7]
+    assert (pool.refs[0, [0, 1, 2]] == 1).all() and pool.refs[1, 0] == 1
+    with pytest.raises(KVCacheFullError, match="layer 1 needs 10 pages and has 9 free"):
+        pool.allocate([1, 10, 1])
+    assert [pool.free_pages(layer) for layer in range(3)] == [7, 9, 7]  # nothing taken

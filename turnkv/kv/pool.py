@@ -115,27 +115,32 @@ class PagePool:
     def capacity_bytes(self) -> int:
         return self.num_layers * self.num_pages * self.page_bytes
 
-    def allocate(self, counts: list[int]) -> list[np.ndarray]:
+    def allocate(self, counts) -> list[np.ndarray]:
         """Take counts[layer] pages in every layer (int64 arrays of page ids), or none at all when
         any layer lacks room."""
-        short = [(layer, n, int(self._top[layer])) for layer, n in enumerate(counts) if n > self._top[layer]]
-        if short and self.reclaim is not None:
-            self.reclaim(counts)
-            short = [(layer, n, int(self._top[layer])) for layer, n in enumerate(counts) if n > self._top[layer]]
-        if short:
-            layer, n, free = short[0]
+        counts = np.asarray(counts, dtype=np.int64)
+        return np.split(self.allocate_flat(counts), np.cumsum(counts)[:-1])
+
+    def allocate_flat(self, counts) -> np.ndarray:
+        """allocate(), its page ids laid end to end in layer order."""
+        counts = np.asarray(counts, dtype=np.int64)
+        if (counts > self._top).any() and self.reclaim is not None:
+            self.reclaim(counts.tolist())
+        short = np.flatnonzero(counts > self._top)
+        if len(short):
+            layer = int(short[0])
             raise KVCacheFullError(
-                f"KV pool full: layer {layer} needs {n} pages and has {free} free "
+                f"KV pool full: layer {layer} needs {int(counts[layer])} pages and has {int(self._top[layer])} free "
                 f"({self.num_pages} pages of {self.page_size} tokens per layer); free a conversation or "
                 f"give the pool more memory"
             )
-        taken = []
-        for layer, n in enumerate(counts):
-            top = self._top[layer]
-            taken.append(self._stack[layer, top - n : top][::-1].copy())
-            self._top[layer] = top - n
-            self.refs[layer, taken[-1]] = 1
-        return taken
+        # Each layer pops counts[layer] pages off its free stack, the top first: one gather for all.
+        layers = np.repeat(np.arange(len(counts)), counts)
+        depth = np.arange(len(layers)) - np.repeat(np.cumsum(counts) - counts, counts)
+        pages = self._stack[layers, self._top[layers] - 1 - depth]
+        self._top -= counts
+        self.refs[layers, pages] = 1
+        return pages
 
     def release(self, layer: int, pages) -> None:
         """One holder lets go of `pages` (distinct ids, each held); a page nobody holds any more goes

@@ -167,8 +167,7 @@ class SequenceKV:
                     heads = np.flatnonzero(partial[layer])
                     self._privatize(int(layer), heads, self.num_pages[layer, heads] - 1)
         needed_pages = -(-(self.lengths + num_tokens) // ps) - self.num_pages
-        taken = self.pool.allocate(needed_pages.sum(axis=1).tolist())
-        self._place_pages(needed_pages, taken)
+        self._place_pages(needed_pages, self.pool.allocate_flat(needed_pages.sum(axis=1)))
 
     def reserve_layout(self, lengths: np.ndarray, next_position: int) -> list[torch.Tensor]:
         """Give an empty sequence pages for lengths[layer, head] tokens each (heads may differ, as after
@@ -183,7 +182,7 @@ class SequenceKV:
             raise ValueError(f"lengths must be non-negative, of shape {self.lengths.shape}")
         ps = self.pool.page_size
         needed = -(-lengths // ps)
-        self._place_pages(needed, self.pool.allocate(needed.sum(axis=1).tolist()))
+        self._place_pages(needed, self.pool.allocate_flat(needed.sum(axis=1)))
         self.lengths = lengths.copy()
         self.moves += 1  # written behind the page statistics' back (a restore)
         self.next_position = int(next_position)
@@ -200,31 +199,38 @@ class SequenceKV:
             slots.append(table[layer, heads, index // ps] * ps + index % ps)
         return slots
 
-    def _place_pages(self, needed: np.ndarray, taken: list[list[int]]) -> None:
+    def _place_pages(self, needed: np.ndarray, pages: np.ndarray) -> None:
+        """Append `pages` (needed.sum() page ids in (layer, head) order) to the heads' tables:
+        needed[layer, head] of them after the pages each head has."""
         new_total = self.num_pages + needed
         if new_total.max(initial=0) > self.table.shape[2]:
             grown = np.zeros((*self.table.shape[:2], max(2 * self.table.shape[2], int(new_total.max()))), np.int64)
             grown[:, :, : self.table.shape[2]] = self.table
             self.table = grown
             self._table_device = None
-        H = self.pool.num_kv_heads
-        for layer, pages in enumerate(taken):
-            if len(pages) == 0:
-                continue
-            n, first = needed[layer], self.num_pages[layer]
-            if (n == n[0]).all() and (first == first[0]).all():
-                # Every head grows alike (no eviction yet): a block copy. A 32K prefill places 16K
-                # pages per layer, and the general scatter below would delay the first kernel.
-                self.table[layer, :, first[0] : first[0] + n[0]] = pages.reshape(H, n[0])
-                self._dirty_from = min(self._dirty_from, int(first[0]))
-                continue
-            heads = np.repeat(np.arange(H), needed[layer])
-            first = np.repeat(self.num_pages[layer], needed[layer])
-            # k-th new page of a head goes right after the pages it already has.
-            offsets = np.arange(len(pages)) - np.repeat(np.cumsum(needed[layer]) - needed[layer], needed[layer])
-            self.table[layer, heads, first + offsets] = pages
-            grew = needed[layer] > 0
-            self._appended_from[layer, grew] = np.minimum(self._appended_from[layer, grew], self.num_pages[layer, grew])
+        first = self.num_pages
+        uniform = ((needed == needed[:, :1]) & (first == first[:, :1])).all()
+        if uniform:
+            # Every head of a layer grows alike (no eviction yet): a block copy per layer. A 32K
+            # prefill places 16K pages per layer, and the general scatter below would delay the
+            # first kernel.
+            H, start = self.pool.num_kv_heads, 0
+            for layer in np.flatnonzero(needed[:, 0]):
+                n, col = int(needed[layer, 0]), int(first[layer, 0])
+                self.table[layer, :, col : col + n] = pages[start : start + H * n].reshape(H, n)
+                self._dirty_from = min(self._dirty_from, col)
+                start += H * n
+        elif needed.any():
+            # Uneven heads (a decode step crosses a page in a few of them): one scatter over all
+            # layers; the device copy takes these cells alone (_appended_from).
+            flat_needed = needed.reshape(-1)
+            rows = np.repeat(np.arange(flat_needed.size), flat_needed)  # (layer, head) of each new page
+            offsets = np.arange(len(rows)) - np.repeat(np.cumsum(flat_needed) - flat_needed, flat_needed)
+            cols = first.reshape(-1)[rows] + offsets
+            H = self.pool.num_kv_heads
+            self.table[rows // H, rows % H, cols] = pages
+            grew = needed > 0
+            self._appended_from[grew] = np.minimum(self._appended_from[grew], first[grew])
         self.num_pages = new_total
 
     # ---- reads ------------------------------------------------------------------------------
