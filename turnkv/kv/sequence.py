@@ -257,11 +257,13 @@ class SequenceKV:
     def _upload_appended(self, appended_from: np.ndarray) -> None:
         """Copy to the device table the cells from appended_from[layer, head] to the head's last page
         (some may be in the columns copied whole just before: copied twice, the same)."""
-        if not (appended_from < self.num_pages).any():
+        layer, head = np.nonzero(appended_from < self.num_pages)
+        if not len(layer):
             return
-        cols = np.arange(int(self.num_pages.max()))
-        layer, head, col = np.nonzero((cols >= appended_from[:, :, None]) & (cols < self.num_pages[:, :, None]))
-        cells = (layer * self.table.shape[1] + head) * self.table.shape[2] + col
+        start = appended_from[layer, head]
+        count = self.num_pages[layer, head] - start
+        row = (layer * self.table.shape[1] + head) * self.table.shape[2]
+        cells = np.repeat(row + start, count) + np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
         staged = _staged(np.concatenate([cells, self.table.reshape(-1)[cells]]), self.pool.device)
         cells, pages = staged.to(self.pool.device, non_blocking=True).split(len(cells))
         self._table_device.view(-1).index_copy_(0, cells, pages)

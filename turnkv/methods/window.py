@@ -69,12 +69,12 @@ class QueryWindow:
             return
         pending, self._pending = self._pending, []
         q = torch.cat([p[0] for p in pending], dim=1)
-        # Graphed steps hand their positions in from the host, eager ones on q's device.
-        on_host = [p[1] for p in pending if p[1].device != q.device]
-        if len(on_host) == len(pending):
-            positions = _to(torch.cat(on_host), q.device)
+        # Graphed steps hand their positions in from the host (uploaded in one copy when all are), eager
+        # ones on q's device.
+        if all(p[1].device != q.device for p in pending):
+            positions = _to(torch.cat([p[1] for p in pending]), q.device)
         else:
-            positions = torch.cat([p[1] if p[1].device == q.device else _to(p[1], q.device) for p in pending])
+            positions = torch.cat([_to(p[1], q.device) for p in pending])
         for layer in range(q.shape[0]):
             self._observe(layer, q[layer], positions)
 
