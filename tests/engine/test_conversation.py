@@ -104,14 +104,25 @@ def test_stop_string_cuts_reply_and_next_turn_still_matches_recompute(chat_llm):
     conv.close()
 
 
-def test_a_generated_special_token_keeps_the_next_turn_on_every_kept_token(chat_llm):
+def test_the_template_names_what_it_writes_after_a_reply(smol_tokenizer):
+    assert chat_template.reply_end(smol_tokenizer) == "<|im_end|>\n"
+
+
+@pytest.mark.parametrize("end", ["<|im_end|>", "<|im_start|>"])
+def test_a_generated_special_token_keeps_the_next_turn_on_every_kept_token(chat_llm, monkeypatch, request, end):
     """A reply's text skips the special tokens the model generated inside it, so a client sends the
     reply back without them: the next turn still continues every kept token (a compressing recipe's
-    server conversation could not roll back, and would prefill the whole history again)."""
+    server conversation could not roll back, and would prefill the whole history again). The reply's
+    end token renders only where the template writes it: a model config may name other end ids (one
+    transformers version gives this tiny model <|im_start|> as its end of sequence)."""
     tok = chat_llm.tokenizer
+    eos = tok.convert_tokens_to_ids(end)
+    monkeypatch.setattr(chat_llm, "eos_ids", {*chat_llm.eos_ids, eos})
+    template_end = tok.eos_token
+    tok.eos_token = end  # a tokenizer attribute that monkeypatch cannot undo; restored below
+    request.addfinalizer(lambda: setattr(tok, "eos_token", template_end))
     special = next(t for t in tok.all_special_ids if t not in chat_llm.eos_ids)
     words = chat_template.encode(tok, "The sea is deep.")
-    eos = tok.eos_token_id  # the template's end of a turn (a model config may name more end ids)
     for forced, finish in [([words[0], special, *words[1:], eos], "stop"), ([*words, special], "forced")]:
         conv = chat_llm.conversation()
         reply = conv.send("Hello.", force=forced)
@@ -119,6 +130,7 @@ def test_a_generated_special_token_keeps_the_next_turn_on_every_kept_token(chat_
         assert conv.messages[-1] == {"role": "assistant", "content": "The sea is deep."}
         next_text = chat_template.render(tok, [*conv.messages, {"role": "user", "content": "More."}])
         assert next_text.startswith(conv.text)
+        assert conv.text.endswith("deep." + (end if finish == "stop" and end == "<|im_end|>" else ""))
         kept = len(conv.tokens)
         second = conv.send("More.", max_new_tokens=3)
         assert second.cached_tokens == kept - 1  # every kept token but the last reply token, never fed

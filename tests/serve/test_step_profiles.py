@@ -34,3 +34,18 @@ def test_host_reserve_reports_a_step():
                           "--layers", "2", "--kv-heads", "2", "--history", "400", "--steps", "3"],
                          check=True, timeout=300, capture_output=True, text=True)
     assert run.stdout.startswith("4 streams x 2 layers x 2 KV heads: ") and "ms of host time" in run.stdout
+
+
+def test_profile_compress_times_each_turns_compression(tmp_path, chat_model_dir):
+    out = tmp_path / "compress.json"
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks/serving/profile_compress.py"), "--model",
+                          str(chat_model_dir), "--dtype", "float32", "--device", "cpu", "--recipe",
+                          "ada-snapkv keep_ratio=0.2 schedule=prompt", "--prompt", "300", "--turns", "3",
+                          "--max-tokens", "2", "--kv-memory", "64MiB", "--out", str(out)],
+                         check=True, timeout=600, capture_output=True, text=True)
+    turns = json.loads(out.read_text())["turns"]
+    assert [t["turn"] for t in turns] == [1, 2, 3] and turns[0]["prompt_tokens"] >= 300
+    assert all(len(t["compressions"]) == 1 and t["compressions"][0]["seconds"] > 0 for t in turns)
+    assert turns[1]["cached_tokens"] > 0  # the later turn reused the compressed history
+    assert turns[0]["compressions"][0]["kept_tokens"] < 0.3 * turns[0]["prompt_tokens"] * 2 * 2  # 2 layers x 2 heads
+    assert "--- host profile: compression 2 ---" in run.stdout

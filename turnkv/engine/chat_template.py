@@ -21,6 +21,19 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True, 
                                          **options)
 
 
+def reply_end(tokenizer) -> str:
+    """What the template writes right after an assistant message's content (SmolLM2's: "<|im_end|>\\n");
+    "" when the template cannot render an assistant message or writes nothing there."""
+    mark = "turnkv-reply-end-probe"
+    try:
+        text = render(tokenizer, [{"role": "user", "content": "?"}, {"role": "assistant", "content": mark}],
+                      add_generation_prompt=False)
+    except Exception:  # a template may refuse a bare exchange (jinja raise_exception)
+        return ""
+    at = text.rfind(mark)
+    return text[at + len(mark):] if at >= 0 else ""
+
+
 def encode(tokenizer, text: str) -> list[int]:
     # Templates write BOS themselves, so the rendered text is encoded without special tokens.
     return tokenizer.encode(text, add_special_tokens=False) if text else []

@@ -256,14 +256,15 @@ class Conversation:
     def _reply_text(self, reply: Reply) -> str:
         """The reply's part of `text`: the text its client was sent, so that a client sending the reply
         back continues every kept token. Special tokens generated inside the reply render as nothing
-        (a reply's text skips them), but for the tokenizer's end-of-sequence token ending it, which
-        the chat template writes back. A reply whose text is not its tokens' (a stop string cut
-        it) renders its tokens in full, and the next turn rolls back to what the template confirms."""
+        (a reply's text skips them), but for a stop token ending it whose text the chat template writes
+        after an assistant message (SmolLM2's <|im_end|>; not another end id a model config names).
+        A reply whose text is not its tokens' (a stop string cut it) renders its tokens in full, and
+        the next turn rolls back to what the template confirms."""
         decode, ids = self.llm.tokenizer.decode, reply.token_ids
         if not reply.text_complete:
             return decode(ids, skip_special_tokens=False)
-        end = ids[-1:] if ids and ids[-1] == self.llm.tokenizer.eos_token_id else []
-        return reply.text + decode(end, skip_special_tokens=False)
+        end = decode(ids[-1:], skip_special_tokens=False) if ids and ids[-1] in self.llm.eos_ids else ""
+        return reply.text + (end if end and self.llm.reply_end.startswith(end) else "")
 
     def clone(self, copy_decode: bool = False) -> Conversation:
         """A new conversation of the same class in this one's state: the KV copied into its own pages,

@@ -7,7 +7,7 @@ from dataclasses import fields
 import numpy as np
 import torch
 
-from turnkv.engine import decode_loop
+from turnkv.engine import chat_template, decode_loop
 from turnkv.engine.conversation import Conversation
 from turnkv.engine.generation import Generation, Reply
 from turnkv.engine.grammar import Grammars
@@ -126,6 +126,9 @@ class LLM:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = eos
+        # The text the chat template writes after a reply: a reply's end token renders as the start of it.
+        has_template = getattr(self.tokenizer, "chat_template", None) is not None
+        self.reply_end = chat_template.reply_end(self.tokenizer) if has_template else ""
         self.vocab_limit = len(self.tokenizer) if self.tokenizer is not None else None
         self.recipe = self.resolve_recipe(default_recipe)
         self.state = StateManager(self, parse_bytes(state_cpu_memory), state_disk_dir,

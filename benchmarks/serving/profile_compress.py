@@ -1,0 +1,96 @@
+"""Where a compression's time goes: one conversation under a compressing recipe through
+Conversation.send, a long document in turn 1 and short questions after it, with every eviction
+(Eviction.compress) timed with the device synchronized, and the host profile of the first two.
+
+    python benchmarks/serving/profile_compress.py --model llama-3.1-8b --dtype bfloat16 --device cuda \
+        --recipe "ada-snapkv keep_ratio=0.1 schedule=prompt" --prompt 32768 --turns 4
+
+A diagnostic: a serving step that ends a prompt runs its compression, and every running stream waits
+for it (capacity_bench.py's timeline shows those gaps)."""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import turnkv
+from turnkv.methods.evict.eviction import Eviction
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from capacity_workload import document_text  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--recipe", default="ada-snapkv keep_ratio=0.1 schedule=prompt")
+    p.add_argument("--prompt", type=int, default=32768, help="tokens of turn 1's document")
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--kv-memory", default="16GiB")
+    p.add_argument("--profiled", type=int, default=2, help="compressions to profile on the host")
+    p.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = p.parse_args()
+    llm = turnkv.LLM(args.model, dtype=getattr(torch, args.dtype), device=args.device, kv_memory=args.kv_memory,
+                     recipe=args.recipe)
+    sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
+    calls, profiles = [], []
+    compress = Eviction.compress
+
+    def timed_compress(self, kv, *rest, **options):
+        profile = cProfile.Profile() if len(profiles) < args.profiled else None
+        sync()
+        start = time.perf_counter()
+        if profile:
+            profile.enable()
+        entry = compress(self, kv, *rest, **options)
+        sync()
+        if profile:
+            profile.disable()
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(20)
+            profiles.append(text.getvalue())
+        calls.append({"seconds": time.perf_counter() - start, "span": entry["span"],
+                      "kept_tokens": int(kv.lengths.sum())})
+        return entry
+
+    Eviction.compress = timed_compress
+    conv = llm.conversation()
+    rows = []
+    for turn in range(args.turns):
+        text = document_text(llm.tokenizer, args.prompt, 0) + "\n\nWhat is this about?" if turn == 0 \
+            else f"Question {turn}: and then?"
+        before = len(calls)
+        sync()
+        start = time.perf_counter()
+        reply = conv.send(text, max_new_tokens=args.max_tokens)
+        sync()
+        rows.append({"turn": turn + 1, "prompt_tokens": reply.prompt_tokens, "cached_tokens": reply.cached_tokens,
+                     "send_s": time.perf_counter() - start, "compressions": calls[before:]})
+    print("| turn | prompt tokens | cached | send (s) | compressions (ms) | kept tokens after |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        ms = ", ".join(f"{c['seconds'] * 1000:.1f}" for c in row["compressions"]) or "-"
+        kept = row["compressions"][-1]["kept_tokens"] if row["compressions"] else "-"
+        print(f"| {row['turn']} | {row['prompt_tokens']} | {row['cached_tokens']} | {row['send_s']:.3f} | {ms} "
+              f"| {kept} |")
+    for i, text in enumerate(profiles):
+        print(f"--- host profile: compression {i + 1} ---")
+        print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"recipe": str(llm.recipe), "prompt": args.prompt, "turns": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
