@@ -288,54 +288,79 @@ class SequenceKV:
         return (((pos >= lo) & (pos < hi)) & valid).sum(dim=1).cpu().numpy()
 
     # ---- eviction and rollback -------------------------------------------------------------
-    def keep(self, layer: int, keep: list[torch.Tensor]) -> None:
+    def keep(self, layer: int, keep: list) -> None:
         """Keep, per KV head of `layer`, the tokens at the given indices (into its current order) and
-        drop the rest. Kept tokens are compacted, in order, into the head's first pages; the pages
-        left empty go back to the pool. Needs no new page, so it cannot fail for lack of memory."""
-        H, ps = self.pool.num_kv_heads, self.pool.page_size
+        drop the rest: keep_mask with those entries set. The indices must be integers, unique and
+        within each head's length (ValueError otherwise, with nothing changed)."""
+        H = self.pool.num_kv_heads
         if len(keep) != H:
             raise ValueError(f"keep needs one index tensor per KV head ({H}), got {len(keep)}")
-        self._privatize_for_keep(layer, keep)
-        table = self.device_table()[layer]
-        src, dst, counts = [], [], []
-        moved = np.zeros(H, dtype=bool)
-        for head, idx in enumerate(keep):
-            idx = torch.as_tensor(idx, device=self.pool.device)
-            if idx.numel() and (idx.is_floating_point() or idx.is_complex()):
-                raise ValueError(f"layer {layer} head {head}: keep indices must be integers, got {idx.dtype}")
-            idx = idx.to(torch.int64).sort().values
-            if idx.numel() and (idx[0] < 0 or idx[-1] >= self.lengths[layer, head] or (idx[1:] == idx[:-1]).any()):
-                raise ValueError(f"layer {layer} head {head}: keep indices must be unique and in [0, {self.lengths[layer, head]})")
-            counts.append(idx.numel())
-            if idx.numel() == self.lengths[layer, head] and (idx.numel() == 0 or int(idx[-1]) == idx.numel() - 1):
-                continue  # kept whole (a dense head beside trimmed streaming heads): nothing moves
-            moved[head] = True
-            target = torch.arange(idx.numel(), device=self.pool.device)
-            src.append(table[head, idx // ps] * ps + idx % ps)
-            dst.append(table[head, target // ps] * ps + target % ps)
-        if src:
-            # K, V (with a quantized pool's scales), positions and attention mass move together.
-            self.pool.move(layer, torch.cat(src), torch.cat(dst))
-        self._shrink(layer, np.asarray(counts, dtype=np.int64), moved)
+        device = self.pool.device
+        idx = [torch.as_tensor(i, device=device) for i in keep]
+        for head, i in enumerate(idx):
+            if i.numel() and (i.is_floating_point() or i.is_complex()):
+                raise ValueError(f"layer {layer} head {head}: keep indices must be integers, got {i.dtype}")
+        sizes = torch.tensor([i.numel() for i in idx])
+        flat = torch.cat([i.reshape(-1).to(torch.int64) for i in idx])
+        heads = torch.repeat_interleave(torch.arange(H, device=device), sizes.to(device))
+        lengths = torch.from_numpy(self.lengths[layer]).to(device)
+        outside = (flat < 0) | (flat >= lengths[heads])
+        if flat.numel() and bool(outside.any()):
+            head = int(heads[outside.nonzero()[0, 0]])
+            raise ValueError(f"layer {layer} head {head}: keep indices must be in [0, {self.lengths[layer, head]})")
+        mask = torch.zeros(H, int(self.lengths[layer].max(initial=0)), dtype=torch.bool, device=device)
+        mask[heads, flat] = True
+        self.keep_mask(layer, mask, expected=sizes.numpy())
 
-    def _privatize_for_keep(self, layer: int, keep: list[torch.Tensor]) -> None:
-        """Before keep() compacts: per head, the pages its compaction writes (from the first kept
-        token that moves to the last page it keeps) become private copies where they are shared."""
+    def keep_mask(self, layer: int, mask: torch.Tensor, expected: np.ndarray | None = None) -> None:
+        """Keep, per KV head of `layer`, the tokens where mask [kv_heads, S] (S = the layer's longest
+        head; on the pool's device) is True and drop the rest. Kept tokens are compacted, in order,
+        into the head's first pages; the pages left empty go back to the pool. Needs no new page, so
+        it cannot fail for lack of memory. Reads [3, kv_heads] integers back from the device, once.
+        expected: [kv_heads] kept counts the caller asked for (keep() refuses duplicate indices so)."""
+        H, ps = self.pool.num_kv_heads, self.pool.page_size
+        S = int(self.lengths[layer].max(initial=0))
+        if tuple(mask.shape) != (H, S) or mask.dtype != torch.bool:
+            raise ValueError(f"keep_mask needs a bool mask of shape ({H}, {S}), got {mask.dtype} {tuple(mask.shape)}")
+        if S == 0:
+            return self._shrink(layer, np.zeros(H, np.int64), np.zeros(H, bool))
+        lengths = torch.from_numpy(self.lengths[layer]).to(mask.device)
+        valid = torch.arange(S, device=mask.device) < lengths[:, None]
+        dropped = valid & ~mask
+        # A head's tokens before its first dropped one stay where they are; the kept ones after it move.
+        first_drop = torch.where(dropped.any(dim=1), dropped.to(torch.int8).argmax(dim=1), lengths)
+        outside = (mask & ~valid).sum(dim=1)
+        counts, first_drop, outside = torch.stack([mask.sum(dim=1), first_drop, outside]).cpu().numpy()
+        if outside.any():
+            head = int(np.flatnonzero(outside)[0])
+            raise ValueError(f"layer {layer} head {head}: keep_mask marks tokens past the head's "
+                             f"{self.lengths[layer, head]}")
+        if expected is not None and (counts != expected).any():
+            head = int(np.flatnonzero(counts != expected)[0])
+            raise ValueError(f"layer {layer} head {head}: keep indices must be unique")
+        moved = counts > first_drop
+        self._privatize_for_keep(layer, counts, first_drop, moved)
+        if moved.any():
+            rank = mask.cumsum(dim=1) - 1  # each kept token's index after compaction
+            heads, src = (mask & (rank != torch.arange(S, device=mask.device))).nonzero(as_tuple=True)
+            dst = rank[heads, src]
+            table = self.device_table()[layer]
+            # K, V (with a quantized pool's scales), positions and attention mass move together.
+            self.pool.move(layer, table[heads, src // ps] * ps + src % ps, table[heads, dst // ps] * ps + dst % ps)
+        self._shrink(layer, counts.astype(np.int64), moved)
+
+    def _privatize_for_keep(self, layer: int, counts: np.ndarray, first_drop: np.ndarray, moved: np.ndarray) -> None:
+        """Before keep_mask compacts: per head, the pages its compaction writes (from its first dropped
+        token's page to the last page it keeps) become private copies where they are shared."""
         ps = self.pool.page_size
-        cols_all = np.arange(self.table.shape[2])
-        if not (self.pool.refs[layer, self.table[layer][cols_all[None, :] < self.num_pages[layer][:, None]]] > 1).any():
+        if not moved.any():
             return
-        heads, cols = [], []
-        for head, idx in enumerate(keep):
-            idx = np.sort(torch.as_tensor(idx).to(torch.int64).cpu().numpy())
-            moved = np.flatnonzero(idx != np.arange(len(idx)))
-            if not len(moved):
-                continue
-            span = np.arange(moved[0] // ps, -(-len(idx) // ps))
-            heads.append(np.full(len(span), head))
-            cols.append(span)
-        if heads:
-            self._privatize(layer, np.concatenate(heads), np.concatenate(cols))
+        held = np.arange(self.table.shape[2])[None, :] < self.num_pages[layer][:, None]
+        if not (self.pool.refs[layer, self.table[layer][held]] > 1).any():
+            return
+        heads = np.flatnonzero(moved)
+        spans = [np.arange(first_drop[h] // ps, -(-counts[h] // ps)) for h in heads]
+        self._privatize(layer, np.repeat(heads, [len(c) for c in spans]), np.concatenate(spans))
 
     def drop_pages(self, layers, heads, first, count) -> None:
         """Drop whole pages from inside heads' lists: for each (layers[i], heads[i]), the `count[i]`

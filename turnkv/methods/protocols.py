@@ -153,8 +153,9 @@ class Allocator(ABC):
         Parameters
         ----------
         scores : torch.Tensor
-            [H, S] float on the CPU: +inf for a token that must stay, -inf for one that is not a
-            candidate, finite scores for the candidates.
+            [H, S] float, on the device the scores were computed on: +inf for a token that must
+            stay, -inf for one that is not a candidate, finite scores for the candidates. The
+            few per-head integer decisions run on the CPU; work over all S runs where the scores are.
         total : int
             Tokens the layer keeps, at least its +inf tokens (the eviction driver lets surplus
             protected tokens compete by score instead).
@@ -162,8 +163,8 @@ class Allocator(ABC):
         Returns
         -------
         torch.Tensor
-            [H] int64 counts, each at least the head's +inf tokens and at most its non -inf ones,
-            summing to min(total, number of non -inf tokens).
+            [H] int64 counts on the CPU, each at least the head's +inf tokens and at most its non
+            -inf ones, summing to min(total, number of non -inf tokens).
         """
 
 

@@ -39,14 +39,14 @@ class AdaKVAllocator(Allocator):
         budget = min(total - int(protected.sum()), int(free.sum()))
         if budget <= 0:
             return protected
-        competing = torch.where(torch.isfinite(scores), scores.float(), torch.tensor(float("-inf")))
+        competing = torch.where(torch.isfinite(scores), scores.float(), float("-inf"))
         uniform = budget / H
         if self.rule == "kvpress":
             n_safe = int(total // H * self.alpha)  # of each head's top tokens, its protected ones first
             forced = torch.minimum((n_safe - protected).clamp(min=0), free)
             rest = competing.clone()
             ranks = rest.argsort(dim=1, descending=True).argsort(dim=1)
-            rest[ranks < forced[:, None]] = float("-inf")  # each head's forced tokens are already taken
+            rest[ranks < forced.to(rest.device)[:, None]] = float("-inf")  # each head's forced tokens are taken
             desired = forced.double() + self.global_share(rest, budget - int(forced.sum())).double()
         else:
             f = self.global_share(competing, budget).double()
@@ -58,8 +58,9 @@ class AdaKVAllocator(Allocator):
 
     @staticmethod
     def global_share(scores: torch.Tensor, k: int) -> torch.Tensor:
-        """f_i: how many of the layer's top-k scores (over all heads) fall in head i."""
+        """f_i: how many of the layer's top-k finite scores (over all heads) fall in head i, as [H] on
+        the CPU. The top-k runs where the scores are."""
         H, S = scores.shape
-        k = min(k, int(torch.isfinite(scores).sum()))
         top = scores.reshape(-1).topk(k).indices
-        return torch.bincount(top // S, minlength=H)
+        finite = torch.isfinite(scores.reshape(-1)[top])  # k may exceed the finite scores: they rank first
+        return torch.bincount(top // S, weights=finite.double(), minlength=H).round().long().cpu()

@@ -86,9 +86,11 @@ class Eviction:
             S = pos.shape[1]
             valid = torch.arange(S, device=pos.device) < torch.from_numpy(kv.lengths[layer]).to(pos.device)[:, None]
             candidate = valid & (pos >= lo) & (pos < hi)
-            n_cand = int(candidate.sum())
-            kept_before[layer] = ((pos < lo) & valid).sum(dim=1).cpu().numpy()
-            target = self.target(layer, L, hi, int(candidate.sum(dim=1).max()) if n_cand else 0)
+            # One read back per layer of the per-head counts the budget needs.
+            kept_before[layer], per_head = torch.stack([((pos < lo) & valid).sum(dim=1),
+                                                        candidate.sum(dim=1)]).cpu().numpy()
+            n_cand = int(per_head.sum())
+            target = self.target(layer, L, hi, int(per_head.max()))
             total = turns.keep_total(H, target, int(kept_before[layer].sum()), n_cand, self.keep_ratio)
             budget[layer] = total
             if total >= n_cand:
@@ -107,11 +109,11 @@ class Eviction:
                 finite_max = scores[torch.isfinite(scores)].max() if torch.isfinite(scores).any() else 0.0
                 scores = torch.where(torch.isposinf(scores), finite_max + 1.0 + pos.float() * 1e-6, scores)
             # Allocation is a few small integer decisions per head: done on the host, whatever the device.
-            counts = self.allocator.allocate(scores.cpu(), total).to(scores.device)
+            counts = self.allocator.allocate(scores, total).to(scores.device)
             order = scores.argsort(dim=1, descending=True, stable=True)
             chosen = torch.zeros_like(candidate)
             chosen.scatter_(1, order, torch.arange(S, device=scores.device)[None] < counts[:, None])
             keep = (valid & ~candidate) | (chosen & candidate)
-            kv.keep(layer, [keep[h].nonzero().flatten() for h in range(H)])
+            kv.keep_mask(layer, keep)
         return {"span": [lo, hi], "budget_per_layer": budget.tolist(), "kept_per_head": kv.lengths.tolist(),
                 "kv_bytes": kv.bytes()}
