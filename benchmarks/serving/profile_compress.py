@@ -39,6 +39,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--kv-memory", default="16GiB")
     p.add_argument("--profiled", type=int, default=2, help="compressions to profile on the host")
+    p.add_argument("--trace", action="store_true", help="also trace those compressions' device kernels (torch.profiler)")
+    p.add_argument("--warmup", action="store_true",
+                   help="play turn 1 once in a conversation of its own first (kernel loading, allocator growth)")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args()
     llm = turnkv.LLM(args.model, dtype=getattr(torch, args.dtype), device=args.device, kv_memory=args.kv_memory,
@@ -49,27 +52,42 @@ def main() -> None:
 
     def timed_compress(self, kv, *rest, **options):
         profile = cProfile.Profile() if len(profiles) < args.profiled else None
+        tracer = None
+        if profile and args.trace:
+            activities = [torch.profiler.ProfilerActivity.CPU] + \
+                ([torch.profiler.ProfilerActivity.CUDA] if llm.device.type == "cuda" else [])
+            tracer = torch.profiler.profile(activities=activities)
+            tracer.__enter__()
         sync()
         start = time.perf_counter()
         if profile:
             profile.enable()
         entry = compress(self, kv, *rest, **options)
         sync()
+        seconds = time.perf_counter() - start
         if profile:
             profile.disable()
             text = io.StringIO()
             pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(20)
+            if tracer is not None:
+                tracer.__exit__(None, None, None)
+                key = "device_time_total" if llm.device.type == "cuda" else "cpu_time_total"
+                text.write(tracer.key_averages().table(sort_by=key, row_limit=25))
             profiles.append(text.getvalue())
-        calls.append({"seconds": time.perf_counter() - start, "span": entry["span"],
+        calls.append({"seconds": seconds, "span": entry["span"],
                       "kept_tokens": int(kv.lengths.sum())})
         return entry
 
+    document = document_text(llm.tokenizer, args.prompt, 0) + "\n\nWhat is this about?"
+    if args.warmup:
+        warm = llm.conversation()
+        warm.send(document, max_new_tokens=2)
+        warm.close()
     Eviction.compress = timed_compress
     conv = llm.conversation()
     rows = []
     for turn in range(args.turns):
-        text = document_text(llm.tokenizer, args.prompt, 0) + "\n\nWhat is this about?" if turn == 0 \
-            else f"Question {turn}: and then?"
+        text = document if turn == 0 else f"Question {turn}: and then?"
         before = len(calls)
         sync()
         start = time.perf_counter()
