@@ -360,3 +360,13 @@ def test_build_errors_list_the_options():
         registry.build("turns", "flowkv", {"min": 3})
     with pytest.raises(InvalidRequestError, match="turns 'flowkv': min_size must be >= 0"):
         registry.build("turns", "flowkv", {"min_size": -2})
+
+
+@pytest.mark.parametrize("text, compresses", [
+    ("ada-snapkv schedule=prompt", True), ("snapkv", True), ("snapkv schedule=turn_end", False),
+    ("snapkv schedule=decode", False), ("full", False), ("lserve", False),
+])
+def test_a_recipe_says_whether_a_prompt_ends_in_an_eviction_pass(text, compresses):
+    recipe = Recipe.of(text)
+    assert recipe.compresses_after_prompt is compresses
+    assert (recipe.evict is not None and recipe.evict.schedule in ("prefill", "prompt")) is compresses

@@ -98,3 +98,29 @@ def test_decode_steps_split_at_the_cuda_graphs_batch():
     sizes.clear()
     s._decode()
     assert sizes == [70]
+
+
+def test_a_mixed_step_ends_at_most_one_prompt_that_compresses(monkeypatch):
+    """Every running stream waits for the eviction pass that ends a compressed prompt: a mixed step
+    carries the slices of other prompts beside one such ending, but not a second."""
+    import turnkv.serve.scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module.mixed, "slice_part",
+                        lambda turn, size: SimpleNamespace(size=min(size, turn.left), width=min(size, turn.left)))
+    s = scheduler(max_step_tokens=4096)
+
+    def job(name, left, compresses):
+        j = FakeJob(name, left)
+        j.turn.recipe, j.turn.left = SimpleNamespace(compresses_after_prompt=compresses), left
+        return j
+
+    ends_a, ends_b = job("ends, compressed", 10, True), job("ends too, compressed", 5, True)
+    full, long = job("ends, not compressed", 3, False), job("does not end", 100, True)
+    s.prefilling = [ends_a, ends_b, full, long]
+    picked = s._pick_slices(4096)
+    assert [(j.name, p.width) for j, p in picked] == [("ends, compressed", 10), ("ends, not compressed", 3),
+                                                      ("does not end", CHUNK)]
+    s.prefilling = [ends_b, long]  # the next step: the second compressed prompt ends now
+    assert [j.name for j, _ in s._pick_slices(4096)] == ["ends too, compressed", "does not end"]
+    s.prefilling = [ends_b]  # a lone slice always goes, whatever the budget
+    assert [j.name for j, _ in s._pick_slices(0)] == ["ends too, compressed"]

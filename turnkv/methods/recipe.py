@@ -297,6 +297,12 @@ class Recipe:
         if self.static_sparsity is not None:
             self.static_sparsity.trim(kv)
 
+    @property
+    def compresses_after_prompt(self) -> bool:
+        """Whether a turn's prompt ends in an eviction pass over the layers (schedule prefill or prompt),
+        work that the step which ends the prompt runs after its forward."""
+        return self._scheduled("prefill") or self._scheduled("prompt")
+
     def after_prompt(self, kv, st: MethodState, segment_end: int, inv_freq, turn: int) -> None:
         """A turn's prompt is prefilled; tokens before `segment_end` belong to finished segments."""
         if st.pattern_stats:

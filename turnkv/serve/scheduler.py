@@ -12,7 +12,8 @@ Each iteration:
    request's next token plus whole prefill slices of the prefilling prompts, in arrival order, as
    many as fit in `max_step_tokens` (at least one; a slice too big for what is left lets a shorter
    prompt's by): a long prompt adds at most its slices to the running streams' inter-token gap, and
-   a short later turn is not queued behind it. With max_step_tokens 0, one slice runs as its own
+   a short later turn is not queued behind it. Of the slices that end a prompt its recipe then
+   compresses (an eviction pass the running streams wait for), a step carries one. With max_step_tokens 0, one slice runs as its own
    forward, then one batched decode step (one runner.decode call per group of recipes that agree on
    what the step records). Pure-decode steps go through runner.decode, which replays CUDA graphs;
 4. when nothing decodes, prompts prefill slice by slice until the first of them decodes. Slice
@@ -359,14 +360,7 @@ class Scheduler:
         jobs = {id(job.turn): job for job in self.decoding}
         batches = decode_loop.batches([job.turn for job in self.decoding], self.config.max_running)
         parts = [mixed.decode_part(batch) for batch in batches]
-        budget = self.config.max_step_tokens - sum(part.size for part in parts)
-        slices = []
-        for job in self.prefilling:  # in arrival order; a slice that does not fit lets shorter ones by
-            part = mixed.slice_part(job.turn, self._slice(job))
-            if slices and part.size > budget:
-                continue
-            slices.append((job, part))
-            budget -= part.size
+        slices = self._pick_slices(self.config.max_step_tokens - sum(part.size for part in parts))
         try:
             logits = self._with_room(lambda: mixed.forward(self.llm.runner, parts + [p for _, p in slices]))
         except KVCacheFullError:
@@ -387,6 +381,22 @@ class Scheduler:
             if piece is not None:
                 self.prefilling.remove(job)
                 self._first_token(job, piece, job.turn.done)
+
+    def _pick_slices(self, budget: int) -> list:
+        """(job, part) of the prefill slices a mixed step carries beside its decode tokens: whole slices
+        in arrival order while they fit in `budget` tokens (the first always goes; a slice that does not
+        fit lets shorter ones by), and of the slices that end a prompt whose recipe then compresses it,
+        only the first: every running stream waits for those compressions, so a step runs at most one."""
+        slices, compressing = [], False
+        for job in self.prefilling:
+            part = mixed.slice_part(job.turn, self._slice(job))
+            ends_compressing = part.width >= job.prefill_left and job.turn.recipe.compresses_after_prompt
+            if slices and (part.size > budget or (compressing and ends_compressing)):
+                continue
+            slices.append((job, part))
+            budget -= part.size
+            compressing |= ends_compressing
+        return slices
 
     def _decode_step(self, batch: list, jobs: dict):
         """decode_loop.forward over `batch` (turns; jobs maps id(turn) to its request); on a full
