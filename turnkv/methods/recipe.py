@@ -34,7 +34,7 @@ from turnkv.methods.prefill.pattern_hook import PatternHook, summarise
 from turnkv.methods.protocols import Decode, DecodeSelection, Prefill, StateStrategy, StaticSparsity, Turns
 from turnkv.methods.registry import build
 from turnkv.methods.step_context import StepContext
-from turnkv.methods.terms import format_term, parse_term, parse_value, split_top_level
+from turnkv.methods.terms import format_term, option_string, parse_term, parse_value, split_top_level
 from turnkv.methods.turns.recompress import RecompressTurns
 from turnkv.methods.window import QueryMoments, QueryWindow
 from turnkv.paths import user_path
@@ -146,7 +146,7 @@ class Recipe:
         if unknown:
             raise InvalidRequestError(f"unknown recipe option {unknown[0]!r}; the options are "
                                       f"{', '.join(sorted(RECIPE_KEYS))}")
-        return base.with_overrides({k: _option_string(v) for k, v in options.items()}) if options else base
+        return base.with_overrides({k: option_string(v) for k, v in options.items()}) if options else base
 
     @classmethod
     def from_file(cls, path: str | Path) -> Recipe:
@@ -172,7 +172,7 @@ class Recipe:
     @classmethod
     def from_dict(cls, data: dict) -> Recipe:
         base = preset(data["preset"]) if "preset" in data else cls()
-        overrides = {k: _option_string(v) for k, v in data.items() if k != "preset"}
+        overrides = {k: option_string(v) for k, v in data.items() if k != "preset"}
         return base.with_overrides(overrides)
 
     def with_overrides(self, overrides: dict[str, str]) -> Recipe:
@@ -484,23 +484,3 @@ def _make_eviction(scorer, allocator, params: dict) -> Eviction:
         return Eviction(scorer=scorer, allocator=allocator, **params)
     except (TypeError, ValueError) as e:
         raise InvalidRequestError(f"eviction: {e}") from None
-
-
-def _option_string(value) -> str:
-    """A recipe key's value as the string form writes it (a component mapping as its term)."""
-    if isinstance(value, dict):
-        return _component_string(value)
-    return "none" if value is None else str(value)
-
-
-def _component_string(spec: dict) -> str:
-    """{"scorer": "snapkv", "window": 16, "allocator": "adakv", "alpha": 0.3, "budget": 256} -> a string."""
-    spec = dict(spec)
-    if "scorer" in spec:  # an eviction block
-        scorer, allocator = spec.pop("scorer"), spec.pop("allocator", "uniform")
-        allocator_keys = {"alpha", "rule"}
-        scorer_args = ",".join(f"{k}={v}" for k, v in spec.items() if k not in allocator_keys)
-        allocator_args = ",".join(f"{k}={v}" for k, v in spec.items() if k in allocator_keys)
-        return f"{scorer}({scorer_args})+{allocator}({allocator_args})"
-    name = spec.pop("name")
-    return f"{name}({','.join(f'{k}={v}' for k, v in spec.items())})"

@@ -81,3 +81,23 @@ def format_term(component) -> str:
     defaults = default_values(component)
     changed = [f"{k}={v}" for k, v in values.items() if v != defaults[k]]
     return component.name + (f"({','.join(changed)})" if changed else "")
+
+
+def option_string(value) -> str:
+    """A recipe key's value as the string form writes it (a component mapping as its term)."""
+    if isinstance(value, dict):
+        return component_string(value)
+    return "none" if value is None else str(value)
+
+
+def component_string(spec: dict) -> str:
+    """{"scorer": "snapkv", "window": 16, "allocator": "adakv", "alpha": 0.3, "budget": 256} -> a string."""
+    spec = dict(spec)
+    if "scorer" in spec:  # an eviction block
+        scorer, allocator = spec.pop("scorer"), spec.pop("allocator", "uniform")
+        allocator_keys = {"alpha", "rule"}
+        scorer_args = ",".join(f"{k}={v}" for k, v in spec.items() if k not in allocator_keys)
+        allocator_args = ",".join(f"{k}={v}" for k, v in spec.items() if k in allocator_keys)
+        return f"{scorer}({scorer_args})+{allocator}({allocator_args})"
+    name = spec.pop("name")
+    return f"{name}({','.join(f'{k}={v}' for k, v in spec.items())})"
