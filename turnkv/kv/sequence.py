@@ -307,7 +307,8 @@ class SequenceKV:
         outside = (flat < 0) | (flat >= lengths[heads])
         if flat.numel() and bool(outside.any()):
             head = int(heads[outside.nonzero()[0, 0]])
-            raise ValueError(f"layer {layer} head {head}: keep indices must be in [0, {self.lengths[layer, head]})")
+            raise ValueError(f"layer {layer} head {head}: keep indices must be in "
+                             f"[0, {self.lengths[layer, head]})")
         mask = torch.zeros(H, int(self.lengths[layer].max(initial=0)), dtype=torch.bool, device=device)
         mask[heads, flat] = True
         self.keep_mask(layer, mask, expected=sizes.numpy())
@@ -321,9 +322,11 @@ class SequenceKV:
         H, ps = self.pool.num_kv_heads, self.pool.page_size
         S = int(self.lengths[layer].max(initial=0))
         if tuple(mask.shape) != (H, S) or mask.dtype != torch.bool:
-            raise ValueError(f"keep_mask needs a bool mask of shape ({H}, {S}), got {mask.dtype} {tuple(mask.shape)}")
+            raise ValueError(f"keep_mask needs a bool mask of shape ({H}, {S}), "
+                             f"got {mask.dtype} {tuple(mask.shape)}")
         if S == 0:
-            return self._shrink(layer, np.zeros(H, np.int64), np.zeros(H, bool))
+            self._shrink(layer, np.zeros(H, np.int64), np.zeros(H, bool))
+            return
         lengths = torch.from_numpy(self.lengths[layer]).to(mask.device)
         valid = torch.arange(S, device=mask.device) < lengths[:, None]
         dropped = valid & ~mask
@@ -346,10 +349,12 @@ class SequenceKV:
             dst = rank[heads, src]
             table = self.device_table()[layer]
             # K, V (with a quantized pool's scales), positions and attention mass move together.
-            self.pool.move(layer, table[heads, src // ps] * ps + src % ps, table[heads, dst // ps] * ps + dst % ps)
+            src_slots = table[heads, src // ps] * ps + src % ps
+            self.pool.move(layer, src_slots, table[heads, dst // ps] * ps + dst % ps)
         self._shrink(layer, counts.astype(np.int64), moved)
 
-    def _privatize_for_keep(self, layer: int, counts: np.ndarray, first_drop: np.ndarray, moved: np.ndarray) -> None:
+    def _privatize_for_keep(self, layer: int, counts: np.ndarray, first_drop: np.ndarray,
+                            moved: np.ndarray) -> None:
         """Before keep_mask compacts: per head, the pages its compaction writes (from its first dropped
         token's page to the last page it keeps) become private copies where they are shared."""
         ps = self.pool.page_size

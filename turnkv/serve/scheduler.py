@@ -13,9 +13,10 @@ Each iteration:
    many as fit in `max_step_tokens` (at least one; a slice too big for what is left lets a shorter
    prompt's by): a long prompt adds at most its slices to the running streams' inter-token gap, and
    a short later turn is not queued behind it. Of the slices that end a prompt its recipe then
-   compresses (an eviction pass the running streams wait for), a step carries one. With max_step_tokens 0, one slice runs as its own
-   forward, then one batched decode step (one runner.decode call per group of recipes that agree on
-   what the step records). Pure-decode steps go through runner.decode, which replays CUDA graphs;
+   compresses (an eviction pass the running streams wait for), a step carries one. With
+   max_step_tokens 0, one slice runs as its own forward, then one batched decode step (one
+   runner.decode call per group of recipes that agree on what the step records). Pure-decode steps
+   go through runner.decode, which replays CUDA graphs;
 4. when nothing decodes, prompts prefill slice by slice until the first of them decodes. Slice
    boundaries are multiples of `prefill_chunk` in the prompt whatever the load, so a request's
    tokens do not depend on it.

@@ -61,6 +61,6 @@ class AdaKVAllocator(Allocator):
         """f_i: how many of the layer's top-k finite scores (over all heads) fall in head i, as [H] on
         the CPU. The top-k runs where the scores are."""
         H, S = scores.shape
-        top = scores.reshape(-1).topk(k).indices
+        top = scores.reshape(-1).topk(min(k, scores.numel())).indices
         finite = torch.isfinite(scores.reshape(-1)[top])  # k may exceed the finite scores: they rank first
         return torch.bincount(top // S, weights=finite.double(), minlength=H).round().long().cpu()

@@ -108,7 +108,7 @@ class Eviction:
                 # More protected tokens than budget: let them compete among themselves, by score order.
                 finite_max = scores[torch.isfinite(scores)].max() if torch.isfinite(scores).any() else 0.0
                 scores = torch.where(torch.isposinf(scores), finite_max + 1.0 + pos.float() * 1e-6, scores)
-            # Allocation is a few small integer decisions per head: done on the host, whatever the device.
+            # The allocator reads its per-head counts back once; its work over all S stays on the device.
             counts = self.allocator.allocate(scores, total).to(scores.device)
             order = scores.argsort(dim=1, descending=True, stable=True)
             chosen = torch.zeros_like(candidate)
