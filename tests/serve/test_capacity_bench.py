@@ -34,7 +34,8 @@ def test_smoke_run_writes_results_table_and_plots(tmp_path, embedded_model):
         turns = r["timeline"]["turns"]
         assert len(turns) == r["requests"] - r["failed"]
         assert all(sent <= first <= end for _, _, sent, first, end in turns)
-        assert all(b - a > 0.25 for a, b, _ in r["timeline"]["slow_gaps"])
+        # the report rounds each end to the millisecond, so a gap just over 250 ms may read 249 ms
+        assert all(b - a > 0.25 - 0.0015 for a, b, _ in r["timeline"]["slow_gaps"])
         phases = r["worker_phases"]
         assert phases["mixed"]["count"] == r["mixed_steps"] and phases["finish"]["count"] == r["requests"], name
         assert phases["decode"]["count"] > 0 and phases["decode"]["seconds"] > 0, name
