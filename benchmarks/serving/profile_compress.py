@@ -11,6 +11,7 @@ for it (capacity_bench.py's timeline shows those gaps)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -20,12 +21,33 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import turnkv
 from turnkv.methods.evict.eviction import Eviction
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from capacity_workload import document_text  # noqa: E402
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operators dispatched under it (each one a kernel launch or more on a GPU, views
+    aside) and the reads from a device back to the host (a synchronization each)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.reads_back = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops += 1
+        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if source is not None and source.device.type != "cpu" and (
+                func is torch.ops.aten._local_scalar_dense.default
+                or (func is torch.ops.aten._to_copy.default and str(kwargs.get("device")) == "cpu")
+                or (func is torch.ops.aten.nonzero.default)):
+            self.reads_back += 1
+        return func(*args, **kwargs)
 
 
 def main() -> None:
@@ -42,6 +64,9 @@ def main() -> None:
     p.add_argument("--trace", action="store_true", help="also trace those compressions' device kernels (torch.profiler)")
     p.add_argument("--warmup", action="store_true",
                    help="play turn 1 once in a conversation of its own first (kernel loading, allocator growth)")
+    p.add_argument("--count-ops", action="store_true",
+                   help="count the torch operators each compression dispatches and, on a GPU, its reads back "
+                        "to the host (the counting slows it: its times are not the plain ones)")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args()
     llm = turnkv.LLM(args.model, dtype=getattr(torch, args.dtype), device=args.device, kv_memory=args.kv_memory,
@@ -62,7 +87,9 @@ def main() -> None:
         start = time.perf_counter()
         if profile:
             profile.enable()
-        entry = compress(self, kv, *rest, **options)
+        counter = OpCounter() if args.count_ops else contextlib.nullcontext()
+        with counter:
+            entry = compress(self, kv, *rest, **options)
         sync()
         seconds = time.perf_counter() - start
         if profile:
@@ -74,8 +101,8 @@ def main() -> None:
                 key = "device_time_total" if llm.device.type == "cuda" else "cpu_time_total"
                 text.write(tracer.key_averages().table(sort_by=key, row_limit=25))
             profiles.append(text.getvalue())
-        calls.append({"seconds": seconds, "span": entry["span"],
-                      "kept_tokens": int(kv.lengths.sum())})
+        calls.append({"seconds": seconds, "span": entry["span"], "kept_tokens": int(kv.lengths.sum()),
+                      **({"ops": counter.ops, "reads_back": counter.reads_back} if args.count_ops else {})})
         return entry
 
     document = document_text(llm.tokenizer, args.prompt, 0) + "\n\nWhat is this about?"
@@ -95,13 +122,15 @@ def main() -> None:
         sync()
         rows.append({"turn": turn + 1, "prompt_tokens": reply.prompt_tokens, "cached_tokens": reply.cached_tokens,
                      "send_s": time.perf_counter() - start, "compressions": calls[before:]})
-    print("| turn | prompt tokens | cached | send (s) | compressions (ms) | kept tokens after |")
-    print("|---|---|---|---|---|---|")
+    print("| turn | prompt tokens | cached | send (s) | compressions (ms) | kept tokens after |"
+          + (" torch ops / reads back |" if args.count_ops else ""))
+    print("|---|---|---|---|---|---|" + ("---|" if args.count_ops else ""))
     for row in rows:
         ms = ", ".join(f"{c['seconds'] * 1000:.1f}" for c in row["compressions"]) or "-"
         kept = row["compressions"][-1]["kept_tokens"] if row["compressions"] else "-"
+        ops = ", ".join(f"{c['ops']} / {c['reads_back']}" for c in row["compressions"]) or "-"
         print(f"| {row['turn']} | {row['prompt_tokens']} | {row['cached_tokens']} | {row['send_s']:.3f} | {ms} "
-              f"| {kept} |")
+              f"| {kept} |" + (f" {ops} |" if args.count_ops else ""))
     for i, text in enumerate(profiles):
         print(f"--- host profile: compression {i + 1} ---")
         print(text)

@@ -322,41 +322,6 @@ def test_keep_validates_against_current_not_original_length(gen):
     check(seq, exp)
 
 
-def test_keep_mask_keeps_the_marked_tokens_of_uneven_heads(gen):
-    pool = make_pool(layers=2, heads=3, num_pages=24)
-    seq, exp = SequenceKV(pool), Expected(pool)
-    append(seq, exp, 14, gen)
-    seq.keep(0, [list(range(0, 14, 2)), list(range(14)), list(range(3, 12))])  # heads of 7, 14, 9 tokens
-    exp.keep(0, [list(range(0, 14, 2)), list(range(14)), list(range(3, 12))])
-    masks = torch.rand(3, 14, generator=gen) < 0.5
-    masks[1, :5] = True  # a kept prefix: those tokens stay where they are
-    masks &= torch.arange(14) < torch.from_numpy(seq.lengths[0])[:, None]
-    seq.keep_mask(0, masks)
-    exp.keep(0, [masks[h].nonzero().flatten() for h in range(3)])
-    check(seq, exp)
-    assert seq.lengths[0].tolist() == masks.sum(dim=1).tolist()
-    check_pool(pool, [seq])
-
-
-@pytest.mark.parametrize("bad", [
-    pytest.param(torch.ones(2, 6, dtype=torch.bool), id="past-the-heads-length"),
-    pytest.param(torch.ones(2, 5, dtype=torch.bool), id="wrong-shape"),
-    pytest.param(torch.ones(2, 6, dtype=torch.int64), id="not-bool"),
-])
-def test_keep_mask_rejects_a_bad_mask_without_changing_anything(gen, bad):
-    pool = make_pool(layers=1, heads=2, num_pages=8)
-    seq, exp = SequenceKV(pool), Expected(pool)
-    append(seq, exp, 6, gen)
-    seq.keep(0, [[0, 1, 2], list(range(6))])  # head 0 holds 3 tokens, head 1 holds 6
-    exp.keep(0, [[0, 1, 2], list(range(6))])
-    before, pool_before = snapshot(seq), pool_snapshot(pool)
-    with pytest.raises(ValueError, match="keep_mask"):
-        seq.keep_mask(0, bad)
-    assert_same(before, snapshot(seq))
-    assert_pool_same(pool_before, pool_snapshot(pool))
-    check(seq, exp)
-
-
 # ---- randomized mix of everything --------------------------------------------------------------
 
 @pytest.mark.parametrize("device", [

@@ -23,6 +23,15 @@ from turnkv.kv import quant
 from turnkv.model import ops
 
 
+def layer_pages(per_page: torch.Tensor, layer: int | torch.Tensor,
+                tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pool tensor [layers, pages, ...] and page tables [B, H, P] of `layer` (an int, or [B]
+    layers, one per table) -> the pages [n, ...] and tables into them that gather_pages reads."""
+    if not isinstance(layer, torch.Tensor):
+        return per_page[layer], tables
+    return per_page.flatten(0, 1), tables + (layer * per_page.shape[1])[:, None, None]
+
+
 class PagePool:
     def __init__(
         self,
@@ -220,14 +229,15 @@ class PagePool:
             return self.v, self.v_scale
         raise ValueError(f"kind is 'k' or 'v', not {kind!r}")
 
-    def gather(self, layer: int, tables: torch.Tensor, length: int, kind: str = "k") -> torch.Tensor:
-        """K (or V) rows of a layer for page tables [B, H, P] -> [B, H, length, D] in the compute
-        dtype (dequantized after the gather: the gather reads the narrow codes)."""
+    def gather(self, layer: int | torch.Tensor, tables: torch.Tensor, length: int, kind: str = "k") -> torch.Tensor:
+        """K (or V) rows for page tables [B, H, P] -> [B, H, length, D] in the compute dtype
+        (dequantized after the gather: the gather reads the narrow codes). layer: one layer for every
+        table, or [B] int64 on the pool's device, the layer of each (several layers in one gather)."""
         store, scales = self._store(kind)
-        rows = gather_pages(store[layer], tables, length)
+        rows = gather_pages(*layer_pages(store, layer, tables), length)
         if scales is None:
             return rows
-        return quant.dequantize(rows, gather_pages(scales[layer], tables, length), self.dtype)
+        return quant.dequantize(rows, gather_pages(*layer_pages(scales, layer, tables), length), self.dtype)
 
     def pages(self, layer: int, pages: torch.Tensor, kind: str = "k") -> torch.Tensor:
         """Whole pool pages [n] of a layer -> [n, page_size, D] in the compute dtype."""
@@ -254,16 +264,19 @@ class PagePool:
                 out[f"{kind}_scale"] = scales[layer].view(-1).index_select(0, slots)
         return out
 
-    def move(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def move(self, layer: int | torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every per-slot tensor (K, V, their scales, positions, attention mass) from flat slots
-        src to dst within a layer (eviction's compaction); overlapping lists are safe."""
+        src to dst [n] within a layer (eviction's compaction); overlapping lists are safe. layer: one
+        layer, or [n] int64 on the pool's device, each slot pair's layer (every layer in one pass)."""
         D = self.head_dim
+        offset = layer * (self.num_pages * self.page_size)  # slots of the layers before it
+        src, dst = src + offset, dst + offset
         for store in (self.k, self.v):
-            flat = quant.raw(store[layer]).view(-1, D)
+            flat = quant.raw(store).view(-1, D)
             flat.index_copy_(0, dst, flat.index_select(0, src))  # index_select copies first: safe overlap
         for per_slot in (self.k_scale, self.v_scale, self.positions, self.attention_mass):
             if per_slot is not None:
-                flat = per_slot[layer].view(-1)
+                flat = per_slot.view(-1)
                 flat.index_copy_(0, dst, flat.index_select(0, src))
 
     def scale_kwargs(self, layer: int, slots: bool = False) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from turnkv.attention.reference import gather_pages
-from turnkv.kv.pool import PagePool
+from turnkv.kv.pool import PagePool, layer_pages
 
 
 class SequenceKV:
@@ -276,6 +276,28 @@ class SequenceKV:
         k, v = (self.pool.gather(layer, table, S, kind)[0] for kind in ("k", "v"))
         return k, v, gather_pages(self.pool.positions[layer], table, S)[0]
 
+    def gather_layers(self, layers: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """gather() of several layers in one pass: K, V [G, kv_heads, S, D] and positions [G, kv_heads,
+        S] of `layers` (G of them), padded to S = their longest head."""
+        ids, tables, S = self._layer_tables(layers)
+        k, v = (self.pool.gather(ids, tables, S, kind) for kind in ("k", "v"))
+        return k, v, gather_pages(*layer_pages(self.pool.positions, ids, tables), S)
+
+    def gather_positions(self, layers: list[int]) -> torch.Tensor:
+        """Positions [G, kv_heads, S] of `layers`, padded to S = their longest head, in one pass."""
+        ids, tables, S = self._layer_tables(layers)
+        return gather_pages(*layer_pages(self.pool.positions, ids, tables), S)
+
+    def _layer_tables(self, layers: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The layer ids [G] and page tables [G, kv_heads, capacity] of `layers` on the pool's device,
+        and their longest head."""
+        ids = torch.tensor(layers, dtype=torch.int64).to(self.pool.device)
+        return ids, self.device_table()[ids], int(self.lengths[layers].max(initial=0))
+
+    def held(self, layers: list[int], S: int, device: torch.device) -> torch.Tensor:
+        """[G, kv_heads, S] bool: True where a head of `layers` holds a token (gathers pad past it)."""
+        return torch.arange(S, device=device) < torch.from_numpy(self.lengths[layers]).to(device)[..., None]
+
     def gather_attention_mass(self, layer: int) -> torch.Tensor:
         """[kv_heads, S] accumulated attention mass of the layer's tokens, padded like gather()."""
         S = int(self.lengths[layer].max(initial=0))
@@ -283,14 +305,13 @@ class SequenceKV:
 
     def count_positions(self, layer: int, lo: int, hi: int) -> np.ndarray:
         """Per head, how many held tokens have a position in [lo, hi)."""
-        _, _, pos = self.gather(layer)
-        valid = torch.arange(pos.shape[1], device=pos.device) < torch.from_numpy(self.lengths[layer]).to(pos.device)[:, None]
-        return (((pos >= lo) & (pos < hi)) & valid).sum(dim=1).cpu().numpy()
+        pos = self.gather_positions([layer])
+        return ((pos >= lo) & (pos < hi) & self.held([layer], pos.shape[-1], pos.device))[0].sum(dim=1).cpu().numpy()
 
     # ---- eviction and rollback -------------------------------------------------------------
     def keep(self, layer: int, keep: list) -> None:
         """Keep, per KV head of `layer`, the tokens at the given indices (into its current order) and
-        drop the rest: keep_mask with those entries set. The indices must be integers, unique and
+        drop the rest: keep_masks with those entries set. The indices must be integers, unique and
         within each head's length (ValueError otherwise, with nothing changed)."""
         H = self.pool.num_kv_heads
         if len(keep) != H:
@@ -311,51 +332,54 @@ class SequenceKV:
                              f"[0, {self.lengths[layer, head]})")
         mask = torch.zeros(H, int(self.lengths[layer].max(initial=0)), dtype=torch.bool, device=device)
         mask[heads, flat] = True
-        self.keep_mask(layer, mask, expected=sizes.numpy())
+        self.keep_masks([layer], mask[None], expected=sizes.numpy()[None])
 
-    def keep_mask(self, layer: int, mask: torch.Tensor, expected: np.ndarray | None = None) -> None:
-        """Keep, per KV head of `layer`, the tokens where mask [kv_heads, S] (S = the layer's longest
-        head; on the pool's device) is True and drop the rest. Kept tokens are compacted, in order,
-        into the head's first pages; the pages left empty go back to the pool. Needs no new page, so
-        it cannot fail for lack of memory. Reads [3, kv_heads] integers back from the device, once.
-        expected: [kv_heads] kept counts the caller asked for (keep() refuses duplicate indices so)."""
+    def keep_masks(self, layers: list[int], mask: torch.Tensor, expected: np.ndarray | None = None) -> None:
+        """Keep, per KV head of each of `layers` (G distinct ones), the tokens where mask [G, kv_heads, S]
+        (S at least their longest head; on the pool's device) is True; drop the rest. Kept tokens are
+        compacted, in order, into the head's first pages; emptied pages go back to the pool. Needs no
+        new page; a bad mask raises ValueError with nothing changed. Reads [3, G, kv_heads] integers
+        back once and moves every layer's kept tokens in one PagePool.move. expected: [G, kv_heads]
+        kept counts the caller asked for."""
         H, ps = self.pool.num_kv_heads, self.pool.page_size
-        S = int(self.lengths[layer].max(initial=0))
-        if tuple(mask.shape) != (H, S) or mask.dtype != torch.bool:
-            raise ValueError(f"keep_mask needs a bool mask of shape ({H}, {S}), "
-                             f"got {mask.dtype} {tuple(mask.shape)}")
-        if S == 0:
-            self._shrink(layer, np.zeros(H, np.int64), np.zeros(H, bool))
-            return
-        lengths = torch.from_numpy(self.lengths[layer]).to(mask.device)
-        valid = torch.arange(S, device=mask.device) < lengths[:, None]
+        G, S = len(layers), int(mask.shape[-1]) if mask.dim() == 3 else -1
+        if mask.dtype != torch.bool or tuple(mask.shape[:2]) != (G, H) or S < self.lengths[layers].max(initial=0) \
+                or len(set(layers)) != G:
+            raise ValueError(f"keep_masks needs distinct layers and a bool mask of shape ({G}, {H}, S >= the "
+                             f"longest head), got {mask.dtype} {tuple(mask.shape)} for layers {list(layers)}")
+        if S == 0:  # nothing held: nothing to move
+            mask = torch.zeros(G, H, 1, dtype=torch.bool, device=mask.device)
+        lengths = torch.from_numpy(self.lengths[layers]).to(mask.device)
+        valid = self.held(layers, mask.shape[-1], mask.device)
         dropped = valid & ~mask
         # A head's tokens before its first dropped one stay where they are; the kept ones after it move.
-        first_drop = torch.where(dropped.any(dim=1), dropped.to(torch.int8).argmax(dim=1), lengths)
-        outside = (mask & ~valid).sum(dim=1)
-        counts, first_drop, outside = torch.stack([mask.sum(dim=1), first_drop, outside]).cpu().numpy()
+        first_drop = torch.where(dropped.any(dim=-1), dropped.to(torch.int8).argmax(dim=-1), lengths)
+        outside = (mask & ~valid).sum(dim=-1)
+        counts, first_drop, outside = torch.stack([mask.sum(dim=-1), first_drop, outside]).cpu().numpy()
         if outside.any():
-            head = int(np.flatnonzero(outside)[0])
-            raise ValueError(f"layer {layer} head {head}: keep_mask marks tokens past the head's "
-                             f"{self.lengths[layer, head]}")
+            g, head = (int(i[0]) for i in np.nonzero(outside))
+            raise ValueError(f"layer {layers[g]} head {head}: keep_masks marks tokens past the head's "
+                             f"{self.lengths[layers[g], head]}")
         if expected is not None and (counts != expected).any():
-            head = int(np.flatnonzero(counts != expected)[0])
-            raise ValueError(f"layer {layer} head {head}: keep indices must be unique")
+            g, head = (int(i[0]) for i in np.nonzero(counts != expected))
+            raise ValueError(f"layer {layers[g]} head {head}: keep indices must be unique")
         moved = counts > first_drop
-        self._privatize_for_keep(layer, counts, first_drop, moved)
+        for g, layer in enumerate(layers):
+            self._privatize_for_keep(layer, counts[g], first_drop[g], moved[g])
         if moved.any():
-            rank = mask.cumsum(dim=1) - 1  # each kept token's index after compaction
-            heads, src = (mask & (rank != torch.arange(S, device=mask.device))).nonzero(as_tuple=True)
-            dst = rank[heads, src]
-            table = self.device_table()[layer]
+            rank = mask.cumsum(dim=-1) - 1  # each kept token's index after compaction
+            g, heads, src = (mask & (rank != torch.arange(S, device=mask.device))).nonzero(as_tuple=True)
+            dst = rank[g, heads, src]
+            ids, tables, _ = self._layer_tables(layers)
             # K, V (with a quantized pool's scales), positions and attention mass move together.
-            src_slots = table[heads, src // ps] * ps + src % ps
-            self.pool.move(layer, src_slots, table[heads, dst // ps] * ps + dst % ps)
-        self._shrink(layer, counts.astype(np.int64), moved)
+            self.pool.move(ids[g], tables[g, heads, src // ps] * ps + src % ps,
+                           tables[g, heads, dst // ps] * ps + dst % ps)
+        for g, layer in enumerate(layers):
+            self._shrink(layer, counts[g].astype(np.int64), moved[g])
 
     def _privatize_for_keep(self, layer: int, counts: np.ndarray, first_drop: np.ndarray,
                             moved: np.ndarray) -> None:
-        """Before keep_mask compacts: per head, the pages its compaction writes (from its first dropped
+        """Before keep_masks compacts: per head, the pages its compaction writes (from its first dropped
         token's page to the last page it keeps) become private copies where they are shared."""
         ps = self.pool.page_size
         if not moved.any():
@@ -422,10 +446,10 @@ class SequenceKV:
             raise ValueError(f"cannot truncate to {num_positions} positions")
         if num_positions >= self.next_position:
             return
-        for layer in range(self.pool.num_layers):
-            _, _, pos = self.gather(layer)
-            valid = torch.arange(pos.shape[1], device=pos.device) < torch.from_numpy(self.lengths[layer]).to(pos.device)[:, None]
-            counts = ((pos < num_positions) & valid).sum(dim=1).cpu().numpy()
+        layers = list(range(self.pool.num_layers))
+        pos = self.gather_positions(layers)
+        held = self.held(layers, pos.shape[-1], pos.device)
+        for layer, counts in zip(layers, ((pos < num_positions) & held).sum(dim=-1).cpu().numpy()):
             self._shrink(layer, counts.astype(np.int64))
         self.next_position = num_positions
 

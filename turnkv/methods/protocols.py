@@ -21,6 +21,7 @@ chunk, S keys a head holds (padded to the longest head), D head dim.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -108,11 +109,17 @@ class Scorer(ABC):
     query_moments : int or None, default None
         Not None: the engine also keeps the running pre-RoPE moments of every query the conversation
         computes at positions >= this (LayerView.moments), whatever the window holds.
+    stacks_layers : bool, default False
+        True: score() scores each row from that row's keys, values, positions, valid entries and its
+        query group alone, and reads neither layer, target, attention_mass nor moments. The eviction
+        then scores several layers in one call, on a view whose rows are all their heads
+        (layer_view.stack_layers).
     """
 
     name: ClassVar[str]
     window: int = 0
     accumulates_attention: ClassVar[bool] = False
+    stacks_layers: ClassVar[bool] = False
     query_moments: int | None = None
 
     @abstractmethod
@@ -142,30 +149,36 @@ class Scorer(ABC):
 
 
 class Allocator(ABC):
-    """Splits one layer's token budget among its KV heads."""
+    """Splits each layer's token budget among its KV heads."""
 
     name: ClassVar[str]
 
     @abstractmethod
-    def allocate(self, scores: torch.Tensor, total: int) -> torch.Tensor:
-        """How many tokens each head keeps.
+    def allocate_layers(self, scores: torch.Tensor, totals: Sequence[int]) -> torch.Tensor:
+        """How many tokens each head of each layer keeps, for several layers at once.
 
         Parameters
         ----------
         scores : torch.Tensor
-            [H, S] float, on the device the scores were computed on: +inf for a token that must
-            stay, -inf for one that is not a candidate, finite scores for the candidates. The
-            few per-head integer decisions run on the CPU; work over all S runs where the scores are.
-        total : int
-            Tokens the layer keeps, at least its +inf tokens (the eviction driver lets surplus
+            [T, H, S] float, on the device the scores were computed on: +inf for a token that must
+            stay, -inf for one that is not a candidate (padding included), finite scores for the
+            candidates. The few per-head integer decisions run on the CPU; work over all S runs where
+            the scores are, for all T layers together.
+        totals : sequence of int
+            [T] tokens each layer keeps, at least its +inf tokens (the eviction driver lets surplus
             protected tokens compete by score instead).
 
         Returns
         -------
         torch.Tensor
-            [H] int64 counts on the CPU, each at least the head's +inf tokens and at most its non
-            -inf ones, summing to min(total, number of non -inf tokens).
+            [T, H] int64 counts on the CPU, each at least the head's +inf tokens and at most its non
+            -inf ones, each row summing to min(total, number of the layer's non -inf tokens). A
+            layer's counts do not depend on the other layers in the call.
         """
+
+    def allocate(self, scores: torch.Tensor, total: int) -> torch.Tensor:
+        """allocate_layers of one layer: scores [H, S] -> [H] counts."""
+        return self.allocate_layers(scores[None], [total])[0]
 
 
 class Turns(ABC):

@@ -33,34 +33,42 @@ class AdaKVAllocator(Allocator):
         if self.rule not in RULES:
             raise ValueError(f"rule must be one of {', '.join(RULES)}")
 
-    def allocate(self, scores: torch.Tensor, total: int) -> torch.Tensor:
-        protected, free = protected_and_capacity(scores)
-        H = scores.shape[0]
-        budget = min(total - int(protected.sum()), int(free.sum()))
-        if budget <= 0:
-            return protected
+    def allocate_layers(self, scores: torch.Tensor, totals) -> torch.Tensor:
+        protected, free = protected_and_capacity(scores)  # [T, H] each
+        H = scores.shape[1]
+        totals = torch.as_tensor([int(x) for x in totals], dtype=torch.int64)
+        budget = torch.minimum(totals - protected.sum(dim=1), free.sum(dim=1))  # [T]
         competing = torch.where(torch.isfinite(scores), scores.float(), float("-inf"))
-        uniform = budget / H
+        uniform = budget.double()[:, None] / H
         if self.rule == "kvpress":
-            n_safe = int(total // H * self.alpha)  # of each head's top tokens, its protected ones first
-            forced = torch.minimum((n_safe - protected).clamp(min=0), free)
-            rest = competing.clone()
-            ranks = rest.argsort(dim=1, descending=True).argsort(dim=1)
-            rest[ranks < forced.to(rest.device)[:, None]] = float("-inf")  # each head's forced tokens are taken
-            desired = forced.double() + self.global_share(rest, budget - int(forced.sum())).double()
+            n_safe = ((totals // H).double() * self.alpha).floor().long()  # of each head's top tokens, protected first
+            forced = torch.minimum((n_safe[:, None] - protected).clamp(min=0), free)
+            ranks = competing.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+            rest = competing.masked_fill(ranks < forced.to(scores.device)[..., None], float("-inf"))  # taken
+            desired = forced.double() + self.global_share(rest, budget - forced.sum(dim=1)).double()
         else:
             f = self.global_share(competing, budget).double()
             if self.rule == "code":
                 desired = (1 - self.alpha) * f + self.alpha * uniform
             else:
                 desired = self.alpha * f + (1 - self.alpha) * uniform
-        return protected + fit_counts(desired, free, budget)
+        return torch.stack([protected[t] + (fit_counts(desired[t], free[t], int(budget[t])) if budget[t] > 0 else 0)
+                            for t in range(len(totals))])
 
     @staticmethod
-    def global_share(scores: torch.Tensor, k: int) -> torch.Tensor:
-        """f_i: how many of the layer's top-k finite scores (over all heads) fall in head i, as [H] on
-        the CPU. The top-k runs where the scores are."""
-        H, S = scores.shape
-        top = scores.reshape(-1).topk(min(k, scores.numel())).indices
-        finite = torch.isfinite(scores.reshape(-1)[top])  # k may exceed the finite scores: they rank first
-        return torch.bincount(top // S, weights=finite.double(), minlength=H).round().long().cpu()
+    def global_share(scores: torch.Tensor, k) -> torch.Tensor:
+        """f_i: how many of a layer's top-k finite scores (over all its heads) fall in head i. scores
+        [H, S] and k an int -> [H], or [T, H, S] and k [T] -> [T, H]; on the CPU. Ties rank the lower
+        (head, token) index first; the sort runs where the scores are."""
+        one = scores.dim() == 2
+        scores = scores[None] if one else scores
+        T, H, S = scores.shape
+        k = torch.as_tensor(k, dtype=torch.int64).reshape(-1).clamp(min=0)
+        depth = min(int(k.max()) if k.numel() else 0, H * S)
+        values, top = scores.reshape(T, H * S).sort(dim=1, descending=True, stable=True)
+        values, top = values[:, :depth], top[:, :depth]
+        # k may exceed the finite scores: they rank first, and only they count.
+        taken = (torch.arange(depth, device=scores.device) < k.to(scores.device)[:, None]) & torch.isfinite(values)
+        heads = top // S + torch.arange(T, device=scores.device)[:, None] * H
+        share = torch.bincount(heads[taken], minlength=T * H).view(T, H).cpu()
+        return share[0] if one else share

@@ -7,9 +7,9 @@ import torch
 
 
 def protected_and_capacity(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per head of [H, S] scores on any device: tokens that must stay (+inf) and tokens free to
-    compete (finite), as [H] int64 on the CPU (read back together)."""
-    protected, free = torch.stack([torch.isposinf(scores).sum(dim=1), torch.isfinite(scores).sum(dim=1)]).cpu()
+    """Per head of [..., H, S] scores on any device: tokens that must stay (+inf) and tokens free to
+    compete (finite), as [..., H] int64 on the CPU (read back together)."""
+    protected, free = torch.stack([torch.isposinf(scores).sum(dim=-1), torch.isfinite(scores).sum(dim=-1)]).cpu()
     return protected, free
 
 

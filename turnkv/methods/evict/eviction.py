@@ -12,12 +12,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from turnkv.kv.sequence import SequenceKV
-from turnkv.methods.evict.layer_view import LayerView
+from turnkv.methods.evict.layer_view import LayerView, stack_layers
 from turnkv.methods.evict.uniform import UniformAllocator
 from turnkv.methods.protocols import Allocator, Scorer, Turns
 from turnkv.methods.window import QueryWindow
+
+# A stacking scorer's group of layers holds at most this many (layer x longest head) rows, at least one
+# layer: two 32K-token layers, sixteen 4K-token ones.
+STACK_TOKENS = 65536
 
 SCHEDULES = {
     "prefill": "after each turn's prompt is prefilled; the window is the end of that prompt (question-aware)",
@@ -77,43 +82,85 @@ class Eviction:
 
     def compress(self, kv: SequenceKV, turns: Turns, lo: int, hi: int, window: QueryWindow | None,
                  inv_freq: torch.Tensor) -> dict:
-        """Evict among tokens at positions [lo, hi) in every layer. Returns what was kept, for the log."""
+        """Evict among tokens at positions [lo, hi) in every layer. Returns what was kept, for the log.
+
+        One pass over all layers: one read back of every head's counts gives every layer's budget;
+        the layers that lose tokens are scored (a stacking scorer scores groups of them in one call),
+        allocated, chosen and compacted together."""
         L, H = kv.lengths.shape
-        kept_before = np.zeros((L, H), np.int64)
-        budget = np.zeros(L, np.int64)
+        pos = kv.gather_positions(list(range(L)))  # [L, H, S], S = the longest head of any layer
+        S, device = pos.shape[-1], pos.device
+        valid = kv.held(list(range(L)), S, device)
+        candidate = valid & (pos >= lo) & (pos < hi)
+        kept_before, per_head = torch.stack([((pos < lo) & valid).sum(dim=-1), candidate.sum(dim=-1)]).cpu().numpy()
+        budget, targets, todo = np.zeros(L, np.int64), {}, []
         for layer in range(L):
-            keys, values, pos = kv.gather(layer)
-            S = pos.shape[1]
-            valid = torch.arange(S, device=pos.device) < torch.from_numpy(kv.lengths[layer]).to(pos.device)[:, None]
-            candidate = valid & (pos >= lo) & (pos < hi)
-            # One read back per layer of the per-head counts the budget needs.
-            kept_before[layer], per_head = torch.stack([((pos < lo) & valid).sum(dim=1),
-                                                        candidate.sum(dim=1)]).cpu().numpy()
-            n_cand = int(per_head.sum())
-            target = self.target(layer, L, hi, int(per_head.max()))
-            total = turns.keep_total(H, target, int(kept_before[layer].sum()), n_cand, self.keep_ratio)
-            budget[layer] = total
-            if total >= n_cand:
+            n_cand = int(per_head[layer].sum())
+            targets[layer] = self.target(layer, L, hi, int(per_head[layer].max()))
+            budget[layer] = turns.keep_total(H, targets[layer], int(kept_before[layer].sum()), n_cand, self.keep_ratio)
+            if budget[layer] < n_cand:
+                todo.append(layer)
+        if todo:
+            rows = torch.tensor(todo).to(device)
+            candidate = candidate[rows]
+            scores = self._scores(kv, todo, targets, window, inv_freq, S).masked_fill(~candidate, float("-inf"))
+            scores = _rank_surplus_protected(scores, pos[rows], torch.from_numpy(budget[todo]).to(device))
+            # The allocator reads its per-head counts back once; its work over all S stays on the device.
+            counts = self.allocator.allocate_layers(scores, budget[todo].tolist()).to(device)  # [T, H]
+            order = scores.argsort(dim=-1, descending=True, stable=True)
+            chosen = torch.zeros_like(candidate)
+            chosen.scatter_(-1, order, torch.arange(S, device=device) < counts[..., None])
+            kv.keep_masks(todo, (valid[rows] & ~candidate) | (chosen & candidate))
+        return {"span": [lo, hi], "budget_per_layer": budget.tolist(), "kept_per_head": kv.lengths.tolist(),
+                "kv_bytes": kv.bytes()}
+
+    def _scores(self, kv: SequenceKV, layers: list[int], targets: dict[int, int], window: QueryWindow | None,
+                inv_freq: torch.Tensor, S: int) -> torch.Tensor:
+        """[len(layers), H, S] float scores of `layers`, -inf past each head's length: a stacking
+        scorer scores groups of layers in one call (STACK_TOKENS), any other one layer at a time."""
+        views = []
+        for group in self._groups(kv, layers, window):
+            if len(group) > 1:
+                keys, values, pos = kv.gather_layers(group)
+                views.append(stack_layers(group, keys, values, pos, kv, window, inv_freq))
                 continue
-            view = LayerView(
-                layer=layer, num_layers=L, keys=keys, values=values, positions=pos, valid=valid,
+            layer = group[0]
+            keys, values, pos = kv.gather(layer)
+            views.append(LayerView(
+                layer=layer, num_layers=kv.pool.num_layers, keys=keys, values=values, positions=pos,
+                valid=kv.held([layer], pos.shape[1], pos.device)[0],
                 queries=window.queries[layer] if window is not None else None,
                 query_positions=window.positions[layer] if window is not None else None,
                 attention_mass=kv.gather_attention_mass(layer) if self.scorer.accumulates_attention else None,
-                inv_freq=inv_freq, next_position=kv.next_position, target=target,
+                inv_freq=inv_freq, next_position=kv.next_position, target=targets[layer],
                 moments=window.moments.layer(layer) if window is not None and window.moments is not None else None,
-            )
-            scores = self.scorer.score(view).float().masked_fill(~candidate, float("-inf"))
-            if int(torch.isposinf(scores).sum()) > total:
-                # More protected tokens than budget: let them compete among themselves, by score order.
-                finite_max = scores[torch.isfinite(scores)].max() if torch.isfinite(scores).any() else 0.0
-                scores = torch.where(torch.isposinf(scores), finite_max + 1.0 + pos.float() * 1e-6, scores)
-            # The allocator reads its per-head counts back once; its work over all S stays on the device.
-            counts = self.allocator.allocate(scores, total).to(scores.device)
-            order = scores.argsort(dim=1, descending=True, stable=True)
-            chosen = torch.zeros_like(candidate)
-            chosen.scatter_(1, order, torch.arange(S, device=scores.device)[None] < counts[:, None])
-            keep = (valid & ~candidate) | (chosen & candidate)
-            kv.keep_mask(layer, keep)
-        return {"span": [lo, hi], "budget_per_layer": budget.tolist(), "kept_per_head": kv.lengths.tolist(),
-                "kv_bytes": kv.bytes()}
+            ))
+        H = kv.pool.num_kv_heads
+        scores = [self.scorer.score(view).float().view(-1, H, view.keys.shape[1]) for view in views]
+        return torch.cat([F.pad(x, (0, S - x.shape[-1]), value=float("-inf")) for x in scores])
+
+    def _groups(self, kv: SequenceKV, layers: list[int], window: QueryWindow | None) -> list[list[int]]:
+        """Consecutive runs of `layers`, each holding at most STACK_TOKENS (layer x longest head) rows
+        when the scorer stacks layers (and every layer's window has one shape), else one layer each."""
+        shapes = {None if window is None or window.positions[layer] is None else tuple(window.positions[layer].shape)
+                  for layer in layers}
+        stacks = self.scorer.stacks_layers and len(shapes) == 1
+        groups, rows = [], STACK_TOKENS
+        for layer in layers:
+            longest = int(kv.lengths[layer].max(initial=0))
+            if not stacks or rows + longest > STACK_TOKENS:
+                groups.append([])
+                rows = 0
+            groups[-1].append(layer)
+            rows += longest
+        return groups
+
+
+def _rank_surplus_protected(scores: torch.Tensor, pos: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:
+    """Where a layer has more protected (+inf) tokens than its total [T], they compete among themselves:
+    each scores just above the layer's best finite score, later positions first. scores, pos [T, H, S]."""
+    protected = torch.isposinf(scores)
+    surplus = protected.sum(dim=(1, 2)) > totals  # [T]
+    best = scores.masked_fill(~torch.isfinite(scores), float("-inf")).amax(dim=(1, 2))
+    best = torch.where(torch.isfinite(best), best, torch.zeros_like(best))[:, None, None]
+    return torch.where(surplus[:, None, None] & protected, best + 1.0 + pos.float() * 1e-6, scores)

@@ -12,6 +12,7 @@ compat : str, default "authors"
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -26,6 +27,7 @@ from turnkv.methods.registry import register
 class KnormScorer(Scorer):
     """Knorm: low key norm means high attention; keep the smallest norms."""
 
+    stacks_layers: ClassVar[bool] = True
     compat: str = "authors"
 
     def __post_init__(self):

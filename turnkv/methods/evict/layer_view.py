@@ -47,3 +47,20 @@ class LayerView:
         """[Hq, ...] -> [H, ...]: average over the query heads that share a KV head (GQA)."""
         H = self.keys.shape[0]
         return per_query_head.view(H, -1, *per_query_head.shape[1:]).mean(dim=1)
+
+
+def stack_layers(layers: list[int], keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, kv,
+                 window, inv_freq: torch.Tensor) -> LayerView:
+    """One view of several layers (SequenceKV.gather_layers: keys, values [G, H, S, D], positions
+    [G, H, S]) whose rows are every layer's KV heads, layer-major: [G*H, ...], with the window's
+    queries [W, G*Hq, D]. For scorers that score each row on its own (Scorer.stacks_layers): it
+    holds no attention mass nor moments, and its layer is the first one and its target 0."""
+    G, H, S = positions.shape
+    queries = None if window is None else [window.queries[layer] for layer in layers]
+    return LayerView(
+        layer=layers[0], num_layers=kv.pool.num_layers, keys=keys.flatten(0, 1), values=values.flatten(0, 1),
+        positions=positions.flatten(0, 1),
+        valid=kv.held(layers, S, positions.device).flatten(0, 1),
+        queries=None if queries is None or queries[0] is None else torch.cat(queries, dim=1),
+        query_positions=None if window is None else window.positions[layers[0]],
+        attention_mass=None, inv_freq=inv_freq, next_position=kv.next_position, target=0)

@@ -9,6 +9,7 @@ Parameters: window (32; kvpress 64), kernel (5, odd), pooling ("avg" or "max"), 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,7 @@ def pool_along_keys(scores: torch.Tensor, kernel: int, pooling: str, include: to
 class SnapKVScorer(Scorer):
     """SnapKV: attention of the observation window, pooled along the keys; the window stays."""
 
+    stacks_layers: ClassVar[bool] = True
     window: int | None = None
     kernel: int | None = None
     pooling: str = "avg"

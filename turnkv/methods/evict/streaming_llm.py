@@ -14,6 +14,7 @@ compat : str, default "authors"
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -28,6 +29,7 @@ from turnkv.methods.registry import register
 class StreamingLLMScorer(Scorer):
     """StreamingLLM: attention sinks plus the most recent tokens."""
 
+    stacks_layers: ClassVar[bool] = True
     sinks: int = 4
     compat: str = "authors"
 

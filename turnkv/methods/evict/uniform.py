@@ -16,8 +16,10 @@ from turnkv.methods.registry import register
 class UniformAllocator(Allocator):
     """The same budget for every head of a layer (what SnapKV, H2O and PyramidKV do)."""
 
-    def allocate(self, scores: torch.Tensor, total: int) -> torch.Tensor:
-        protected, free = protected_and_capacity(scores)
-        H = scores.shape[0]
-        per_head = torch.full((H,), total / H, dtype=torch.float64)
-        return protected + fit_counts(per_head - protected, free, total - int(protected.sum()))
+    def allocate_layers(self, scores: torch.Tensor, totals) -> torch.Tensor:
+        protected, free = protected_and_capacity(scores)  # [T, H] each
+        H = scores.shape[1]
+        return torch.stack([
+            protected[t] + fit_counts(torch.full((H,), total / H, dtype=torch.float64) - protected[t], free[t],
+                                      total - int(protected[t].sum()))
+            for t, total in enumerate(int(x) for x in totals)])
