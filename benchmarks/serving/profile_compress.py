@@ -128,7 +128,7 @@ def main() -> None:
     for row in rows:
         ms = ", ".join(f"{c['seconds'] * 1000:.1f}" for c in row["compressions"]) or "-"
         kept = row["compressions"][-1]["kept_tokens"] if row["compressions"] else "-"
-        ops = ", ".join(f"{c['ops']} / {c['reads_back']}" for c in row["compressions"]) or "-"
+        ops = ", ".join(f"{c.get('ops')} / {c.get('reads_back')}" for c in row["compressions"]) or "-"
         print(f"| {row['turn']} | {row['prompt_tokens']} | {row['cached_tokens']} | {row['send_s']:.3f} | {ms} "
               f"| {kept} |" + (f" {ops} |" if args.count_ops else ""))
     for i, text in enumerate(profiles):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from turnkv.kv import quant
+from turnkv.kv import compaction, quant
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
 from tests.kv.conftest import (D, PS, Expected, append, assert_pool_same, assert_same, check, check_pool,
@@ -35,8 +35,10 @@ def random_masks(seq, layers, S, gen):
     return masks & seq.held(layers, S, masks.device)
 
 
+@pytest.mark.parametrize("move_slots", [1 << 20, 3], ids=["one-move", "moves-of-3-tokens"])
 @pytest.mark.parametrize("layers", [[0, 1, 2], [2, 0], [1]])
-def test_keep_masks_keeps_the_marked_tokens_of_every_layer_in_one_move(gen, layers, monkeypatch):
+def test_keep_masks_keeps_the_marked_tokens_of_every_layer_in_one_move(gen, layers, move_slots, monkeypatch):
+    monkeypatch.setattr(compaction, "MOVE_SLOTS", move_slots)
     pool, seq, exp = uneven(gen)
     S = int(seq.lengths[layers].max()) + 3  # wider than the longest head: the padding is not kept
     masks = random_masks(seq, layers, S, gen)
@@ -44,7 +46,8 @@ def test_keep_masks_keeps_the_marked_tokens_of_every_layer_in_one_move(gen, laye
     move = PagePool.move
     monkeypatch.setattr(PagePool, "move", lambda self, *args: moves.append(args) or move(self, *args))
     seq.keep_masks(layers, masks)
-    assert len(moves) == 1
+    moved = sum(len(args[1]) for args in moves)
+    assert moved > 3 and len(moves) == (1 if move_slots > moved else -(-moved // move_slots))
     for g, layer in enumerate(layers):
         exp.keep(layer, [masks[g, h].nonzero().flatten() for h in range(3)])
         assert seq.lengths[layer].tolist() == masks[g].sum(dim=1).tolist()

@@ -92,14 +92,14 @@ SCORERS = ["snapkv", "snapkv pooling=max", "snapkv compat=kvpress", "pyramidkv",
            "tova", "h2o", "expected_attention", "random"]
 
 
-@pytest.mark.parametrize("stack_tokens", [10**9, 40], ids=["all-layers-stacked", "groups-of-layers"])
+@pytest.mark.parametrize("stack_tokens", [10**9, 40, 0], ids=["all-layers-stacked", "groups-of-layers", "unstacked"])
 @pytest.mark.parametrize("allocator", [UniformAllocator(), AdaKVAllocator(), AdaKVAllocator(rule="kvpress", alpha=0.5)],
                          ids=["uniform", "adakv", "adakv-kvpress"])
 @pytest.mark.parametrize("scorer", SCORERS)
 @pytest.mark.parametrize("pooled_ties", [False, True], ids=["distinct", "tied"])
 def test_one_pass_over_all_layers_keeps_what_layer_by_layer_keeps(scorer, allocator, stack_tokens, pooled_ties,
                                                                   monkeypatch):
-    monkeypatch.setattr(eviction_module, "STACK_TOKENS", stack_tokens)
+    monkeypatch.setitem(eviction_module.STACK_TOKENS, "cpu", stack_tokens)
     name, *options = scorer.split()
     params = {k: int(v) if v.isdigit() else v for k, v in (o.split("=") for o in options)}
     make = lambda: build("scorer", name, params)  # noqa: E731

@@ -24,10 +24,11 @@ import numpy as np
 import torch
 
 from turnkv.attention.reference import gather_pages
+from turnkv.kv.compaction import Compaction
 from turnkv.kv.pool import PagePool, layer_pages
 
 
-class SequenceKV:
+class SequenceKV(Compaction):
     def __init__(self, pool: PagePool):
         self.pool = pool
         L, H = pool.num_layers, pool.num_kv_heads
@@ -308,89 +309,7 @@ class SequenceKV:
         pos = self.gather_positions([layer])
         return ((pos >= lo) & (pos < hi) & self.held([layer], pos.shape[-1], pos.device))[0].sum(dim=1).cpu().numpy()
 
-    # ---- eviction and rollback -------------------------------------------------------------
-    def keep(self, layer: int, keep: list) -> None:
-        """Keep, per KV head of `layer`, the tokens at the given indices (into its current order) and
-        drop the rest: keep_masks with those entries set. The indices must be integers, unique and
-        within each head's length (ValueError otherwise, with nothing changed)."""
-        H = self.pool.num_kv_heads
-        if len(keep) != H:
-            raise ValueError(f"keep needs one index tensor per KV head ({H}), got {len(keep)}")
-        device = self.pool.device
-        idx = [torch.as_tensor(i, device=device) for i in keep]
-        for head, i in enumerate(idx):
-            if i.numel() and (i.is_floating_point() or i.is_complex()):
-                raise ValueError(f"layer {layer} head {head}: keep indices must be integers, got {i.dtype}")
-        sizes = torch.tensor([i.numel() for i in idx])
-        flat = torch.cat([i.reshape(-1).to(torch.int64) for i in idx])
-        heads = torch.repeat_interleave(torch.arange(H, device=device), sizes.to(device))
-        lengths = torch.from_numpy(self.lengths[layer]).to(device)
-        outside = (flat < 0) | (flat >= lengths[heads])
-        if flat.numel() and bool(outside.any()):
-            head = int(heads[outside.nonzero()[0, 0]])
-            raise ValueError(f"layer {layer} head {head}: keep indices must be in "
-                             f"[0, {self.lengths[layer, head]})")
-        mask = torch.zeros(H, int(self.lengths[layer].max(initial=0)), dtype=torch.bool, device=device)
-        mask[heads, flat] = True
-        self.keep_masks([layer], mask[None], expected=sizes.numpy()[None])
-
-    def keep_masks(self, layers: list[int], mask: torch.Tensor, expected: np.ndarray | None = None) -> None:
-        """Keep, per KV head of each of `layers` (G distinct ones), the tokens where mask [G, kv_heads, S]
-        (S at least their longest head; on the pool's device) is True; drop the rest. Kept tokens are
-        compacted, in order, into the head's first pages; emptied pages go back to the pool. Needs no
-        new page; a bad mask raises ValueError with nothing changed. Reads [3, G, kv_heads] integers
-        back once and moves every layer's kept tokens in one PagePool.move. expected: [G, kv_heads]
-        kept counts the caller asked for."""
-        H, ps = self.pool.num_kv_heads, self.pool.page_size
-        G, S = len(layers), int(mask.shape[-1]) if mask.dim() == 3 else -1
-        if mask.dtype != torch.bool or tuple(mask.shape[:2]) != (G, H) or S < self.lengths[layers].max(initial=0) \
-                or len(set(layers)) != G:
-            raise ValueError(f"keep_masks needs distinct layers and a bool mask of shape ({G}, {H}, S >= the "
-                             f"longest head), got {mask.dtype} {tuple(mask.shape)} for layers {list(layers)}")
-        if S == 0:  # nothing held: nothing to move
-            mask = torch.zeros(G, H, 1, dtype=torch.bool, device=mask.device)
-        lengths = torch.from_numpy(self.lengths[layers]).to(mask.device)
-        valid = self.held(layers, mask.shape[-1], mask.device)
-        dropped = valid & ~mask
-        # A head's tokens before its first dropped one stay where they are; the kept ones after it move.
-        first_drop = torch.where(dropped.any(dim=-1), dropped.to(torch.int8).argmax(dim=-1), lengths)
-        outside = (mask & ~valid).sum(dim=-1)
-        counts, first_drop, outside = torch.stack([mask.sum(dim=-1), first_drop, outside]).cpu().numpy()
-        if outside.any():
-            g, head = (int(i[0]) for i in np.nonzero(outside))
-            raise ValueError(f"layer {layers[g]} head {head}: keep_masks marks tokens past the head's "
-                             f"{self.lengths[layers[g], head]}")
-        if expected is not None and (counts != expected).any():
-            g, head = (int(i[0]) for i in np.nonzero(counts != expected))
-            raise ValueError(f"layer {layers[g]} head {head}: keep indices must be unique")
-        moved = counts > first_drop
-        for g, layer in enumerate(layers):
-            self._privatize_for_keep(layer, counts[g], first_drop[g], moved[g])
-        if moved.any():
-            rank = mask.cumsum(dim=-1) - 1  # each kept token's index after compaction
-            g, heads, src = (mask & (rank != torch.arange(S, device=mask.device))).nonzero(as_tuple=True)
-            dst = rank[g, heads, src]
-            ids, tables, _ = self._layer_tables(layers)
-            # K, V (with a quantized pool's scales), positions and attention mass move together.
-            self.pool.move(ids[g], tables[g, heads, src // ps] * ps + src % ps,
-                           tables[g, heads, dst // ps] * ps + dst % ps)
-        for g, layer in enumerate(layers):
-            self._shrink(layer, counts[g].astype(np.int64), moved[g])
-
-    def _privatize_for_keep(self, layer: int, counts: np.ndarray, first_drop: np.ndarray,
-                            moved: np.ndarray) -> None:
-        """Before keep_masks compacts: per head, the pages its compaction writes (from its first dropped
-        token's page to the last page it keeps) become private copies where they are shared."""
-        ps = self.pool.page_size
-        if not moved.any():
-            return
-        held = np.arange(self.table.shape[2])[None, :] < self.num_pages[layer][:, None]
-        if not (self.pool.refs[layer, self.table[layer][held]] > 1).any():
-            return
-        heads = np.flatnonzero(moved)
-        spans = [np.arange(first_drop[h] // ps, -(-counts[h] // ps)) for h in heads]
-        self._privatize(layer, np.repeat(heads, [len(c) for c in spans]), np.concatenate(spans))
-
+    # ---- eviction and rollback (keep and keep_masks: turnkv/kv/compaction.py) ---------------------
     def drop_pages(self, layers, heads, first, count) -> None:
         """Drop whole pages from inside heads' lists: for each (layers[i], heads[i]), the `count[i]`
         pages at table columns [first[i], first[i] + count[i]) go back to the pool and the columns

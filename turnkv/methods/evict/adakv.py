@@ -52,8 +52,7 @@ class AdaKVAllocator(Allocator):
                 desired = (1 - self.alpha) * f + self.alpha * uniform
             else:
                 desired = self.alpha * f + (1 - self.alpha) * uniform
-        return torch.stack([protected[t] + (fit_counts(desired[t], free[t], int(budget[t])) if budget[t] > 0 else 0)
-                            for t in range(len(totals))])
+        return protected + fit_counts(desired, free, budget.clamp(min=0))
 
     @staticmethod
     def global_share(scores: torch.Tensor, k) -> torch.Tensor:

@@ -20,9 +20,11 @@ from turnkv.methods.evict.uniform import UniformAllocator
 from turnkv.methods.protocols import Allocator, Scorer, Turns
 from turnkv.methods.window import QueryWindow
 
-# A stacking scorer's group of layers holds at most this many (layer x longest head) rows, at least one
-# layer: two 32K-token layers, sixteen 4K-token ones.
-STACK_TOKENS = 65536
+# Per device type, the (layer x longest head) rows a stacking scorer's group of layers holds at most
+# (at least one layer). On a GPU every call costs a launch, so eight 4K-token layers score in one call,
+# with no more transient memory than one 32K-token layer alone; on the CPU a call costs little and one
+# layer's intermediates stay in cache, so layers score one at a time.
+STACK_TOKENS = {"cpu": 0, "cuda": 32768}
 
 SCHEDULES = {
     "prefill": "after each turn's prompt is prefilled; the window is the end of that prompt (question-aware)",
@@ -145,10 +147,11 @@ class Eviction:
         shapes = {None if window is None or window.positions[layer] is None else tuple(window.positions[layer].shape)
                   for layer in layers}
         stacks = self.scorer.stacks_layers and len(shapes) == 1
-        groups, rows = [], STACK_TOKENS
+        limit = STACK_TOKENS.get(kv.pool.device.type, STACK_TOKENS["cuda"])
+        groups, rows = [], limit
         for layer in layers:
             longest = int(kv.lengths[layer].max(initial=0))
-            if not stacks or rows + longest > STACK_TOKENS:
+            if not stacks or rows + longest > limit:
                 groups.append([])
                 rows = 0
             groups[-1].append(layer)

@@ -18,8 +18,6 @@ class UniformAllocator(Allocator):
 
     def allocate_layers(self, scores: torch.Tensor, totals) -> torch.Tensor:
         protected, free = protected_and_capacity(scores)  # [T, H] each
-        H = scores.shape[1]
-        return torch.stack([
-            protected[t] + fit_counts(torch.full((H,), total / H, dtype=torch.float64) - protected[t], free[t],
-                                      total - int(protected[t].sum()))
-            for t, total in enumerate(int(x) for x in totals)])
+        totals = torch.as_tensor([int(x) for x in totals], dtype=torch.int64)
+        per_head = (totals.double() / scores.shape[1])[:, None] - protected
+        return protected + fit_counts(per_head, free, totals - protected.sum(dim=1))
