@@ -7,11 +7,22 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kv.conftest import (
+    PS,
+    D,
+    Expected,
+    append,
+    assert_pool_same,
+    assert_same,
+    check,
+    check_pool,
+    make_pool,
+    pool_snapshot,
+    snapshot,
+)
 from turnkv.kv import compaction, quant
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
-from tests.kv.conftest import (D, PS, Expected, append, assert_pool_same, assert_same, check, check_pool,
-                              make_pool, pool_snapshot, snapshot)
 
 UNEVEN = [[list(range(0, 14, 2)), list(range(14)), list(range(3, 12))],  # heads of 7, 14, 9 tokens
           [list(range(14)), list(range(5)), list(range(1, 14, 3))],

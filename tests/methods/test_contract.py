@@ -106,6 +106,15 @@ def check_scorer(scorer, request):
     assert not torch.isnan(scores[view.valid]).any()
     target = scorer.layer_target(8, 1, 2, 20)
     assert isinstance(target, int) and target >= 1
+    if scorer.stacks_layers:  # two layers' rows in one view score as each layer alone
+        other = tiny_view(scorer, seed=1)
+        stacked = dataclasses.replace(
+            view, keys=torch.cat([view.keys, other.keys]), values=torch.cat([view.values, other.values]),
+            positions=torch.cat([view.positions, other.positions]), valid=torch.cat([view.valid, other.valid]),
+            queries=None if view.queries is None else torch.cat([view.queries, other.queries], dim=1), target=0)
+        both = scorer.score(stacked)
+        for rows, alone in ((both[:2], scores), (both[2:], scorer.score(other))):
+            assert torch.equal(rows[view.valid], alone[view.valid])
 
 
 def check_allocator(allocator, request):
@@ -119,6 +128,11 @@ def check_allocator(allocator, request):
         assert counts.shape == (3,) and not counts.is_floating_point()
         assert int(counts.sum()) == min(total, int(capacity.sum()))
         assert bool((counts >= protected).all() and (counts <= capacity).all())
+    # Several layers in one call: each layer's counts are what it gets alone.
+    layers = torch.stack([scores, torch.rand(3, 12, generator=gen), scores.flip(1)])
+    together = allocator.allocate_layers(layers, [7, 20, 5])
+    assert together.shape == (3, 3)
+    assert [row.tolist() for row in together] == [allocator.allocate(x, t).tolist() for x, t in zip(layers, (7, 20, 5))]
 
 
 def check_turns(turns, request):

@@ -14,8 +14,8 @@ from turnkv.methods.evict import eviction as eviction_module
 from turnkv.methods.evict.adakv import AdaKVAllocator
 from turnkv.methods.evict.eviction import Eviction
 from turnkv.methods.evict.layer_view import LayerView
-from turnkv.methods.registry import build
 from turnkv.methods.evict.uniform import UniformAllocator
+from turnkv.methods.registry import build
 from turnkv.methods.turns.flowkv import FlowKVTurns
 from turnkv.methods.turns.recompress import RecompressTurns
 from turnkv.methods.window import QueryWindow
