@@ -50,21 +50,21 @@ def layer_by_layer(ev: Eviction, kv: SequenceKV, turns, lo: int, hi: int, window
         counts = ev.allocator.allocate(scores, total)
         order = scores.argsort(dim=1, descending=True, stable=True)
         chosen = torch.zeros_like(candidate)
-        chosen.scatter_(1, order, torch.arange(S)[None] < counts[:, None])
+        chosen.scatter_(1, order, torch.arange(S, device=pos.device)[None] < counts.to(pos.device)[:, None])
         kv.keep_masks([layer], ((valid & ~candidate) | (chosen & candidate))[None])
     return budgets
 
 
-def uneven_store(seed: int, pooled_ties: bool) -> tuple[SequenceKV, QueryWindow]:
+def uneven_store(seed: int, pooled_ties: bool, device: str = "cpu") -> tuple[SequenceKV, QueryWindow]:
     """48 tokens whose first 24 were already compressed unevenly per layer and head (as after turn 1),
     with a window of the last 6 queries. pooled_ties: keys repeat in runs, so scores tie."""
-    pool = PagePool(L, H, D, num_pages=L * H * 16, page_size=PS)
+    pool = PagePool(L, H, D, num_pages=L * H * 16, page_size=PS, device=device)
     seq = SequenceKV(pool)
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(L, H, 48, D, generator=g) * torch.tensor([2.0, 0.5])[None, :, None, None]
     if pooled_ties:
         k = k[:, :, ::4].repeat_interleave(4, dim=2)
-    v = torch.randn(L, H, 48, D, generator=g)
+    k, v = k.to(device), torch.randn(L, H, 48, D, generator=g).to(device)
     slots = seq.reserve(24)
     for layer in range(L):
         pool.write(layer, slots[layer].reshape(-1), k[layer, :, :24].reshape(-1, D), v[layer, :, :24].reshape(-1, D))
@@ -73,10 +73,10 @@ def uneven_store(seed: int, pooled_ties: bool) -> tuple[SequenceKV, QueryWindow]
     slots = seq.reserve(24)
     for layer in range(L):
         pool.write(layer, slots[layer].reshape(-1), k[layer, :, 24:].reshape(-1, D), v[layer, :, 24:].reshape(-1, D))
-        pool.attention_mass[layer].view(-1)[slots[layer].reshape(-1)] = torch.rand(H * 24, generator=g)
+        pool.attention_mass[layer].view(-1)[slots[layer].reshape(-1)] = torch.rand(H * 24, generator=g).to(device)
     window = QueryWindow(L, 6)
     for layer in range(L):
-        window.record(layer, torch.randn(6, HQ, D, generator=g), torch.arange(42, 48))
+        window.record(layer, torch.randn(6, HQ, D, generator=g).to(device), torch.arange(42, 48, device=device))
     return seq, window
 
 
@@ -128,3 +128,23 @@ def test_a_layer_within_its_budget_is_left_alone_while_the_others_compress():
     after = held(seq)
     for layer in (1, 2, 4):
         assert all(torch.equal(x, y) for a, b in zip(after[layer], before[layer]) for x, y in zip(a, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("allocator", [UniformAllocator(), AdaKVAllocator()], ids=["uniform", "adakv"])
+@pytest.mark.parametrize("scorer", ["snapkv", "pyramidkv", "knorm", "streaming_llm sinks=2", "h2o"])
+def test_one_pass_on_a_gpu_keeps_what_layer_by_layer_keeps(scorer, allocator):
+    name, *options = scorer.split()
+    params = {k: int(v) for k, v in (o.split("=") for o in options)}
+    for budget in (9, 3, 40):
+        ours, window = uneven_store(1, False, "cuda")
+        ref, ref_window = uneven_store(1, False, "cuda")
+        entry = Eviction(build("scorer", name, params), allocator, budget=budget).compress(
+            ours, RecompressTurns(), 24, 48, window, INV_FREQ.cuda())
+        budgets = layer_by_layer(Eviction(build("scorer", name, params), allocator, budget=budget), ref,
+                                 RecompressTurns(), 24, 48, ref_window)
+        assert entry["budget_per_layer"] == budgets and (ours.lengths == ref.lengths).all()
+        for layer_ours, layer_ref in zip(held(ours), held(ref)):
+            for a, b in zip(layer_ours, layer_ref):
+                assert all(torch.equal(x, y) for x, y in zip(a, b))
