@@ -118,8 +118,8 @@ class Eviction:
 
     def _scores(self, kv: SequenceKV, layers: list[int], targets: dict[int, int], window: QueryWindow | None,
                 inv_freq: torch.Tensor, S: int) -> torch.Tensor:
-        """[len(layers), H, S] float scores of `layers`, -inf past each head's length: a stacking
-        scorer scores groups of layers in one call (STACK_TOKENS), any other one layer at a time."""
+        """[len(layers), H, S] float scores of `layers`, padded with -inf past each one's longest head: a
+        stacking scorer scores groups of layers in one call (STACK_TOKENS), any other one layer at a time."""
         views = []
         for group in self._groups(kv, layers, window):
             if len(group) > 1:
@@ -138,7 +138,7 @@ class Eviction:
                 moments=window.moments.layer(layer) if window is not None and window.moments is not None else None,
             ))
         H = kv.pool.num_kv_heads
-        scores = [self.scorer.score(view).float().view(-1, H, view.keys.shape[1]) for view in views]
+        scores = [self.scorer.score(view).float().reshape(-1, H, view.keys.shape[1]) for view in views]
         return torch.cat([F.pad(x, (0, S - x.shape[-1]), value=float("-inf")) for x in scores])
 
     def _groups(self, kv: SequenceKV, layers: list[int], window: QueryWindow | None) -> list[list[int]]:
