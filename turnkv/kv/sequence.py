@@ -354,8 +354,10 @@ class SequenceKV(Compaction):
         self.shrinks += 1
         self.moves[layer] += (new_lengths < self.lengths[layer]) if moved is None else moved
         keep_pages = -(-new_lengths // self.pool.page_size)
-        for head in range(self.pool.num_kv_heads):
-            self.pool.release(layer, self.table[layer, head, keep_pages[head] : self.num_pages[layer, head]])
+        cols = np.arange(self.table.shape[2])
+        gone = (cols >= keep_pages[:, None]) & (cols < self.num_pages[layer][:, None])  # [kv_heads, capacity]
+        # One release for every head, heads last to first: the free stack ends as per-head releases leave it.
+        self.pool.release(layer, self.table[layer, ::-1][gone[::-1]])
         self.num_pages[layer] = keep_pages
         self.lengths[layer] = new_lengths
 
