@@ -55,6 +55,7 @@ def main() -> None:
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--tokenizer", default=None, help="for a shape: default the embedded SmolLM2's")
     p.add_argument("--recipe", default="ada-snapkv keep_ratio=0.1 schedule=prompt")
     p.add_argument("--prompt", type=int, default=32768, help="tokens of turn 1's document")
     p.add_argument("--turns", type=int, default=4)
@@ -70,6 +71,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args()
     llm = turnkv.LLM(args.model, dtype=getattr(torch, args.dtype), device=args.device, kv_memory=args.kv_memory,
+                     tokenizer=args.tokenizer,
                      recipe=args.recipe)
     sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
     calls, profiles = [], []

@@ -5,6 +5,9 @@ every scorer and allocator runs through both on uneven stores."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -128,6 +131,32 @@ def test_a_layer_within_its_budget_is_left_alone_while_the_others_compress():
     after = held(seq)
     for layer in (1, 2, 4):
         assert all(torch.equal(x, y) for a, b in zip(after[layer], before[layer]) for x, y in zip(a, b))
+
+
+class ViewsAlive:
+    """A scorer that counts, at each call, how many views of earlier calls are still alive."""
+
+    def __init__(self, inner):
+        self.inner, self.refs, self.alive = inner, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def score(self, view):
+        gc.collect()
+        self.alive.append(sum(ref() is not None for ref in self.refs))
+        self.refs.append(weakref.ref(view.keys))
+        return self.inner.score(view)
+
+
+@pytest.mark.parametrize("stack_tokens", [0, 100], ids=["unstacked", "groups"])
+def test_each_group_of_gathered_keys_is_freed_before_the_next_is_gathered(stack_tokens, monkeypatch):
+    # On a full GPU the transient memory of a pass must be one group's K/V, not every layer's.
+    monkeypatch.setitem(eviction_module.STACK_TOKENS, "cpu", stack_tokens)
+    seq, window = uneven_store(3, False)
+    scorer = ViewsAlive(build("scorer", "snapkv"))
+    Eviction(scorer, AdaKVAllocator(), budget=9).compress(seq, RecompressTurns(), 24, 48, window, INV_FREQ)
+    assert len(scorer.alive) == (L if stack_tokens == 0 else 3) and scorer.alive == [0] * len(scorer.alive)
 
 
 @pytest.mark.gpu

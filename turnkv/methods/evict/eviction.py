@@ -119,27 +119,33 @@ class Eviction:
     def _scores(self, kv: SequenceKV, layers: list[int], targets: dict[int, int], window: QueryWindow | None,
                 inv_freq: torch.Tensor, S: int) -> torch.Tensor:
         """[len(layers), H, S] float scores of `layers`, padded with -inf past each one's longest head: a
-        stacking scorer scores groups of layers in one call (STACK_TOKENS), any other one layer at a time."""
-        views = []
+        stacking scorer scores groups of layers in one call (STACK_TOKENS), any other one layer at a time.
+        Each group's gathered K/V is dropped once it is scored, so the transient memory is one group's."""
+        H, scores = kv.pool.num_kv_heads, []
         for group in self._groups(kv, layers, window):
-            if len(group) > 1:
-                keys, values, pos = kv.gather_layers(group)
-                views.append(stack_layers(group, keys, values, pos, kv, window, inv_freq))
-                continue
-            layer = group[0]
-            keys, values, pos = kv.gather(layer)
-            views.append(LayerView(
-                layer=layer, num_layers=kv.pool.num_layers, keys=keys, values=values, positions=pos,
-                valid=kv.held([layer], pos.shape[1], pos.device)[0],
-                queries=window.queries[layer] if window is not None else None,
-                query_positions=window.positions[layer] if window is not None else None,
-                attention_mass=kv.gather_attention_mass(layer) if self.scorer.accumulates_attention else None,
-                inv_freq=inv_freq, next_position=kv.next_position, target=targets[layer],
-                moments=window.moments.layer(layer) if window is not None and window.moments is not None else None,
-            ))
-        H = kv.pool.num_kv_heads
-        scores = [self.scorer.score(view).float().reshape(-1, H, view.keys.shape[1]) for view in views]
-        return torch.cat([F.pad(x, (0, S - x.shape[-1]), value=float("-inf")) for x in scores])
+            view = self._view(kv, group, targets, window, inv_freq)
+            x = self.scorer.score(view).float().reshape(-1, H, view.keys.shape[1])
+            scores.append(F.pad(x, (0, S - x.shape[-1]), value=float("-inf")))
+            del view, x
+        return torch.cat(scores)
+
+    def _view(self, kv: SequenceKV, group: list[int], targets: dict[int, int], window: QueryWindow | None,
+              inv_freq: torch.Tensor) -> LayerView:
+        """The scorer's view of one layer, or of a group of layers stacked as rows."""
+        if len(group) > 1:
+            keys, values, pos = kv.gather_layers(group)
+            return stack_layers(group, keys, values, pos, kv, window, inv_freq)
+        layer = group[0]
+        keys, values, pos = kv.gather(layer)
+        return LayerView(
+            layer=layer, num_layers=kv.pool.num_layers, keys=keys, values=values, positions=pos,
+            valid=kv.held([layer], pos.shape[1], pos.device)[0],
+            queries=window.queries[layer] if window is not None else None,
+            query_positions=window.positions[layer] if window is not None else None,
+            attention_mass=kv.gather_attention_mass(layer) if self.scorer.accumulates_attention else None,
+            inv_freq=inv_freq, next_position=kv.next_position, target=targets[layer],
+            moments=window.moments.layer(layer) if window is not None and window.moments is not None else None,
+        )
 
     def _groups(self, kv: SequenceKV, layers: list[int], window: QueryWindow | None) -> list[list[int]]:
         """Consecutive runs of `layers`, each holding at most STACK_TOKENS (layer x longest head) rows
