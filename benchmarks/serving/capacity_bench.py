@@ -111,7 +111,7 @@ def run_config(args, config: str, users, out: Path) -> dict:
     cmd = server_command(args, config, port)
     proc = start_server(cmd, port, out / f"server_{config}.log")
     try:
-        records, wall, samples = asyncio.run(capacity_client.run(f"http://127.0.0.1:{port}", users, args.max_tokens,
+        records, wall, samples, lags = asyncio.run(capacity_client.run(f"http://127.0.0.1:{port}", users, args.max_tokens,
                                                                  deadline_s=args.deadline_s, cut_s=args.cut_s))
     finally:
         proc.terminate()
@@ -122,7 +122,8 @@ def run_config(args, config: str, users, out: Path) -> dict:
     summary = capacity_report.summarise(records, wall, samples)
     summary["server_command"] = cmd[1:]
     summary["replies"] = {f"{r['user']}.{r['turn']}": r.get("text") for r in records}
-    summary["timeline"] = capacity_report.timeline(records)
+    summary["client_loop_stalls"] = {"count": len(lags), "longest_s": max((late for _, late in lags), default=0.0)}
+    summary["timeline"] = {**capacity_report.timeline(records), "client_loop_lags": lags}
     return summary
 
 

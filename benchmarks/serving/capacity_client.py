@@ -120,6 +120,20 @@ async def sample_metrics(url: str, every_s: float, out: list[tuple[float, dict]]
             pass
 
 
+LAG_EVERY_S, LAG_REPORTED_S = 0.01, 0.1
+
+
+async def loop_lags(t0: float, out: list[tuple[float, float]], stop: asyncio.Event) -> None:
+    """[start, seconds late] of every LAG_EVERY_S sleep this client's event loop ended over
+    LAG_REPORTED_S late: the client's own stalls, which its records would count as the server's gaps."""
+    while not stop.is_set():
+        before = time.perf_counter()
+        await asyncio.sleep(LAG_EVERY_S)
+        late = time.perf_counter() - before - LAG_EVERY_S
+        if late > LAG_REPORTED_S:
+            out.append((round(before - t0, 3), round(late, 3)))
+
+
 async def play_all(client, users: list[User], max_tokens: int, t0: float, records: list[dict],
                    deadline_s: float | None = None, cut_s: float | None = None) -> None:
     """Every user's conversation at once; at `cut_s` seconds from t0 the ones still going are cancelled
@@ -137,17 +151,19 @@ async def play_all(client, users: list[User], max_tokens: int, t0: float, record
 async def run(url: str, users: list[User], max_tokens: int, sample_s: float = 1.0, deadline_s: float | None = None,
               cut_s: float | None = None):
     """Every user's conversation against the server at `url` (no turn starts after `deadline_s`, and
-    turns still running at `cut_s` are cut); returns (records, wall seconds, samples)."""
-    records, samples, stop = [], [], asyncio.Event()
+    turns still running at `cut_s` are cut); returns (records, wall seconds, samples, client loop lags)."""
+    records, samples, lags, stop = [], [], [], asyncio.Event()
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
                                 timeout=httpx.Timeout(7200.0), http_client=httpx.AsyncClient(
                                     limits=httpx.Limits(max_connections=len(users) + 8), timeout=7200.0))
     t0 = time.perf_counter()
     sampler = asyncio.create_task(sample_metrics(url, sample_s, samples, t0, stop))
+    lagger = asyncio.create_task(loop_lags(t0, lags, stop))
     async with client:
         await play_all(client, users, max_tokens, t0, records, deadline_s, cut_s)
     wall = time.perf_counter() - t0
     stop.set()
     await sampler
+    await lagger
     samples.append((wall, await asyncio.to_thread(scrape, url)))
-    return records, wall, samples
+    return records, wall, samples, lags

@@ -3,6 +3,8 @@ Markdown table over configurations, and the plots."""
 
 from __future__ import annotations
 
+import re
+
 from capacity_client import metric
 
 
@@ -52,6 +54,10 @@ def summarise(records: list[dict], wall_s: float, samples: list[tuple[float, dic
         "itl_during_prefill_p50_s": percentile(during, 50),
         "itl_during_prefill_p99_s": percentile(during, 99),
         "itl_during_prefill_gaps": len(during),
+        # The worker's own inter-token times (vLLM's histogram): where these stay low while the client's
+        # are high, the time is lost between the worker and the client, not in the engine.
+        "itl_server_p50_le_s": _bucket_quantile(end, "vllm:inter_token_latency_seconds", 50),
+        "itl_server_p99_le_s": _bucket_quantile(end, "vllm:inter_token_latency_seconds", 99),
         "conversations_gpu_peak": gpu_peak,
         "conversations_end": {tier: metric(end, "turnkv:stored_conversations", tier=tier)
                               for tier in ("gpu", "cpu", "disk")},
@@ -68,6 +74,22 @@ def summarise(records: list[dict], wall_s: float, samples: list[tuple[float, dic
         "requests_failed_on_server": metric(end, "turnkv:requests_failed_total"),
         "worker_phases": {p: _phase(end, p) for p in PHASES},
     }
+
+
+def _bucket_quantile(end: dict, name: str, q: float) -> float | None:
+    """The upper edge of the histogram bucket that holds the q-th percentile (None without samples)."""
+    edges = sorted({float(e) for key in end if key.startswith(name + "_bucket{")
+                    for e in re.findall(r'le="([^"]+)"', key)})
+    count = metric(end, name + "_count")
+    for edge in edges:
+        if count and metric(end, name + "_bucket", le=_le(edge)) >= q / 100 * count:
+            return edge
+    return None
+
+
+def _le(edge: float) -> str:
+    """A bucket edge as prometheus_client writes it in the `le` label."""
+    return "+Inf" if edge == float("inf") else repr(edge)
 
 
 SLOW_GAP_S = 0.25
@@ -124,6 +146,11 @@ def table(results: dict[str, dict]) -> str:
              ("inter-token p50 / p99 (ms)", lambda r: _pair({"p50_s": r["itl_p50_s"], "p99_s": r["itl_p99_s"]}), ""),
              ("inter-token while a turn 1 prefills, p50 / p99 (ms)",
               lambda r: _pair({"p50_s": r["itl_during_prefill_p50_s"], "p99_s": r["itl_during_prefill_p99_s"]}), ""),
+             ("inter-token on the server (histogram bucket edges), p50 / p99 (ms)",
+              lambda r: _pair({"p50_s": r.get("itl_server_p50_le_s"), "p99_s": r.get("itl_server_p99_le_s")}), ""),
+             ("client event loop stalls over 100 ms: count / longest (ms)",
+              lambda r: f"{r['client_loop_stalls']['count']} / {_fmt(r['client_loop_stalls']['longest_s'], 'ms')}"
+              if "client_loop_stalls" in r else "-", ""),
              ("conversations on GPU, peak", lambda r: r["conversations_gpu_peak"], ""),
              ("conversations at the end: GPU / CPU / disk",
               lambda r: " / ".join(_fmt(r["conversations_end"][t]) for t in ("gpu", "cpu", "disk")), ""),

@@ -27,6 +27,9 @@ def test_smoke_run_writes_results_table_and_plots(tmp_path, embedded_model):
         assert r["output_tokens"] == 8 * r["requests"]  # ignore_eos: every reply is max_tokens long
         assert set(r["ttft_by_turn"]) >= {"1", "2", "3"}
         assert r["itl_p50_s"] > 0 and r["itl_p99_s"] >= r["itl_p50_s"]
+        assert 0 < r["itl_server_p50_le_s"] <= r["itl_server_p99_le_s"]  # the worker's own histogram
+        stalls = r["client_loop_stalls"]
+        assert stalls["count"] == len(r["timeline"]["client_loop_lags"]) and stalls["longest_s"] >= 0
         assert r["tokens_reused"] > 0 and r["tokens_prefilled"] > 0
         assert r["kv_bytes_peak"] > 0
         kept = sum(r["conversations_end"].values()) + r["conversations_dropped"]
@@ -42,5 +45,7 @@ def test_smoke_run_writes_results_table_and_plots(tmp_path, embedded_model):
     assert data["results"]["full-sliced"]["mixed_steps"] == 0
     md = (out / "results.md").read_text()
     assert "| worker mixed: iterations / seconds / over 250 ms |" in md
+    assert "| inter-token on the server (histogram bucket edges), p50 / p99 (ms) |" in md
+    assert "| client event loop stalls over 100 ms: count / longest (ms) |" in md
     assert "| aggregate output tokens/s |" in md and "TTFT turn 2 p50 / p99 (ms)" in md
     assert (out / "capacity_ttft.png").stat().st_size > 0 and (out / "capacity_capacity.png").stat().st_size > 0
