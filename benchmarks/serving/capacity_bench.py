@@ -111,8 +111,8 @@ def run_config(args, config: str, users, out: Path) -> dict:
     cmd = server_command(args, config, port)
     proc = start_server(cmd, port, out / f"server_{config}.log")
     try:
-        records, wall, samples, lags = asyncio.run(capacity_client.run(f"http://127.0.0.1:{port}", users, args.max_tokens,
-                                                                 deadline_s=args.deadline_s, cut_s=args.cut_s))
+        records, wall, samples, lags = asyncio.run(capacity_client.run(
+            f"http://127.0.0.1:{port}", users, args.max_tokens, deadline_s=args.deadline_s, cut_s=args.cut_s))
     finally:
         proc.terminate()
         try:
