@@ -71,6 +71,7 @@ def summarise(records: list[dict], wall_s: float, samples: list[tuple[float, dic
         "tokens_reused": metric(end, "turnkv:reused_tokens_total"),
         "tokens_prefilled": metric(end, "turnkv:prefilled_tokens_total"),
         "mixed_steps": metric(end, "turnkv:mixed_steps_total"),
+        "device_alloc_retries": metric(end, "turnkv:device_alloc_retries"),
         "requests_failed_on_server": metric(end, "turnkv:requests_failed_total"),
         "worker_phases": {p: _phase(end, p) for p in PHASES},
     }
@@ -148,6 +149,8 @@ def table(results: dict[str, dict]) -> str:
               lambda r: _pair({"p50_s": r["itl_during_prefill_p50_s"], "p99_s": r["itl_during_prefill_p99_s"]}), ""),
              ("inter-token on the server (histogram bucket edges), p50 / p99 (ms)",
               lambda r: _pair({"p50_s": r.get("itl_server_p50_le_s"), "p99_s": r.get("itl_server_p99_le_s")}), ""),
+             ("device allocator retries (cache freed, device synchronized)",
+              lambda r: r.get("device_alloc_retries"), ""),
              ("client event loop stalls over 100 ms: count / longest (ms)",
               lambda r: f"{r['client_loop_stalls']['count']} / {_fmt(r['client_loop_stalls']['longest_s'], 'ms')}"
               if "client_loop_stalls" in r else "-", ""),

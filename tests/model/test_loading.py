@@ -112,3 +112,33 @@ def test_every_shape_is_consistent():
     for name, config in SHAPES.items():
         assert config.num_heads % config.num_kv_heads == 0, name
         assert config.kv_bytes_per_token(2) == 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
+
+
+@pytest.mark.parametrize("user_setting", [None, "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_expandable_segments_are_asked_for_unless_the_user_configured_the_allocator(user_setting, monkeypatch):
+    from turnkv.model import load
+
+    asked = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", asked.append)
+    for name in load.ALLOC_CONF_VARS:
+        monkeypatch.delenv(name, raising=False)
+    if user_setting is not None:
+        monkeypatch.setenv(user_setting, "max_split_size_mb:512")
+    assert load.use_expandable_segments() == (user_setting is None)
+    assert asked == ([] if user_setting else ["expandable_segments:True"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_engine_on_a_gpu_allocates_in_expandable_segments(tmp_path, monkeypatch):
+    import turnkv
+    from turnkv.model import load
+
+    for name in load.ALLOC_CONF_VARS:
+        monkeypatch.delenv(name, raising=False)
+    save_tiny(tmp_path, "llama")
+    turnkv.LLM(str(tmp_path), device="cuda", kv_memory="64MiB")
+    fresh = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # a new segment, after the setting
+    segments = torch.cuda.memory._snapshot()["segments"]
+    assert any(s.get("is_expandable") and s["address"] <= fresh.data_ptr() < s["address"] + s["total_size"]
+               for s in segments)

@@ -4,12 +4,14 @@ greedy replies each request gets alone."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 import pytest
 
 from tests.serve.conftest import running, wait_for
+from turnkv.serve import scheduler as scheduler_module
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +33,9 @@ def ask(server, text: str, max_tokens: int) -> str:
 
 
 @pytest.mark.parametrize("max_step_tokens", [96, 0])
-def test_a_prompt_arriving_during_decode_gives_the_reply_it_gets_alone(smol, max_step_tokens):
+def test_a_prompt_arriving_during_decode_gives_the_reply_it_gets_alone(smol, max_step_tokens, monkeypatch, caplog):
+    monkeypatch.setattr(scheduler_module, "SLOW_PHASE_S", 0.0)  # every phase logs what its step carried
+    caplog.set_level(logging.INFO, logger="turnkv.serve")
     first, second = "Count from one to fifty in words.", LONG + " What is the capital of France?"
     with running(smol, served_model_name="m", reuse=False, prefill_chunk=32,
                  max_step_tokens=max_step_tokens) as server:
@@ -45,15 +49,20 @@ def test_a_prompt_arriving_during_decode_gives_the_reply_it_gets_alone(smol, max
         out["second"] = ask(server, second, 8)
         decoding.join(120)
         mixed_steps = server.metric("turnkv:mixed_steps_total")
+        assert server.metric("turnkv:device_alloc_retries") == 0  # no CUDA allocator on a CPU
         phases = {p: server.metric("turnkv:worker_phase_seconds_count", phase=p)
                   for p in ("admit", "prefill", "decode", "mixed", "finish")}
     assert [out["first"], out["second"]] == alone
     assert phases["mixed"] == mixed_steps and phases["finish"] == 4 and phases["decode"] >= 48
     assert phases["admit"] >= 4 and phases["prefill"] >= 3  # the first slices of the three requests alone
+    slow = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slow mixed phase")]
     if max_step_tokens:
         assert mixed_steps >= 5  # the long prompt's slices of 32 rode along the decode steps
+        assert len(slow) == mixed_steps
+        assert any("over 1 decode tokens and slices of [32] tokens, then 0 prompt(s) ended" in m for m in slow)
+        assert sum(", then 1 prompt(s) ended in " in m for m in slow) == 1  # the long prompt's last slice
     else:
-        assert mixed_steps == 0
+        assert mixed_steps == 0 and not slow
 
 
 def test_a_short_later_turn_is_not_queued_behind_long_prompts(long_llm):

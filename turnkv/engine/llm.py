@@ -20,7 +20,7 @@ from turnkv.kv.prefix_index import PrefixIndex
 from turnkv.kv.quant import kv_dtype_name
 from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.recipe import RECIPE_KEYS, Recipe
-from turnkv.model.load import DEFAULT_MODEL, embedded_model_path, load_model, resolve_device
+from turnkv.model.load import DEFAULT_MODEL, embedded_model_path, load_model, resolve_device, use_expandable_segments
 from turnkv.model.tokenizer import load_folder_tokenizer, load_gguf_tokenizer
 from turnkv.paths import user_path
 from turnkv.sizes import parse_bytes
@@ -93,6 +93,8 @@ class LLM:
         default_recipe = Recipe.of(recipe, **recipe_options)  # a bad recipe fails before the model loads
         self.prefix_mode = prefix_mode(prefix_cache)
         self.device = resolve_device(device)
+        if self.device.type == "cuda":
+            use_expandable_segments()
         loaded = load_model(model, dtype, self.device, seed)
         self.model, self.name, self.source = loaded.model, loaded.name, loaded.source
         self.config = self.model.config

@@ -76,6 +76,21 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def use_expandable_segments() -> bool:
+    """Let torch's CUDA caching allocator grow its segments in place (expandable_segments), unless
+    the user configured the allocator (ALLOC_CONF_VARS). The KV pool takes most of a GPU and the
+    activations of steps of every size share the rest: in fixed segments that rest fragments, and
+    each cudaMalloc that then fails frees the whole cache and synchronizes the device, a stall every
+    running stream waits for. Returns whether it set the option."""
+    if any(os.environ.get(name) for name in ALLOC_CONF_VARS):
+        return False
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    return True
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype

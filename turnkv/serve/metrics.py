@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
@@ -24,6 +25,11 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                480.0, 960.0, 1920.0, 7680.0)
 
 PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+def device_alloc_retries(device: torch.device) -> int:
+    """How often torch's CUDA allocator has freed its cache to retry an allocation on `device`."""
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
 
 
 class Metrics:
@@ -83,6 +89,8 @@ class Metrics:
         self.shared_bytes = gauge("turnkv:kv_shared_bytes", "Bytes of KV pages held by more than one conversation "
                                   "or the prefix index, each counted once.")
         self.prefix_bytes = gauge("turnkv:prefix_cache_bytes", "Bytes of KV pages the prefix index holds.")
+        self.alloc_retries = gauge("turnkv:device_alloc_retries", "Allocations torch's CUDA caching allocator "
+                                   "retried after freeing its whole cache (a device-wide stall); 0 on a CPU.")
         self.compressed = gauge("turnkv:kv_bytes_saved_by_compression",
                                 "Dense KV bytes of kept conversations minus the bytes their recipe keeps.")
 
@@ -110,3 +118,4 @@ class Metrics:
             self.labels(self.stored, tier).set_function(lambda t=tier: store.count(t))
             self.labels(self.stored_bytes, tier).set_function(lambda t=tier: store.kv_bytes(t))
         self.labels(self.compressed).set_function(lambda: store.bytes_saved(dense_per_token))
+        self.labels(self.alloc_retries).set_function(lambda: device_alloc_retries(llm.device))

@@ -43,6 +43,8 @@ from turnkv.serve.job import Job
 
 log = logging.getLogger("turnkv.serve")
 
+SLOW_PHASE_S = 0.5  # a worker phase longer than this is logged: every running stream waited for it
+
 
 class Scheduler:
     def __init__(self, llm, store, config, metrics):
@@ -56,6 +58,7 @@ class Scheduler:
         self.accepting = True
         self._stop = False
         self._flush_asked = False
+        self._note = ""  # what the current phase's step carried, for the slow-phase log
         self._flushed = threading.Event()
         self._flush_count = 0
         self._expired_at = time.monotonic()
@@ -190,11 +193,16 @@ class Scheduler:
 
     @contextlib.contextmanager
     def _timed(self, phase: str, work=True):
-        """Observe the seconds of a phase of the iteration in /metrics, when it had `work` to do."""
-        work, start = bool(work), time.perf_counter()  # what there was before the phase ran
+        """Observe the seconds of a phase of the iteration in /metrics, when it had `work` to do; log a
+        phase over SLOW_PHASE_S (every running stream waited for it) with what the step carried."""
+        work, start, self._note = bool(work), time.perf_counter(), ""  # what there was before the phase ran
         yield
         if work:
-            self.metrics.labels(self.metrics.worker_seconds, phase).observe(time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self.metrics.labels(self.metrics.worker_seconds, phase).observe(seconds)
+            if seconds > SLOW_PHASE_S:
+                log.info("slow %s phase: %.0f ms, %d decoding, %d prefilling%s", phase, seconds * 1000,
+                         len(self.decoding), len(self.prefilling), self._note)
 
     def _has_work(self) -> bool:
         """Whether the worker has something to do now (under the lock)."""
@@ -362,6 +370,7 @@ class Scheduler:
         batches = decode_loop.batches([job.turn for job in self.decoding], self.config.max_running)
         parts = [mixed.decode_part(batch) for batch in batches]
         slices = self._pick_slices(self.config.max_step_tokens - sum(part.size for part in parts))
+        start = time.perf_counter()
         try:
             logits = self._with_room(lambda: mixed.forward(self.llm.runner, parts + [p for _, p in slices]))
         except KVCacheFullError:
@@ -371,6 +380,10 @@ class Scheduler:
         self.metrics.labels(self.metrics.mixed_steps).inc()
         for batch, rows in zip(batches, logits):
             self._decoded(batch, rows, jobs)
+        forward = time.perf_counter() - start  # sampling the decode tokens waited for the forward
+        ends = [job for job, part in slices if part.width >= job.prefill_left]
+        self._note = (f"; forward {forward * 1000:.0f} ms over {sum(p.size for p in parts)} decode tokens and "
+                      f"slices of {[part.width for _, part in slices]} tokens, then {len(ends)} prompt(s) ended")
         for (job, part), rows in zip(slices, logits[len(batches):]):
             try:
                 last = job.turn.chunk_prefilled(part.width, rows[0])
@@ -382,6 +395,7 @@ class Scheduler:
             if piece is not None:
                 self.prefilling.remove(job)
                 self._first_token(job, piece, job.turn.done)
+        self._note += f" in {(time.perf_counter() - start - forward) * 1000:.0f} ms" if ends else ""
 
     def _pick_slices(self, budget: int) -> list:
         """(job, part) of the prefill slices a mixed step carries beside its decode tokens: whole slices
