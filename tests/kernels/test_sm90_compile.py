@@ -85,7 +85,7 @@ H100_VARIANTS = {
     "fp8 codes by cast": ("decode._decode_chunk[", "QUANT=1, FP8=True"),
     "skinny matmul on tensor cores, 2..8 rows": ("gemv._skinny_matmul[BLOCK_M=16", "DOT=True", "GDC=True"),
     "skinny matmul at M = 1": ("gemv._skinny_matmul[M=1, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048",),
-    "decode split for 132 SMs": ("decode._decode_chunk[H=8", "NUM_SPLITS=66"),
+    "decode split for 132 SMs": ("decode._decode_chunk[H=8", "SPLIT=True"),
     "chunk attention split, engine tiles": ("chunk_prefill._chunk_attention[H=8, G=4, D=128", "BLOCK_M=128",
                                             "SPLIT=True", "PRECISION='tf32'"),
 }
@@ -95,6 +95,20 @@ H100_VARIANTS = {
 def test_the_h100_side_of_each_device_choice_compiled(engine_results, variant):
     compiled = [name for r in engine_results for name in r["compiled"]]
     assert any(all(part in name for part in H100_VARIANTS[variant]) for name in compiled), variant
+
+
+def test_step_sizes_compile_no_new_variant():
+    """Batch sizes, chunk lengths, histories and table widths that change from step to step compile
+    once per constexpr setting (sm90_steady.py): the same record twice is a recompile for a size."""
+    results = compile_sm90(HERE / "sm90_steady.py")
+    assert [r["case"] for r in results] == ["steady/decode", "steady/chunk", "steady/write_heads"]
+    for r in results:
+        assert r["ok"], r["error"]
+        repeated = sorted({name for name in r["compiled"] if r["compiled"].count(name) > 1})
+        assert not repeated, f"{r['case']} compiled these again for a new size: {repeated}"
+    kernels = [name.split("[")[0] for r in results for name in r["compiled"]]
+    assert kernels.count("decode._decode_chunk") == 1  # every batch and history here splits its keys
+    assert kernels.count("chunk_prefill._chunk_attention") == 2
 
 
 def test_the_check_fails_on_a_constexpr_reassigned_in_static_range():

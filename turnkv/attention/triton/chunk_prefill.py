@@ -76,9 +76,9 @@ def _tiles(acc, m, row_sum, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table, key_pos_ptr,
     return acc, m, row_sum
 
 
-# T, the block count, the split count and the window change from call to call: not specialised on, so a
-# new chunk length never compiles a new variant mid-serving.
-@triton.jit(do_not_specialize=["T", "num_blocks_m", "num_splits", "window"])
+# T, the block count, the split count, the tables' widths and the window change from call to call: not
+# specialised on, so a new chunk or history length never compiles a new variant mid-serving.
+@triton.jit(do_not_specialize=["stride_tb", "stride_th", "T", "num_blocks_m", "num_splits", "window"])
 def _chunk_attention(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lengths_ptr, key_pos_ptr, query_pos_ptr,
     out_ptr, part_ptr, lse_ptr,
@@ -142,7 +142,7 @@ def _chunk_attention(
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "T", "num_splits"])
 def _merge_splits(part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, stride_ot, rows, T, num_splits,
                   Hq: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr):
     """out[b, hq, t] = the splits' partials weighted by exp2(lse); rows = B * Hq * T, in that order."""

@@ -70,14 +70,16 @@ def int8_to_f16(c):
         constraints="=r,=r,r", args=[c], dtype=tl.float16, is_pure=True, pack=4)
 
 
-@triton.jit
+# The split count, the tables' widths and the window change with the batch and its lengths: not
+# specialised on, so an eager step of a new batch size never compiles a new variant mid-serving.
+@triton.jit(do_not_specialize=["stride_tb", "stride_th", "window", "num_splits"])
 def _decode_chunk(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lengths_ptr, key_pos_ptr, query_pos_ptr,
     out_ptr, part_ptr, lse_ptr,
     stride_qb, stride_qh, stride_tb, stride_th, stride_lb, stride_ob, stride_oh,
-    scale_log2, window,
+    scale_log2, window, num_splits,
     H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr, PRECISION32: tl.constexpr, GDC: tl.constexpr,
     EARLY: tl.constexpr,
 ):
@@ -87,7 +89,7 @@ def _decode_chunk(
     b = bh // H
     h = bh % H
     length = tl.load(lengths_ptr + b * stride_lb + h)
-    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, length)
 
@@ -153,31 +155,32 @@ def _decode_chunk(
         m = m_new
 
     rows = h * G + g
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / tl.where(l > 0, l, 1.0)[:, None]
         tl.store(out_ptr + b * stride_ob + rows[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=g_ok[:, None] & d_ok[None, :])
     else:
-        # Partials [B, Hq, NUM_SPLITS, D] (normalised) and their log2-sum-exp [B, Hq, NUM_SPLITS].
-        base = (b * H * G + rows) * NUM_SPLITS + split
+        # Partials [B, Hq, num_splits, D] (normalised) and their log2-sum-exp [B, Hq, num_splits].
+        base = (b * H * G + rows) * num_splits + split
         tl.store(part_ptr + base[:, None] * D + d[None, :], acc / tl.where(l > 0, l, 1.0)[:, None],
                  mask=g_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptr + base, tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf")), mask=g_ok)
 
 
-@triton.jit
-def _merge_chunks(part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, Hq: tl.constexpr,
-                  D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_chunks(part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, num_splits, Hq: tl.constexpr,
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                   GDC: tl.constexpr, EARLY: tl.constexpr):
+    """BLOCK_S: num_splits rounded up to a power of two (at most eight variants of this small kernel)."""
     pdl.enter(GDC, EARLY)  # PDL: wait for the previous kernel (model/triton/pdl.py)
     row = tl.program_id(0)  # b * Hq + query head
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_ok = s < NUM_SPLITS
-    lse = tl.load(lse_ptr + row * NUM_SPLITS + s, mask=s_ok, other=float("-inf"))
+    s_ok = s < num_splits
+    lse = tl.load(lse_ptr + row * num_splits + s, mask=s_ok, other=float("-inf"))
     top = tl.max(lse, 0)
     w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - top))
-    part = tl.load(part_ptr + (row * NUM_SPLITS + s)[:, None] * D + d[None, :], mask=s_ok[:, None] & (d < D)[None, :],
+    part = tl.load(part_ptr + (row * num_splits + s)[:, None] * D + d[None, :], mask=s_ok[:, None] & (d < D)[None, :],
                    other=0.0)
     out = tl.sum(part * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
     b = row // Hq
@@ -258,9 +261,9 @@ def indexed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     _decode_chunk[(B * H, num_splits)](
         q, k_cache, v_cache, k_scale, v_scale, table, lengths, key_pos, query_pos, out, part, lse,
         q.stride(0), q.stride(1), table.stride(0), table.stride(1), lengths.stride(0), out.stride(0), out.stride(1),
-        scale * LOG2E, window or 0,
+        scale * LOG2E, window or 0, num_splits,
         H=H, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, PAGE=page, BLOCK_N=launch["block_n"],
-        NUM_SPLITS=num_splits, HAS_WINDOW=has_window, QUANT=mode, FP8=k_cache.dtype == torch.float8_e4m3fn,
+        SPLIT=num_splits > 1, HAS_WINDOW=has_window, QUANT=mode, FP8=k_cache.dtype == torch.float8_e4m3fn,
         # fp32 stays fp32: tensor cores would round the inputs to TF32 (4e-4 relative error).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # fp32 tiles of a half-precision model's query and codes: TF32 holds them exactly.
@@ -268,7 +271,7 @@ def indexed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         num_warps=launch["num_warps"], num_stages=launch["num_stages"], **pdl.launch_options(q.device, early=True),
     )
     if num_splits > 1:
-        _merge_chunks[(B * Hq,)](part, lse, out, out.stride(0), out.stride(1), Hq=Hq, D=D, BLOCK_D=BLOCK_D,
-                                 NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+        _merge_chunks[(B * Hq,)](part, lse, out, out.stride(0), out.stride(1), num_splits, Hq=Hq, D=D,
+                                 BLOCK_D=BLOCK_D, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
                                  **pdl.launch_options(q.device, early=True))
     return out
