@@ -5,9 +5,9 @@ thread, while every running stream waits (about a second each on an H100)."""
 
 from __future__ import annotations
 
-from sm90_cases import BF16, I64, MODELS, PAGE, SMS, e, z
+from sm90_cases import BF16, FP32, I64, MODELS, PAGE, SMS, _window_scores, e, z
 
-from turnkv.attention.triton import chunk_prefill, decode
+from turnkv.attention.triton import chunk_prefill, decode, radix_top_k
 from turnkv.kv import head_write
 
 CASES = {}
@@ -43,3 +43,9 @@ def _write(T: int):
 CASES["steady/decode"] = lambda: [_decode(B, n) for B in BATCHES for n in HISTORIES]
 CASES["steady/chunk"] = lambda: [_chunk(T, n) for T in (17, 64, 100, 512, 2048) for n in HISTORIES]
 CASES["steady/write_heads"] = lambda: [_write(T) for T in (1, 17, 32, 48, 100, 2048)]
+# LoopServe's re-selection in an eager step: any batch, over capacities of any page count.
+CASES["steady/window_scores"] = lambda: [_window_scores(LLAMA, False, capacity=c, B=B) for B in (1, 3, 17)
+                                         for c in (8192, 32768, 33024)]
+# Its rows are a capacity wide: whole pages, so the row stride keeps its alignment.
+CASES["steady/radix_top_k"] = lambda: [radix_top_k.top_k_ascending(e(R, n, dtype=FP32), 1024) for R in (32, 96, 544)
+                                       for n in (32768, 33024, 131072)]

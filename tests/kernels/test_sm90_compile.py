@@ -101,7 +101,8 @@ def test_step_sizes_compile_no_new_variant():
     """Batch sizes, chunk lengths, histories and table widths that change from step to step compile
     once per constexpr setting (sm90_steady.py): the same record twice is a recompile for a size."""
     results = compile_sm90(HERE / "sm90_steady.py")
-    assert [r["case"] for r in results] == ["steady/decode", "steady/chunk", "steady/write_heads"]
+    assert [r["case"] for r in results] == ["steady/decode", "steady/chunk", "steady/write_heads",
+                                            "steady/window_scores", "steady/radix_top_k"]
     for r in results:
         assert r["ok"], r["error"]
         repeated = sorted({name for name in r["compiled"] if r["compiled"].count(name) > 1})
@@ -109,6 +110,7 @@ def test_step_sizes_compile_no_new_variant():
     kernels = [name.split("[")[0] for r in results for name in r["compiled"]]
     assert kernels.count("decode._decode_chunk") == 1  # every batch and history here splits its keys
     assert kernels.count("chunk_prefill._chunk_attention") == 2
+    assert kernels.count("window_scores._window_lse") == 1 and kernels.count("window_scores._merge_partials") == 1
 
 
 def test_the_check_fails_on_a_constexpr_reassigned_in_static_range():

@@ -48,7 +48,7 @@ def _descend(hist_ptr, row, R, K, ROUNDS_DONE: tl.constexpr):
     return prefix, need
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "R"])  # row counts and widths change from call to call
 def _radix_round(scores_ptr, hist_ptr, n, R, K, stride_s, ROUND: tl.constexpr, CHUNK: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -64,7 +64,7 @@ def _radix_round(scores_ptr, hist_ptr, n, R, K, stride_s, ROUND: tl.constexpr, C
     tl.atomic_add(hist_ptr + (ROUND * R + row) * 16 + tl.arange(0, 16), counts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "R", "num_chunks"])  # row counts and widths change from call to call
 def _compact(scores_ptr, hist_ptr, count_ptr, cand_ptr, above_ptr, n, R, K, stride_s, num_chunks,
              ROUNDS_DONE: tl.constexpr, CHUNK: tl.constexpr):
     """Append the chunk's keys that share the k-th largest's found digits to the row's candidates
@@ -86,7 +86,7 @@ def _compact(scores_ptr, hist_ptr, count_ptr, cand_ptr, above_ptr, n, R, K, stri
     tl.store(cand_ptr + 2 * place + 1, i, mask=match != 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "R", "num_chunks"])  # row counts and widths change from call to call
 def _finish(cand_ptr, count_ptr, hist_ptr, greater_ptr, equal_ptr, threshold_ptr, n, R, K, num_chunks,
             ROUNDS_DONE: tl.constexpr, WRITE_CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row: the lower digits over the candidates, then per write chunk the
@@ -119,7 +119,7 @@ def _finish(cand_ptr, count_ptr, hist_ptr, greater_ptr, equal_ptr, threshold_ptr
     tl.store(threshold_ptr + 2 * row + 1, need)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "num_chunks"])  # row counts and widths change from call to call
 def _radix_write(scores_ptr, above_ptr, greater_ptr, equal_ptr, threshold_ptr, out_ptr, n, stride_s, stride_o,
                  num_chunks, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
     row = tl.program_id(0)

@@ -54,18 +54,20 @@ def _scores(q, k_ptr, ks_ptr, slot, valid, d, scale_log2, D: tl.constexpr, PRECI
     return s
 
 
-@triton.jit
+# The split count follows the batch and the capacity: a runtime value, so an eager step of a new batch
+# size compiles nothing mid-serving.
+@triton.jit(do_not_specialize=["num_splits"])
 def _window_lse(q_ptr, qpos_ptr, k_ptr, ks_ptr, kpos_ptr, table_ptr, lengths_ptr, m_ptr, l_ptr,
-                stride_qb, stride_qw, stride_qh, stride_pb, stride_tb, stride_th, stride_lb, scale_log2,
+                stride_qb, stride_qw, stride_qh, stride_pb, stride_tb, stride_th, stride_lb, scale_log2, num_splits,
                 H: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr,
                 D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
+                PRECISION: tl.constexpr, QUANT: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // H
     h = bh % H
     length = tl.load(lengths_ptr + b * stride_lb + h)
-    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, length)
     q, qpos, row_ok = _load_window(q_ptr, qpos_ptr, b, h, stride_qb, stride_qw, stride_qh, stride_pb,
@@ -89,21 +91,21 @@ def _window_lse(q_ptr, qpos_ptr, k_ptr, ks_ptr, kpos_ptr, table_ptr, lengths_ptr
         sm = sm * tl.exp2(mx - shift) + tl.sum(tl.exp2(s - shift[:, None]), 1)
         mx = new
     m = tl.arange(0, M)
-    base = (bh * NUM_SPLITS + split) * M
+    base = (bh * num_splits + split) * M
     tl.store(m_ptr + base + m, mx)
     tl.store(l_ptr + base + m, sm)
 
 
-@triton.jit
-def _merge_partials(m_ptr, l_ptr, lse_ptr, M: tl.constexpr, NUM_SPLITS: tl.constexpr):
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_partials(m_ptr, l_ptr, lse_ptr, num_splits, M: tl.constexpr):
     """Per (sequence, KV head): the rows' log2-sum-exp from pass 1's partials, once (-inf: a row that
-    sees no key), so that pass 2's programs read M numbers instead of merging NUM_SPLITS x M each."""
+    sees no key), so that pass 2's programs read M numbers instead of merging num_splits x M each."""
     bh = tl.program_id(0)
     m = tl.arange(0, M)
     mx = tl.full([M], float("-inf"), tl.float32)
     sm = tl.zeros([M], tl.float32)
-    for s_ in range(NUM_SPLITS):
-        base = (bh * NUM_SPLITS + s_) * M
+    for s_ in range(num_splits):
+        base = (bh * num_splits + s_) * M
         pm = tl.load(m_ptr + base + m)
         pl = tl.load(l_ptr + base + m)
         new = tl.maximum(mx, pm)
@@ -194,9 +196,9 @@ def window_scores(q: torch.Tensor, qpos: torch.Tensor, k_pool: torch.Tensor, kpo
     strides = (q.stride(0), q.stride(1), q.stride(2), qpos.stride(0), table.stride(0), table.stride(1),
                lengths.stride(0))
     _window_lse[(B * H, num_splits)](q, qpos, k_pool, k_scale, kpos_pool, table, lengths, part_m, part_l, *strides,
-                                     scale_log2, NUM_SPLITS=num_splits, BLOCK_N=lse_block_n,
+                                     scale_log2, num_splits, BLOCK_N=lse_block_n,
                                      num_warps=launch["lse_warps"], num_stages=launch["lse_stages"], **common)
-    _merge_partials[(B * H,)](part_m, part_l, lse, M=M, NUM_SPLITS=num_splits, num_warps=1)
+    _merge_partials[(B * H,)](part_m, part_l, lse, num_splits, M=M, num_warps=1)
     _window_weights[(B * H, triton.cdiv(capacity, weights_block_n))](
         q, qpos, k_pool, k_scale, kpos_pool, table, lengths, lse, out, *strides, out.stride(0), out.stride(1),
         scale_log2, capacity, sinks, PER_KV=per_kv, BLOCK_N=weights_block_n, num_warps=launch["weights_warps"],
