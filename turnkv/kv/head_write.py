@@ -18,7 +18,7 @@ import triton.language as tl
 from turnkv.model.triton import pdl
 
 
-@triton.jit(do_not_specialize=["T", "sk_b", "sv_b"])  # they change with the chunk length
+@triton.jit(do_not_specialize=["T"])  # the chunk length changes from call to call
 def _write_heads(k_ptr, v_ptr, slots_ptr, k_dst, v_dst, T, H,
                  sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, GDC: tl.constexpr,
