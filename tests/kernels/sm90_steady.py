@@ -46,6 +46,7 @@ CASES["steady/write_heads"] = lambda: [_write(T) for T in (1, 17, 32, 48, 100, 2
 # LoopServe's re-selection in an eager step: any batch, over capacities of any page count.
 CASES["steady/window_scores"] = lambda: [_window_scores(LLAMA, False, capacity=c, B=B) for B in (1, 3, 17)
                                          for c in (8192, 32768, 33024)]
-# Its rows are a capacity wide: whole pages, so the row stride keeps its alignment.
-CASES["steady/radix_top_k"] = lambda: [radix_top_k.top_k_ascending(e(R, n, dtype=FP32), 1024) for R in (32, 96, 544)
-                                       for n in (32768, 33024, 131072)]
+# Rows per query head or per KV head, of any batch (8 and 24 rows are not multiples of 16); each a
+# capacity wide: whole pages, so the row stride keeps its alignment.
+CASES["steady/radix_top_k"] = lambda: [radix_top_k.top_k_ascending(e(R, n, dtype=FP32), 1024)
+                                       for R in (8, 24, 32, 96, 544) for n in (32768, 33024, 131072)]
