@@ -47,7 +47,7 @@ def host_profile(fn, steps: int) -> str:
         fn()
     profile.disable()
     out = io.StringIO()
-    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(18)
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(30)
     return out.getvalue()
 
 
@@ -74,6 +74,9 @@ def main() -> None:
         turn = new_turn(llm, torch.randint(100, vocab - 100, (args.prompt,), generator=gen).tolist(), 10_000)
         turn.take(turn.prefill())
         turns.append(turn)
+        if llm.device.type == "cuda":
+            print(f"conversation {len(turns)} prefilled: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated",
+                  flush=True)
     kept = sum(t.seq.tokens() for t in turns) / args.batch / (llm.config.num_layers * llm.config.num_kv_heads)
     long = new_turn(llm, torch.randint(100, vocab - 100, (args.prompt,), generator=gen).tolist(), 1)
     long.prefill(args.prompt // 2)  # a slice halfway into a long prompt
@@ -96,13 +99,22 @@ def main() -> None:
         mixed.forward(llm.runner, [part])
         long.seq.truncate(long.seq.next_position - part.width)
 
+    later_ids = torch.randint(100, vocab - 100, (args.slice,), generator=gen).tolist()
+
+    def later_turn_slice():
+        """A later turn's prompt of --slice tokens over a decoded conversation's kept history."""
+        seq = turns[0].seq
+        mixed.forward(llm.runner, [mixed.Part([seq], [later_ids], [turns[0].context], False)])
+        seq.truncate(seq.next_position - len(later_ids))
+
     for name, fn in [("graphed_decode_s", step_graphed), ("eager_decode_s", step_eager),
-                     ("mixed_step_s", step_mixed), ("slice_alone_s", slice_alone)]:
+                     ("mixed_step_s", step_mixed), ("slice_alone_s", slice_alone),
+                     ("later_turn_slice_s", later_turn_slice)]:
         fn()  # warm-up (graph capture, autotuning)
         figures[name] = timed(fn, args.steps, sync)
         print(f"{name}: {figures[name] * 1000:.1f} ms", flush=True)
     print(json.dumps(figures, indent=1))
-    for name, fn in [("eager decode", step_eager), ("mixed step", step_mixed)]:
+    for name, fn in [("eager decode", step_eager), ("mixed step", step_mixed), ("later turn slice", later_turn_slice)]:
         print(f"--- host profile: {name} ---")
         print(host_profile(fn, 3))
     if args.out:

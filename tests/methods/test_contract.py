@@ -5,7 +5,9 @@ without an abstract hook left, and its main hook answers a tiny input as its int
 from __future__ import annotations
 
 import dataclasses
+import gc
 import inspect
+import weakref
 
 import pytest
 import torch
@@ -157,12 +159,18 @@ def check_decode(decode, request, L=2, H=2, Hq=4, D=16, T=12, steps=3):
     seqs = [SequenceKV(pool) for pool in pools]
     for n, new in enumerate([T] + [1] * steps):
         start = seqs[0].next_position
-        q, k, v = (torch.randn(1, new, heads, D, generator=gen) for heads in (Hq, H, H))
+        fused = torch.randn(1, new, Hq + 2 * H, D, generator=gen)  # one projection output, as the model's
+        q, k, v = fused.split([Hq, H, H], dim=2)
         outs = []
         for pool, seq, selectors in zip(pools, seqs, ([sel], None)):  # the selection, then every kept token
             step = Step(pool, [seq], [seq.reserve(new)], (start + torch.arange(new))[None],
                         contexts=[StepContext(selector=selectors[0] if selectors else None)], decoding=n > 0)
             outs.append(torch.stack([step.attention(layer, q, k, v) for layer in range(L)]))
+        if n == 0:  # a view of the chunk's rows would hold its whole projection output alive
+            chunk = weakref.ref(fused)
+            del fused, q, k, v, step
+            gc.collect()
+            assert chunk() is None, "the selection keeps a view of a prefill chunk's activations"
         # Within its default budget (or warm-up) a selection reads every kept token.
         torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
     assert sel.steps == steps and sel.ticks == steps + 1

@@ -255,7 +255,11 @@ class DecodeSelection(ABC):
 
     @abstractmethod
     def observe(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> None:
-        """The step's post-RoPE queries of `layer`, q [T, Hq, D] at positions [T]."""
+        """The step's post-RoPE queries of `layer`, q [T, Hq, D] at positions [T].
+
+        q is a view into the step's activations (a prefill chunk's fused QKV output): whatever is
+        kept past the step must be a copy, or a view of a one-token step's rows, never a view of a
+        chunk's (it would hold the chunk's whole projection output alive)."""
 
     @abstractmethod
     def entries(self, layer: int, seq: SequenceKV) -> tuple[torch.Tensor, np.ndarray] | None:

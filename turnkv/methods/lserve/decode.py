@@ -115,7 +115,10 @@ class PagedSelection(DecodeSelection, WriteWatcher):
         self.state.invalidate()
 
     def observe(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> None:
-        self.queries[layer] = q[-1]
+        """Keeps a decode step's query, which its entries() scores the pages with. A prefill chunk's
+        queries are never scored (the next decode step observes its own first), and a view of their
+        last row would keep the chunk's whole QKV output alive: nothing is kept from them."""
+        self.queries[layer] = q[-1] if q.shape[0] == 1 else None
 
     def exclude_static(self, static: StaticSparsity) -> None:
         self.static = static
