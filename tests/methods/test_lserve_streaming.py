@@ -14,6 +14,7 @@ from turnkv.errors import InvalidRequestError
 from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.lserve.pattern import HeadPattern
 from turnkv.methods.lserve.streaming_heads import StreamingHeadsPrefill
+from turnkv.methods.protocols import Prefill
 from turnkv.methods.recipe import Recipe
 from turnkv.methods.step_context import StepContext
 
@@ -123,7 +124,7 @@ def assert_trimmed(kv, streaming, sink, local):
             assert int(kv.num_pages[layer, head]) == -(-n // page)
 
 
-class KeptOracle:
+class KeptOracle(Prefill):
     """The reference: a prefill pattern that masks each streaming head to exactly the positions the
     engine's store held when each row was computed (`kept`: per forward, its first position, row
     count and per (layer, head) the kept positions), plus the rows of that forward; a prefill
@@ -329,8 +330,8 @@ def test_trim_is_host_only_and_drops_a_page_every_page_of_steps(pattern_file, mo
 
 
 def test_trim_checks_heads_that_something_else_moved(pattern_file, monkeypatch):
-    """A rollback (truncate) moves heads: the next trim reads their positions once, then it is host
-    only again. A head with a hole (another method evicted from its ring) is trimmed exactly to the
+    """A rollback (truncate) only cuts the newest tokens: a ring stays a ring and the next trim
+    reads nothing. A head with a hole (another method evicted from its ring) is trimmed exactly to the
     last `local` positions and checked at every trim."""
     import turnkv.methods.lserve.streaming_heads as streaming_module
     from turnkv.kv.pool import PagePool
@@ -345,13 +346,13 @@ def test_trim_checks_heads_that_something_else_moved(pattern_file, monkeypatch):
     monkeypatch.setattr(streaming_module, "gather_pages", lambda *a: (reads.append(1), gather(*a))[1])
     kv.truncate(47)
     method.trim(kv)
-    assert len(reads) == 2  # one per layer with a streaming head that moved
+    assert len(reads) == 0  # host only
     ring = ring_length(50, sink, local, page) - 3
     assert kv.lengths.tolist() == [[sink + ring, 47], [47, sink + ring]]
     for _ in range(10):
         kv.reserve(1)
         method.trim(kv)
-    assert len(reads) == 2
+    assert len(reads) == 0
     assert_trimmed(kv, STREAMING, sink, local)
     # A hole in layer 0's streaming head (another method evicted one ring token): not a ring any
     # more; trimmed exactly (positions < sink or within the last `local`) while the hole is in view.
@@ -362,21 +363,21 @@ def test_trim_checks_heads_that_something_else_moved(pattern_file, monkeypatch):
     kv.reserve(1)
     method.trim(kv)
     N = kv.next_position
-    assert hole >= N - local and len(reads) == 3  # layer 0 read again, layer 1 not
+    assert hole >= N - local and len(reads) == 1  # layer 0 read, layer 1 not
     _, _, pos = kv.gather(0)
     assert pos[0, : int(kv.lengths[0, 0])].tolist() == list(range(sink)) + [p for p in range(N - local, N) if p != hole]
     # The next trim checks it again: the hole left the window, it is sink + a run (a ring) again.
     kv.reserve(1)
     method.trim(kv)
     start = kv.next_position
-    assert len(reads) == 4 and hole < start - local
+    assert len(reads) == 2 and hole < start - local
     for _ in range(9):  # then host only, the ring following the page rule from its new start
         _, _, pos = kv.gather(0)
         N, ring = kv.next_position, local + (kv.next_position - start) % page
         assert pos[0, : int(kv.lengths[0, 0])].tolist() == list(range(sink)) + list(range(N - ring, N))
         kv.reserve(1)
         method.trim(kv)
-    assert len(reads) == 4
+    assert len(reads) == 2
     assert kv.lengths[1].tolist() == [kv.next_position, sink + ring_length(kv.next_position, sink, local, page)]
 
 
@@ -457,3 +458,77 @@ def test_dense_heads_through_loopserve_over_turns(chat_llm, pattern_file):
             assert all(prefill[k] >= 0 for k in ("time_random_select", "time_search", "time_sparse_attention"))
     finally:
         conv.close()
+
+
+def test_chunks_that_see_every_kept_key_take_the_engine_causal_path(chat_llm, pattern_file, monkeypatch):
+    """A chunk whose streaming heads hold sink + one run within prefill_local (a later turn over the
+    trimmed ring) is plain causal attention over the kept keys: the engine runs it without calling
+    attend, with the replies and the per-turn density the pattern path gives. A chunk that reaches
+    past the window (the long first turn) or follows a move still goes through attend."""
+    sink, local, prefill_local = 4, 8, 48
+    recipe = f"prefill=streaming_heads(pattern={pattern_file},sink={sink},local={local},prefill_local={prefill_local})"
+    real_attend = StreamingHeadsPrefill.attend
+
+    def run(plain: bool):
+        calls = []
+        def attend(self, layer, keys, **kw):
+            calls.append((layer, keys.q_pos[0, 0].item(), keys.q.shape[2]))
+            return real_attend(self, layer, keys, **kw)
+
+        monkeypatch.setattr(StreamingHeadsPrefill, "attend", attend)
+        if not plain:
+            monkeypatch.setattr(StreamingHeadsPrefill, "attends_all_kept", lambda self, seqs, n: False)
+        conv = chat_llm.conversation(system="Answer briefly.", recipe=recipe)
+        try:
+            out = []
+            for message in LONG_TURNS:
+                reply = conv.send(message, max_new_tokens=12, ignore_eos=True, logprobs=True)
+                out.append((conv.turns[-1].start, conv.turns[-1].prompt_end, reply.token_ids, reply.logprobs))
+            stats = [entry["prefill"]["density"] for entry in conv.method_stats if "prefill" in entry]
+        finally:
+            conv.close()
+        monkeypatch.undo()
+        return out, stats, calls
+
+    plain, plain_density, plain_calls = run(True)
+    pattern, pattern_density, pattern_calls = run(False)
+    for (start, end, ids, logprobs), (_, _, ids_p, logprobs_p) in zip(plain, pattern):
+        assert ids == ids_p
+        torch.testing.assert_close(logprobs, logprobs_p, rtol=0, atol=1e-4)
+    assert plain_density == pytest.approx(pattern_density, rel=1e-12) and len(plain_density) == 3
+    assert plain_density[0] < 1  # the first turn reaches past its streaming heads' window
+    # The first turn's prompt is longer than the window: it goes through attend. The last turn's
+    # short prompt over the trimmed ring does not.
+    first_end, (last_start, last_end) = plain[0][1], plain[2][:2]
+    assert first_end - sink > prefill_local and last_end - last_start < prefill_local - local - chat_llm.pool.page_size
+    assert any(position < first_end for _, position, _ in plain_calls)
+    assert not any(position >= last_start for _, position, _ in plain_calls)
+    assert any(position >= last_start for _, position, _ in pattern_calls)
+
+
+def test_attends_all_kept_follows_the_window_and_the_ring(pattern_file):
+    """The host check alone: a run past prefill_local, or a streaming head something moved, says no."""
+    from turnkv.kv.pool import PagePool
+
+    method = StreamingHeadsPrefill(pattern=pattern_file, sink=4, local=8, prefill_local=20)
+    method.bind(2)
+    seq = SequenceKV(PagePool(2, 2, 8, 16, page_size=4))
+    seq.reserve(24)  # fresh: 24 - sink = 20 tokens after the sink, all within the window
+    assert method.attends_all_kept([seq], 24)
+    seq.reserve(1)
+    assert not method.attends_all_kept([seq], 1)  # 21 after the sink
+    method.trim(seq)  # streaming heads back to sink + ring
+    assert method.attends_all_kept([seq], 1)
+    seq.moves[0, 0] += 1  # layer 0 head 0 streams: something moved it since the trim
+    assert not method.attends_all_kept([seq], 1)
+    seq.moves[0, 1] += 1  # a dense head moving does not matter
+    seq.moves[0, 0] -= 1
+    assert method.attends_all_kept([seq], 1)
+    assert not StreamingHeadsPrefill(pattern=pattern_file, dense="a_shape").attends_all_kept([seq], 1)
+    seq.truncate(seq.next_position - 1)  # a rollback cuts the newest tokens: still sink + one run
+    seq.reserve(1)
+    assert method.attends_all_kept([seq], 1)
+    n = int(seq.lengths[1, 1])  # layer 1 head 1 streams: a hole in its run is a reorder
+    seq.keep(1, [list(range(int(seq.lengths[1, 0]))), [i for i in range(n) if i != n - 3]])
+    assert not method.attends_all_kept([seq], 1)
+    seq.free()

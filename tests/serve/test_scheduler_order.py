@@ -124,3 +124,35 @@ def test_a_mixed_step_ends_at_most_one_prompt_that_compresses(monkeypatch):
     assert [j.name for j, _ in s._pick_slices(4096)] == ["ends too, compressed", "does not end"]
     s.prefilling = [ends_b]  # a lone slice always goes, whatever the budget
     assert [j.name for j, _ in s._pick_slices(0)] == ["ends too, compressed"]
+
+
+def test_requests_whose_decode_selects_take_a_graphed_step_beside_the_mixed_forward(monkeypatch):
+    """Where CUDA graphs run, a selecting request's token stays out of the mixed forward (an eager
+    step would select once per conversation and layer): it takes a graphed decode step, and the
+    mixed forward carries the other requests' tokens and the slices. Without graphs, every token rides."""
+    import turnkv.serve.scheduler as scheduler_module
+
+    s = scheduler(max_step_tokens=64)
+    plain, selecting = (SimpleNamespace(accumulate=False, selector=sel) for sel in (None, object()))
+    dense = [SimpleNamespace(turn=SimpleNamespace(done=False, context=plain)) for _ in range(3)]
+    sparse = [SimpleNamespace(turn=SimpleNamespace(done=False, context=selecting)) for _ in range(2)]
+    prompt = FakeJob("prompt", 100)
+    stepped, forwards = [], []
+    s._decode_step = lambda batch, jobs: stepped.append(list(batch))
+    s._decoded = lambda batch, logits, jobs: None
+    s._pick_slices = lambda budget: [(prompt, SimpleNamespace(size=CHUNK, width=CHUNK))]
+    monkeypatch.setattr(scheduler_module.mixed, "forward", lambda runner, parts: forwards.append(parts) or [])
+    monkeypatch.setattr(scheduler_module.mixed, "decode_part",
+                        lambda batch: SimpleNamespace(turns=batch, size=len(batch)))
+    s._with_room = lambda fn: fn()
+    s.metrics = SimpleNamespace(labels=lambda *a: SimpleNamespace(inc=lambda: None), mixed_steps=None)
+    s.decoding, s.prefilling = dense[:2] + sparse + dense[2:], [prompt]
+    s.llm.runner.graphs = object()
+    s._mixed()
+    assert stepped == [[j.turn for j in sparse]]
+    (parts,) = forwards
+    assert [p.turns for p in parts[:-1]] == [[j.turn for j in dense]] and parts[-1].width == CHUNK
+    s.llm.runner.graphs = None  # no graphs (CPU): every token rides the mixed forward
+    stepped.clear(), forwards.clear()
+    s._mixed()
+    assert stepped == [] and sum(p.size for p in forwards[0][:-1]) == 5

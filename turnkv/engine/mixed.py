@@ -11,7 +11,8 @@ A turn's recipe hooks at prefill boundaries (compression where a separate contex
 ends) run after the forward, through TurnRun.chunk_prefilled, as TurnRun.prefill runs them after its
 own forward: a slice is always one of the forwards TurnRun.prefill would run (TurnRun.next_chunk).
 
-Pure-decode steps do not come here: they go through ModelRunner.decode, which replays CUDA graphs.
+Pure-decode steps do not come here: they go through ModelRunner.decode, which replays CUDA graphs; so
+do the tokens of turns whose decode selects, where graphs run (rides_mixed_step).
 """
 
 from __future__ import annotations
@@ -97,6 +98,14 @@ def forward(runner, parts: list[Part]) -> list[torch.Tensor]:
             if part.decoding and any(s is not None for s in selectors):
                 graph_selection.for_graphs(runner.graphs).after_eager(part.seqs, selectors)
     return list(logits.split([len(p.seqs) for p in parts]))
+
+
+def rides_mixed_step(runner, turn: TurnRun) -> bool:
+    """Whether a decoding turn's next token goes into a mixed forward. Not where its decode selects
+    and the runner replays CUDA graphs: the graphed step selects for the whole batch at once, an
+    eager step once per conversation and layer, which at tens of conversations costs more than the
+    forward the token would share. Such turns take a graphed decode step beside the mixed forward."""
+    return runner.graphs is None or turn.context.selector is None
 
 
 def decode_part(batch: list[TurnRun]) -> Part:

@@ -88,6 +88,7 @@ class ModelRunner:
             raise
         return torch.cat(outputs) if all_logits else outputs[-1]
 
+    @torch.inference_mode()
     def decode(self, seqs: list[SequenceKV], tokens: torch.Tensor,
                contexts: list[StepContext | None] | None = None) -> torch.Tensor:
         """One decode step for a batch: tokens [B] -> logits [B, V]. contexts: per sequence, what its

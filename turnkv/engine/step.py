@@ -33,6 +33,8 @@ class Step:
         if any(c.accumulate != self.accumulate for c in contexts):
             raise ValueError("a batch's conversations must agree on attention accumulation")
         self.pattern = contexts[0].pattern if num_new > 1 else None
+        if self.pattern is not None and sliding_window is None and self.pattern.attends_all_kept(seqs, num_new):
+            self.pattern = None  # plain causal over what each head keeps: the paths below run it
         # selectors[b] picks the slots sequence b reads in each layer of a decode step (decoding: this
         # step is one, not a prefill of one token), and watches every step's queries.
         selectors = [c.selector for c in contexts]

@@ -49,6 +49,11 @@ class SequenceKV(Compaction):
         # drop_pages), not on appends. Statistics kept beside the pages (LServe's key min/max) rebuild
         # only these heads.
         self.moves = np.zeros((L, H), dtype=np.int64)
+        # Per (layer, head): the part of `moves` after which the head holds the same positions in the
+        # same order, less its newest (truncate, unreserve, a private copy of a shared page). A head
+        # that was the sink plus one run ending at the newest token still is one (streaming heads'
+        # rings need no check after them).
+        self.ordered_moves = np.zeros((L, H), dtype=np.int64)
         # Per (layer, head): bumped by drop_pages, which shifts the head's table left (no data moves);
         # edited_from is the lowest table column any drop_pages has rewritten (a lower bound kept for
         # good). A copy of the table that saw table_edits[l, h] == e is current again after
@@ -108,6 +113,7 @@ class SequenceKV(Compaction):
         self.table[layer, heads, cols] = new
         self.pool.release(layer, old)
         self.moves[layer, np.unique(heads)] += 1
+        self.ordered_moves[layer, np.unique(heads)] += 1
         self.shrinks += 1
         self._dirty_from = min(self._dirty_from, int(cols.min()))
 
@@ -371,7 +377,7 @@ class SequenceKV(Compaction):
         pos = self.gather_positions(layers)
         held = self.held(layers, pos.shape[-1], pos.device)
         for layer, counts in zip(layers, ((pos < num_positions) & held).sum(dim=-1).cpu().numpy()):
-            self._shrink(layer, counts.astype(np.int64))
+            self._cut(layer, counts.astype(np.int64))
         self.next_position = num_positions
 
     def unreserve(self, num_tokens: int) -> None:
@@ -381,8 +387,13 @@ class SequenceKV(Compaction):
         if num_tokens > int(self.lengths.min()) or num_tokens > self.next_position:
             raise ValueError(f"cannot unreserve {num_tokens} tokens from heads holding {int(self.lengths.min())}")
         for layer in range(self.pool.num_layers):
-            self._shrink(layer, self.lengths[layer] - num_tokens)
+            self._cut(layer, self.lengths[layer] - num_tokens)
         self.next_position -= num_tokens
+
+    def _cut(self, layer: int, new_lengths: np.ndarray) -> None:
+        """_shrink to `new_lengths`, the heads' newest tokens going."""
+        self.ordered_moves[layer] += new_lengths < self.lengths[layer]
+        self._shrink(layer, new_lengths)
 
     def free(self) -> None:
         """Return every page to the pool."""

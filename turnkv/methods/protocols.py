@@ -55,6 +55,13 @@ class Prefill(ABC):
         """Called once per conversation, before its first `attend`, with the model's layer count
         (a chunk only shows one layer). Default: nothing."""
 
+    def attends_all_kept(self, seqs: Sequence[SequenceKV], num_new: int) -> bool:
+        """Whether every row of a chunk of `num_new` tokens, which `seqs` have just reserved (their
+        lengths count them), sees every key its head keeps up to its own position. The chunk is then
+        plain causal attention over the kept keys: the engine runs it on its own paths (the paged
+        chunk kernel on CUDA) and does not call `attend`. Host work only. Default: False."""
+        return False
+
     @abstractmethod
     def attend(self, layer: int, keys: Keys) -> tuple[torch.Tensor, dict]:
         """The attention of one prefill chunk in one layer, under this pattern.

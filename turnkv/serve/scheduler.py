@@ -13,7 +13,9 @@ Each iteration:
    many as fit in `max_step_tokens` (at least one; a slice too big for what is left lets a shorter
    prompt's by): a long prompt adds at most its slices to the running streams' inter-token gap, and
    a short later turn is not queued behind it. Of the slices that end a prompt its recipe then
-   compresses (an eviction pass the running streams wait for), a step carries one. With
+   compresses (an eviction pass the running streams wait for), a step carries one. Requests whose
+   decode selects (LServe, LoopServe, Quest) take a graphed decode step beside it where CUDA graphs
+   run: their selection is batched there, and once per conversation and layer in an eager step. With
    max_step_tokens 0, one slice runs as its own forward, then one batched decode step (one
    runner.decode call per group of recipes that agree on what the step records). Pure-decode steps
    go through runner.decode, which replays CUDA graphs;
@@ -334,12 +336,13 @@ class Scheduler:
         else:
             self.decoding.append(job)
 
-    def _decode(self) -> None:
-        """One step of the engine's step loop (engine/decode_loop.py) over every decoding request,
-        its forward retried here when the KV pool is full."""
-        jobs = {id(job.turn): job for job in self.decoding}
+    def _decode(self, decoding: list[Job] | None = None) -> None:
+        """One step of the engine's step loop (engine/decode_loop.py) over the decoding requests (all
+        of them by default), its forward retried here when the KV pool is full."""
+        decoding = list(self.decoding if decoding is None else decoding)
+        jobs = {id(job.turn): job for job in decoding}
         size = self.llm.runner.graph_batch or self.config.max_running  # batches the graphs replay
-        for batch in decode_loop.batches([job.turn for job in self.decoding], size):
+        for batch in decode_loop.batches([job.turn for job in decoding], size):
             self._decoded(batch, self._decode_step(batch, jobs), jobs)
 
     def _decoded(self, batch: list, logits, jobs: dict) -> None:
@@ -365,9 +368,13 @@ class Scheduler:
         """One forward over every decoding request's next token and whole prefill slices of the
         prefilling prompts (engine/mixed.py), as many as fit in max_step_tokens, at least one. On a full
         pool with no idle conversation left to move, the step runs as a separate slice and decode step
-        instead, which know what to give up."""
-        jobs = {id(job.turn): job for job in self.decoding}
-        batches = decode_loop.batches([job.turn for job in self.decoding], self.config.max_running)
+        instead, which know what to give up. Requests whose decode selects take a graphed decode step
+        first where graphs run (mixed.rides_mixed_step); the forward then carries the others' tokens."""
+        riding = [job for job in self.decoding if mixed.rides_mixed_step(self.llm.runner, job.turn)]
+        if len(riding) < len(self.decoding):
+            self._decode([job for job in self.decoding if job not in riding])
+        jobs = {id(job.turn): job for job in riding}
+        batches = decode_loop.batches([job.turn for job in riding], self.config.max_running)
         parts = [mixed.decode_part(batch) for batch in batches]
         slices = self._pick_slices(self.config.max_step_tokens - sum(part.size for part in parts))
         start = time.perf_counter()
@@ -375,7 +382,7 @@ class Scheduler:
             logits = self._with_room(lambda: mixed.forward(self.llm.runner, parts + [p for _, p in slices]))
         except KVCacheFullError:
             self._prefill()
-            self._decode()
+            self._decode([job for job in riding if job in self.decoding])
             return
         self.metrics.labels(self.metrics.mixed_steps).inc()
         for batch, rows in zip(batches, logits):

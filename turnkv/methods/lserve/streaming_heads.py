@@ -5,8 +5,10 @@ axis `streaming_heads` and also owns what streaming heads keep: in prefill they 
 < sink or within `prefill_local` of the row; in the store each is its sink plus a ring of whole pages,
 trimmed after every prefill and decode step (`trim`, host-only: it edits page tables and returns
 pages to the pool) to sink + the last `local` .. `local + page_size - 1` tokens. Heads something else
-moved (eviction, a rollback, a restore) are checked once and trimmed exactly. The design, its
-parameters and measurements: docs/methods/lserve.md.
+moved (eviction, a restore; not a rollback, which only cuts the newest tokens) are checked once and
+trimmed exactly. A prefill chunk whose every row sees all that its heads keep runs as plain causal
+attention on the engine's own paths (`attends_all_kept`). The design, its parameters and
+measurements: docs/methods/lserve.md.
 
 Patterns: `pattern=None` thresholds the calibrated SmolLM2 gates (DEFAULT_PATTERN) at `ratio`;
 `pattern="random"` draws one at `ratio`; a path loads a JSON/TSV pattern file, or a DuoAttention
@@ -63,8 +65,8 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
     dense: str | None = None
     _flags: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _dense_method: object = field(default=None, init=False, repr=False, compare=False)
-    # Per SequenceKV: its `moves` when its streaming heads were last known to be sink + ring (-1: a
-    # head that is not). A SequenceKV not in it has only been appended to where its moves are 0.
+    # Per SequenceKV: its `_reorders` when its streaming heads were last known to be sink + ring (-1: a
+    # head that is not). A SequenceKV not in it has only been appended to or cut where they are 0.
     _rings: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, init=False,
                                               repr=False, compare=False)
 
@@ -142,6 +144,22 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
 
         return fixed_pattern(layer, keys, mask, lines_fn)
 
+    def attends_all_kept(self, seqs, num_new: int) -> bool:
+        """True when each streaming head is sink + one run of positions ending at the newest token
+        (a ring nothing but appends touched since `trim`), of at most `prefill_local` tokens after
+        the sink: every kept key is then in every row's window. The first chunks of a turn up to
+        `prefill_local` and every later turn's chunks of up to `prefill_local - local - page_size`
+        tokens qualify. Not with `dense`, whose method picks the dense heads' cells itself."""
+        if self._dense_method is not None:
+            return False
+        for kv in seqs:
+            streaming = self.flags(*kv.lengths.shape)
+            known = self._rings.get(kv)
+            ring = _reorders(kv) == (0 if known is None else known)
+            if not ring[streaming].all() or (kv.lengths[streaming] - self.sink > self.prefill_local).any():
+                return False
+        return True
+
     def _attend_split(self, layer: int, keys: Keys, flags: np.ndarray, force_triton: bool):
         """Dense heads through SDPA (flash attention), streaming heads through the line kernel, where
         every head holds the same keys (a first turn's chunks, before the ring is trimmed). One kernel
@@ -212,7 +230,7 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
         if N <= self.sink + self.local:
             return  # no head holds a position in [sink, N - local): nothing can go
         known = self._rings.get(kv)
-        dirty = streaming & (kv.moves != (0 if known is None else known))
+        dirty = streaming & (_reorders(kv) != (0 if known is None else known))
         ring = np.ones((L, H), dtype=bool)
         if dirty.any():
             ring[dirty] = self._check(kv, dirty)[dirty]
@@ -229,7 +247,7 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
                     kv.keep(layer, [np.r_[0:self.sink, first[h]:n[h]] if drop[layer, h] else np.arange(n[h])
                                     for h in range(H)])
         if dirty.any() or drop.any():
-            known = kv.moves.copy()
+            known = _reorders(kv)
             known[streaming & ~ring] = -1  # checked again at every trim
             self._rings[kv] = known
 
@@ -265,3 +283,10 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
                 gone = gone & torch.from_numpy(trimmed[layer]).to(gone.device)[:, None]
                 kv.keep(layer, [(valid[h] & ~gone[h]).nonzero().flatten() for h in range(H)])
         return ok
+
+
+def _reorders(kv) -> np.ndarray:
+    """[L, H]: the moves of each head that may have changed its positions' order or left a hole
+    (SequenceKV.ordered_moves are the others). Appends and ordered moves keep a head that is the
+    sink plus one run ending at the newest token in that form."""
+    return kv.moves - kv.ordered_moves
