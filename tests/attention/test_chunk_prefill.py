@@ -66,10 +66,10 @@ def make_case(B, H, G, D, page, lengths, T, dtype, kv=None, num_pages=None, seed
     return q.to(device), moved, table.to(device), lengths_t.to(device), positions.to(device), q_pos.to(device)
 
 
-def run_both(case, splits, window=None, config=SMALL, dtype=None):
+def run_both(case, splits, window=None, config=SMALL, dtype=None, sink=0):
     q, pool, table, lengths, positions, q_pos = case
     scales = {name: pool[name] for name in ("k_scale", "v_scale") if name in pool}
-    windowed = dict(window=window, key_positions=positions, query_positions=q_pos) if window else {}
+    windowed = {} if window is None else dict(window=window, key_positions=positions, query_positions=q_pos, sink=sink)
     ref = reference.paged_chunk(q.float(), pool["k"], pool["v"], table, lengths, **windowed, **scales)
     out = torch.full_like(q, float("nan"))
     chunk_attention(q, pool["k"], pool["v"], table, lengths, splits, out=out, config=config, **windowed, **scales)
@@ -124,6 +124,38 @@ def test_sliding_window(splits):
     for window in (8, 30, 200):
         out, ref = run_both(case, splits, window=window)
         assert relative_error(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_window_per_head_with_a_sink(splits):
+    """LServe's streaming heads: one KV head sees its sink and a window, the other everything. The
+    reference's mask is checked cell by cell first, then the kernel against it."""
+    case = make_case(1, 2, 2, 32, 4, [90, 57], 13, torch.float32)
+    q, pool, table, lengths, positions, q_pos = case
+    windows = torch.tensor([10, 1 << 30], dtype=torch.int32, device=q.device)
+    sink = 38  # head 0's first positions (its keys start at position 5 + 0: see make_case)
+    out, ref = run_both(case, splits, window=windows, sink=sink)
+    assert relative_error(out, ref) < 1e-5
+    # The reference, by hand: per KV head, causal over its entries, and in head 0 only the keys at
+    # positions < sink or within 10 of the row.
+    S = int(lengths.max())
+    keys = reference.gather_pages(pool["k"], table, S)
+    values = reference.gather_pages(pool["v"], table, S)
+    key_pos = reference.gather_pages(positions, table, S)
+    G, T = q.shape[1] // 2, q.shape[2]
+    for h in range(2):
+        n = int(lengths[0, h])
+        for t in range(T):
+            seen = torch.arange(S, device=q.device) <= n - T + t
+            if h == 0:
+                seen &= (key_pos[0, h] > q_pos[0, t] - 10) | (key_pos[0, h] < sink)
+            assert 0 < int(seen.sum()) < n or h == 1
+            for hq in range(h * G, (h + 1) * G):
+                w = (q[0, hq, t] @ keys[0, h].T * q.shape[-1] ** -0.5).masked_fill(~seen, float("-inf")).softmax(-1)
+                torch.testing.assert_close(ref[0, hq, t], w @ values[0, h], rtol=1e-5, atol=1e-5)
+    # A per-head window of "none" everywhere is the plain causal chunk.
+    out, _ = run_both(case, splits, window=torch.full((2,), 1 << 30, dtype=torch.int32, device=q.device))
+    assert relative_error(out, run_both(case, splits)[1]) < 1e-5
 
 
 def test_more_splits_than_tiles():

@@ -218,7 +218,7 @@ def _decode_other():
 
 # ---- paged chunk attention: later chunks and turns (attention/triton/chunk_prefill.py) ----------------
 
-def _chunk(m: Model, T=512, history=131072, codes=None, dtype=BF16, window=None, B=1):
+def _chunk(m: Model, T=512, history=131072, codes=None, dtype=BF16, window=None, B=1, sink=0):
     """chunk_attention of T new tokens over `history` kept ones per head, as Step launches it: q a view of
     the decoder's fused q/k/v rows, int64 tables and lengths, split as on an H100."""
     H, D = m.kv_heads, m.head_dim
@@ -228,8 +228,8 @@ def _chunk(m: Model, T=512, history=131072, codes=None, dtype=BF16, window=None,
     pages = 64
     store = codes or dtype
     scales = dict(k_scale=e(pages, PAGE, dtype=FP32), v_scale=e(pages, PAGE, dtype=FP32)) if codes else {}
-    windowed = dict(window=window, key_positions=z(pages, PAGE, dtype=I64), query_positions=z(B, T, dtype=I64)) \
-        if window else {}
+    windowed = dict(window=window, key_positions=z(pages, PAGE, dtype=I64), query_positions=z(B, T, dtype=I64),
+                    sink=sink) if window is not None else {}
     q = e(B, T, m.heads + 2 * H, D, dtype=dtype)[:, :, : m.heads].transpose(1, 2)
     chunk_prefill.chunk_attention(q, e(pages, PAGE, D, dtype=store), e(pages, PAGE, D, dtype=store),
                                   z(B, H, -(-length // PAGE), dtype=I64), z(B, H, dtype=I64), splits, **scales,
@@ -241,6 +241,10 @@ for _name, _m in MODELS.items():
     case(f"chunk_prefill/{_name}")(lambda m=_m: (_chunk(m), _chunk(m, T=64), _chunk(m, T=4096)))
     case(f"chunk_prefill/{_name}/int8+fp8")(lambda m=_m: (_chunk(m, codes=INT8), _chunk(m, T=4096, codes=FP8)))
     case(f"chunk_prefill/{_name}/window")(lambda m=_m: (_chunk(m, window=4096), _chunk(m, T=4096, window=4096)))
+    # LServe's streaming heads: a window per KV head and the sink (Step, with StreamingHeadsPrefill).
+    case(f"chunk_prefill/{_name}/head windows")(lambda m=_m: (
+        _chunk(m, T=2048, history=16384, window=z(m.kv_heads, dtype=I32), sink=128),
+        _chunk(m, T=64, window=z(m.kv_heads, dtype=I32), sink=128)))
 
 
 @case("chunk_prefill/llama8b/fp16+fp32")

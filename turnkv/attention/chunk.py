@@ -53,12 +53,13 @@ def num_splits(device: torch.device, batch_kv_heads: int, num_new: int, group: i
 
 
 def paged_chunk(q, k_cache, v_cache, table, lengths, splits: int = 1, scale=None, window=None,
-                key_positions=None, query_positions=None, k_scale=None, v_scale=None) -> torch.Tensor:
+                key_positions=None, query_positions=None, k_scale=None, v_scale=None, sink: int = 0) -> torch.Tensor:
     """q [B, Hq, T, D] -> [B, Hq, T, D]: the T new tokens (the last T entries of every head, stored)
-    over table [B, H, P] and lengths [B, H] on q's device; see reference.paged_chunk. A quantized pool
+    over table [B, H, P] and lengths [B, H] on q's device; see reference.paged_chunk (window: an int or
+    an int32 tensor [H], one per KV head; keys below `sink` stay in every window). A quantized pool
     (PagePool.scale_kwargs) adds k_scale / v_scale beside its codes."""
     if uses_kernel(q.device) and _kernel().supports(q, k_cache):
         return _kernel().chunk_attention(q, k_cache, v_cache, table, lengths, splits, scale, window, key_positions,
-                                         query_positions, k_scale, v_scale)
+                                         query_positions, k_scale, v_scale, sink=sink)
     return reference.paged_chunk(q, k_cache, v_cache, table, lengths, scale, window, key_positions, query_positions,
-                                 k_scale, v_scale)
+                                 k_scale, v_scale, sink)

@@ -116,12 +116,14 @@ def indexed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 def paged_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                 lengths: torch.Tensor, scale: float | None = None, window: int | None = None,
                 key_positions: torch.Tensor | None = None, query_positions: torch.Tensor | None = None,
-                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                sink: int = 0) -> torch.Tensor:
     """A chunk of T new queries per sequence, q [B, Hq, T, D], over the first lengths[b, h] entries named
     by table [B, H, P] in one layer's pool [num_pages, page_size, D], the T new tokens being the last T
     entries of every head (already stored): query t sees entries j <= lengths - T + t (causal_mask).
     With a window, only keys whose position (key_positions [num_pages, page_size]) is above
-    query_positions [B, T] - window. A quantized pool passes its codes and per-slot scales k_scale /
+    query_positions [B, T] - window, or below `sink`; window is an int or a tensor [H] (one per KV
+    head). A quantized pool passes its codes and per-slot scales k_scale /
     v_scale [num_pages, page_size], dequantized after the gather into q's dtype. -> [B, Hq, T, D].
     The contract of the Triton kernel in turnkv/attention/triton/chunk_prefill.py."""
     T = q.shape[2]
@@ -134,5 +136,8 @@ def paged_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, t
     mask = causal_mask(lengths.long(), T, S)
     if window is not None:
         key_pos = gather_pages(key_positions, table, S)
-        mask = mask & (key_pos[:, :, None, :] > query_positions[:, None, :, None] - window)
+        if isinstance(window, torch.Tensor):
+            window = window.to(key_pos.device, torch.int64)[None, :, None, None]
+        in_window = key_pos[:, :, None, :] > query_positions[:, None, :, None] - window
+        mask = mask & (in_window | (key_pos[:, :, None, :] < sink))
     return attention(q, keys.to(q.dtype), values.to(q.dtype), mask, scale)

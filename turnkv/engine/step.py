@@ -33,8 +33,6 @@ class Step:
         if any(c.accumulate != self.accumulate for c in contexts):
             raise ValueError("a batch's conversations must agree on attention accumulation")
         self.pattern = contexts[0].pattern if num_new > 1 else None
-        if self.pattern is not None and sliding_window is None and self.pattern.attends_all_kept(seqs, num_new):
-            self.pattern = None  # plain causal over what each head keeps: the paths below run it
         # selectors[b] picks the slots sequence b reads in each layer of a decode step (decoding: this
         # step is one, not a prefill of one token), and watches every step's queries.
         selectors = [c.selector for c in contexts]
@@ -76,6 +74,15 @@ class Step:
         # Later chunks and later turns (T > 1 over kept history) read the pool in place through the paged
         # chunk kernel where it is switched on (attention/chunk.py); H2O's accumulation needs the weights.
         self.chunk_kernel = num_new > 1 and not self.fresh and not accumulate and chunk.uses_kernel(pool.device)
+        # A pattern that is causal attention within windows per head (streaming heads) runs on the
+        # paths below: without windows on any of them, with windows on the chunk kernel.
+        self.head_windows, self.sink = None, 0
+        if self.pattern is not None and sliding_window is None and not accumulate:
+            windows = self.pattern.chunk_windows(seqs, num_new, windowed=self.chunk_kernel)
+            if windows is not None:
+                self.pattern, self.sink = None, windows.sink
+                if windows.windows is not None:  # [L, H]
+                    self.head_windows = torch.from_numpy(windows.windows).to(pool.device, torch.int32)
         if self.pattern is not None:
             before = [s.next_position - num_new for s in seqs]
             self.span = (min(before), max(before) + num_new)  # host ints: no device read per layer
@@ -146,10 +153,11 @@ class Step:
         if self.chunk_kernel:
             splits = chunk.num_splits(q.device, B * self.pool.num_kv_heads, T, Hq // self.pool.num_kv_heads,
                                       self.max_len[layer], q.dtype)
+            window = self.sliding_window if self.head_windows is None else self.head_windows[layer]
             out = chunk.paged_chunk(
                 q, self.pool.k[layer], self.pool.v[layer], self.tables[layer], self.lengths[layer], splits,
-                window=self.sliding_window, key_positions=self.pool.positions[layer],
-                query_positions=self.query_positions, **self.pool.scale_kwargs(layer))
+                window=window, key_positions=self.pool.positions[layer], query_positions=self.query_positions,
+                sink=self.sink, **self.pool.scale_kwargs(layer))
             return out.transpose(1, 2)
         S = self.max_len[layer]
         keys = self.pool.gather(layer, self.tables[layer], S, "k")

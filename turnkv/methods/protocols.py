@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -55,12 +56,31 @@ class Prefill(ABC):
         """Called once per conversation, before its first `attend`, with the model's layer count
         (a chunk only shows one layer). Default: nothing."""
 
-    def attends_all_kept(self, seqs: Sequence[SequenceKV], num_new: int) -> bool:
-        """Whether every row of a chunk of `num_new` tokens, which `seqs` have just reserved (their
-        lengths count them), sees every key its head keeps up to its own position. The chunk is then
-        plain causal attention over the kept keys: the engine runs it on its own paths (the paged
-        chunk kernel on CUDA) and does not call `attend`. Host work only. Default: False."""
-        return False
+    def chunk_windows(self, seqs: Sequence[SequenceKV], num_new: int) -> ChunkWindows | None:
+        """For a chunk of `num_new` tokens that `seqs` have just reserved (their lengths count them):
+        whether each row sees exactly the keys its head keeps up to its own position that lie within
+        a per-(layer, KV head) window of it or below a sink. The engine then runs the chunk on its own
+        paged causal path (the chunk kernel on CUDA takes the windows) and does not call `attend`.
+        Host work only. Default: None (call `attend`)."""
+        return None
+
+
+@dataclass
+class ChunkWindows:
+    """A prefill chunk as causal attention over the kept keys within windows (Prefill.chunk_windows).
+
+    windows : np.ndarray or None
+        [L, H] int: a key at position k is seen by the row at position p when p - k < windows[l, h]
+        or k < sink. None: every kept key up to the row (no window anywhere).
+    sink : int
+    computed, causal : np.ndarray
+        [L, B, H] the chunk's attention cells computed and its causal cells, as `attend`'s stats
+        count them."""
+
+    windows: np.ndarray | None
+    sink: int
+    computed: np.ndarray
+    causal: np.ndarray
 
     @abstractmethod
     def attend(self, layer: int, keys: Keys) -> tuple[torch.Tensor, dict]:

@@ -4,7 +4,8 @@ store (kept history plus the chunk itself, already written), read through the pa
 Contract (reference.paged_chunk): head h of sequence b holds lengths[b, h] entries, the T new tokens
 last; entry j lives at slot table[b, h, j // PAGE] * PAGE + j % PAGE of one layer's pool. New token t
 sees the entries j <= lengths[b, h] - T + t (all kept history, the chunk up to itself); with a sliding
-window only those whose position is above query_positions[b, t] - window. Heads may hold different
+window only those whose position is above query_positions[b, t] - window, or below `sink` (one window
+for all heads, or one per KV head: LServe's streaming heads, sink + local). Heads may hold different
 numbers of entries (compressed, uneven heads); lengths need not be a multiple of the page size.
 int8 / fp8 pools: codes cast in registers, one fp32 scale per slot. Design: docs/kernels.md#paged-chunk-attention"""
 
@@ -26,7 +27,7 @@ PROGRAMS_PER_SM = 2
 
 @triton.jit
 def _tiles(acc, m, row_sum, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table, key_pos_ptr, lo, hi, last_visible, lowest,
-           scale_log2, d, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+           sink, scale_log2, d, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
            HAS_WINDOW: tl.constexpr, QUANT: tl.constexpr, PRECISION: tl.constexpr):
     """Online softmax of the block's rows over the key tiles [lo, hi) (lo a multiple of BLOCK_N).
     MASKED: keys past hi and past a row's last_visible entry weigh 0; otherwise every row sees every
@@ -52,10 +53,12 @@ def _tiles(acc, m, row_sum, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table, key_pos_ptr,
         if MASKED:
             keep = n[None, :] <= last_visible[:, None]
             if HAS_WINDOW:
-                keep = keep & (tl.load(key_pos_ptr + slot)[None, :] > lowest[:, None])
+                key_pos = tl.load(key_pos_ptr + slot)[None, :]
+                keep = keep & ((key_pos > lowest[:, None]) | (key_pos < sink))
             s = tl.where(keep, s, float("-inf"))
         elif HAS_WINDOW:
-            s = tl.where(tl.load(key_pos_ptr + slot)[None, :] > lowest[:, None], s, float("-inf"))
+            key_pos = tl.load(key_pos_ptr + slot)[None, :]
+            s = tl.where((key_pos > lowest[:, None]) | (key_pos < sink), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         # A row that has seen only masked keys keeps m = -inf; shift by 0 then so exp2 gives 0, not NaN.
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -76,17 +79,17 @@ def _tiles(acc, m, row_sum, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table, key_pos_ptr,
     return acc, m, row_sum
 
 
-# T, the block count, the split count, the tables' widths and the window change from call to call: not
-# specialised on, so a new chunk or history length never compiles a new variant mid-serving.
-@triton.jit(do_not_specialize=["stride_tb", "stride_th", "T", "num_blocks_m", "num_splits", "window"])
+# T, the block count, the split count, the tables' widths, the window and the sink change from call to
+# call: not specialised on, so a new chunk or history length never compiles a new variant mid-serving.
+@triton.jit(do_not_specialize=["stride_tb", "stride_th", "T", "num_blocks_m", "num_splits", "window", "sink"])
 def _chunk_attention(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lengths_ptr, key_pos_ptr, query_pos_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lengths_ptr, key_pos_ptr, query_pos_ptr, head_window_ptr,
     out_ptr, part_ptr, lse_ptr,
     stride_qb, stride_qh, stride_qt, stride_tb, stride_th, stride_lb, stride_ob, stride_oh, stride_ot,
-    T, num_blocks_m, num_splits, scale_log2, window,
+    T, num_blocks_m, num_splits, scale_log2, window, sink,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    QUANT: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_WINDOW: tl.constexpr, QUANT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -118,7 +121,9 @@ def _chunk_attention(
                 mask=row_ok[:, None], other=0.0)
     lowest = last_visible  # unused without a window
     if HAS_WINDOW:
-        # Keys at or below this position are outside a row's window.
+        # Keys at or below this position are outside a row's window (those below `sink` stay in view).
+        if HEAD_WINDOW:
+            window = tl.load(head_window_ptr + h).to(tl.int64)
         lowest = tl.load(query_pos_ptr + b64 * T + t, mask=row_ok, other=0).to(tl.int64) - window
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -126,9 +131,11 @@ def _chunk_attention(
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     table = table_ptr + b64 * stride_tb + h * stride_th
     acc, m, row_sum = _tiles(acc, m, row_sum, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table, key_pos_ptr, start, mid,
-                             last_visible, lowest, scale_log2, d, D, PAGE, BLOCK_N, False, HAS_WINDOW, QUANT, PRECISION)
+                             last_visible, lowest, sink, scale_log2, d, D, PAGE, BLOCK_N, False, HAS_WINDOW, QUANT,
+                             PRECISION)
     acc, m, row_sum = _tiles(acc, m, row_sum, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table, key_pos_ptr, mid, end,
-                             last_visible, lowest, scale_log2, d, D, PAGE, BLOCK_N, True, HAS_WINDOW, QUANT, PRECISION)
+                             last_visible, lowest, sink, scale_log2, d, D, PAGE, BLOCK_N, True, HAS_WINDOW, QUANT,
+                             PRECISION)
 
     out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
     if SPLIT:
@@ -199,13 +206,14 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     window: int | None = None, key_positions: torch.Tensor | None = None,
                     query_positions: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                    config: dict | None = None) -> torch.Tensor:
+                    config: dict | None = None, sink: int = 0) -> torch.Tensor:
     """q [B, Hq, T, D] (last dim contiguous) over one layer's pool k_cache, v_cache [num_pages, PAGE, D]
     through table [B, H, P] and lengths [B, H] (int32 or int64) -> [B, Hq, T, D] in q's dtype, a view of
     a [B, T, Hq, D] tensor (or into `out`, any [B, Hq, T, D] view with a contiguous last dim).
     window: keys whose position (key_positions [num_pages, PAGE]) is at or below query_positions
-    [B, T] - window are not seen. k_scale, v_scale [num_pages, PAGE] fp32: the scales of int8 / fp8
-    codes. num_splits: key splits per block (choose_splits). config: block_m, block_n, num_warps,
+    [B, T] - window are not seen, except those below `sink`; an int, or an int32 tensor [H] of one
+    window per KV head (a head with no window: one past any position). k_scale, v_scale [num_pages,
+    PAGE] fp32: the scales of int8 / fp8 codes. num_splits: key splits per block (choose_splits). config: block_m, block_n, num_warps,
     num_stages (launch_config's defaults)."""
     B, Hq, T, D = q.shape
     H = table.shape[1]
@@ -229,16 +237,20 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         part = lse = out  # unused
     has_window = window is not None
+    head_window = isinstance(window, torch.Tensor)
+    if head_window:
+        assert window.shape == (H,) and window.dtype == torch.int32 and window.is_contiguous()
     key_pos = key_positions if has_window else lengths
     query_pos = query_positions.contiguous() if has_window else lengths
     scale = D**-0.5 if scale is None else scale
     _chunk_attention[(num_blocks_m * num_splits, B * H)](
-        q, k_cache, v_cache, k_scale, v_scale, table, lengths, key_pos, query_pos, out, part, lse,
+        q, k_cache, v_cache, k_scale, v_scale, table, lengths, key_pos, query_pos,
+        window if head_window else lengths, out, part, lse,
         q.stride(0), q.stride(1), q.stride(2), table.stride(0), table.stride(1), lengths.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
-        T, num_blocks_m, num_splits, scale * LOG2E, window or 0,
+        T, num_blocks_m, num_splits, scale * LOG2E, 0 if head_window or window is None else window, sink,
         H=H, G=G, D=D, PAGE=page, BLOCK_M=block_m, BLOCK_N=launch["block_n"], SPLIT=split,
-        HAS_WINDOW=has_window, QUANT=quantized,
+        HAS_WINDOW=has_window, HEAD_WINDOW=head_window, QUANT=quantized,
         # fp32 stays fp32: tensor cores would round the inputs to TF32.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=launch["num_warps"], num_stages=launch["num_stages"],

@@ -6,8 +6,8 @@ axis `streaming_heads` and also owns what streaming heads keep: in prefill they 
 trimmed after every prefill and decode step (`trim`, host-only: it edits page tables and returns
 pages to the pool) to sink + the last `local` .. `local + page_size - 1` tokens. Heads something else
 moved (eviction, a restore; not a rollback, which only cuts the newest tokens) are checked once and
-trimmed exactly. A prefill chunk whose every row sees all that its heads keep runs as plain causal
-attention on the engine's own paths (`attends_all_kept`). The design, its parameters and
+trimmed exactly. Prefill chunks run on the engine's paged causal path with a window per head
+(`chunk_windows`) where the heads are in ring form. The design, its parameters and
 measurements: docs/methods/lserve.md.
 
 Patterns: `pattern=None` thresholds the calibrated SmolLM2 gates (DEFAULT_PATTERN) at `ratio`;
@@ -32,7 +32,7 @@ from turnkv.errors import InvalidRequestError
 from turnkv.methods.lserve.pattern import DUO_FILE, HeadPattern, PatternFileError, load_duo_attention
 from turnkv.methods.prefill.a_shape import a_shape_lines, a_shape_mask
 from turnkv.methods.prefill.pattern_hook import clock, fixed_pattern
-from turnkv.methods.protocols import Prefill, StaticSparsity
+from turnkv.methods.protocols import ChunkWindows, Prefill, StaticSparsity
 from turnkv.methods.registry import build, register
 from turnkv.methods.terms import parse_term
 from turnkv.paths import user_path
@@ -144,21 +144,20 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
 
         return fixed_pattern(layer, keys, mask, lines_fn)
 
-    def attends_all_kept(self, seqs, num_new: int) -> bool:
-        """True when each streaming head is sink + one run of positions ending at the newest token
-        (a ring nothing but appends touched since `trim`), of at most `prefill_local` tokens after
-        the sink: every kept key is then in every row's window. The first chunks of a turn up to
-        `prefill_local` and every later turn's chunks of up to `prefill_local - local - page_size`
-        tokens qualify. Not with `dense`, whose method picks the dense heads' cells itself."""
-        if self._dense_method is not None:
-            return False
-        for kv in seqs:
-            streaming = self.flags(*kv.lengths.shape)
-            known = self._rings.get(kv)
-            ring = _reorders(kv) == (0 if known is None else known)
-            if not ring[streaming].all() or (kv.lengths[streaming] - self.sink > self.prefill_local).any():
-                return False
-        return True
+    def chunk_windows(self, seqs, num_new: int) -> ChunkWindows | None:
+        """Streaming heads see their sink and the last `prefill_local` positions, dense heads every
+        kept key: windows by position, which the engine's paged path applies to whatever is kept. The
+        cells are counted on the host where every streaming head is the sink plus one run ending at
+        the newest token (a ring nothing but appends and cuts touched since `trim`); otherwise None,
+        and `attend` counts them. None with `dense`, whose method picks the dense heads' cells."""
+        if self._dense_method is None and all(self._ring_form(kv) for kv in seqs):
+            return _ring_windows(seqs, num_new, self.flags(*seqs[0].lengths.shape), self.sink, self.prefill_local)
+        return None
+
+    def _ring_form(self, kv) -> np.ndarray:
+        known = self._rings.get(kv)
+        ring = _reorders(kv) == (0 if known is None else known)
+        return bool(ring[self.flags(*kv.lengths.shape)].all())
 
     def _attend_split(self, layer: int, keys: Keys, flags: np.ndarray, force_triton: bool):
         """Dense heads through SDPA (flash attention), streaming heads through the line kernel, where
@@ -290,3 +289,33 @@ def _reorders(kv) -> np.ndarray:
     (SequenceKV.ordered_moves are the others). Appends and ordered moves keep a head that is the
     sink plus one run ending at the newest token in that form."""
     return kv.moves - kv.ordered_moves
+
+
+def _ring_windows(seqs, T: int, streaming: np.ndarray, sink: int, local: int) -> ChunkWindows:
+    """ChunkWindows of a chunk of T rows whose streaming heads ([L, H] flags) each hold positions
+    [0, s0) and [N - r, N) (s0 = min(n, sink), r = n - s0, n its kept count, N next_position), and
+    whose dense heads hold T rows' worth of causal keys each. None for windows when no row of any
+    streaming head reaches past its window."""
+    lengths = np.stack([kv.lengths for kv in seqs], axis=1).astype(np.int64)  # [L, B, H]
+    causal = T * (lengths - T) + T * (T + 1) // 2  # every kept key up to the row
+    computed = causal.copy()
+    L, B, H = lengths.shape
+    flags = np.broadcast_to(streaming[:, None, :], (L, B, H))
+    if flags.any():
+        n = lengths[flags]  # [X] streaming (layer, sequence, head)
+        N = np.broadcast_to(np.array([kv.next_position for kv in seqs])[None, :, None], (L, B, H))[flags]
+        s0 = np.minimum(n, sink)
+        run_start = N - (n - s0)
+        p = N[:, None] - T + np.arange(T)[None, :]  # [X, T] the rows' positions
+        in_sink = np.minimum(s0[:, None], p + 1)
+        run_causal = np.maximum(p - run_start[:, None] + 1, 0)
+        run_seen = np.maximum(p - np.maximum(run_start[:, None], p - local + 1) + 1, 0)
+        computed[flags] = (in_sink + run_seen).sum(axis=1)
+        causal[flags] = (in_sink + run_causal).sum(axis=1)
+    windows = None
+    if (computed != causal).any():
+        windows = np.where(streaming, local, NO_WINDOW)
+    return ChunkWindows(windows, sink, computed.astype(np.float64), causal.astype(np.float64))
+
+
+NO_WINDOW = 1 << 30  # a window past any position

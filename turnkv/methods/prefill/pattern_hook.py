@@ -45,17 +45,18 @@ class PatternHook:
         self.sink.append(stats)
         return out
 
-    def attends_all_kept(self, seqs, num_new: int) -> bool:
-        """The method's answer (Prefill.attends_all_kept). When True, the chunk's cells are recorded
-        here for every layer, as `attend` would have: all causal cells over the kept keys, computed."""
-        if not self.method.attends_all_kept(seqs, num_new):
-            return False
-        lengths = torch.from_numpy(np.stack([kv.lengths for kv in seqs], axis=1)).double()  # [L, B, H]
-        T = num_new
-        cells = T * (lengths - T) + T * (T + 1) / 2  # T rows ending at the last of S keys
-        for layer in range(cells.shape[0]):
-            self.sink.append({"layer": layer, "computed": cells[layer], "causal": cells[layer]})
-        return True
+    def chunk_windows(self, seqs, num_new: int, windowed: bool):
+        """The method's ChunkWindows (Prefill.chunk_windows), or None; None too where it has windows
+        and the caller cannot apply them (not `windowed`). When given, the chunk's cells are recorded
+        here for every layer, as `attend` would have."""
+        windows = self.method.chunk_windows(seqs, num_new)
+        if windows is not None and windows.windows is not None and not windowed:
+            return None
+        if windows is not None:
+            for layer in range(windows.computed.shape[0]):
+                self.sink.append({"layer": layer, "computed": torch.from_numpy(windows.computed[layer]),
+                                  "causal": torch.from_numpy(windows.causal[layer])})
+        return windows
 
 
 def summarise(stats: list[dict], num_layers: int) -> dict:
