@@ -119,7 +119,7 @@ def test_expandable_segments_are_asked_for_unless_the_user_configured_the_alloca
     from turnkv.model import load
 
     asked = []
-    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", asked.append)
+    monkeypatch.setattr(load, "set_allocator_settings", asked.append)
     for name in load.ALLOC_CONF_VARS:
         monkeypatch.delenv(name, raising=False)
     if user_setting is not None:

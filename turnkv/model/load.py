@@ -87,8 +87,15 @@ def use_expandable_segments() -> bool:
     running stream waits for. Returns whether it set the option."""
     if any(os.environ.get(name) for name in ALLOC_CONF_VARS):
         return False
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    set_allocator_settings("expandable_segments:True")
     return True
+
+
+def set_allocator_settings(settings: str) -> None:
+    """torch's (private) allocator setter: the accelerator one where this torch has it, since the CUDA
+    one is deprecated there and warns."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    (setter or torch.cuda.memory._set_allocator_settings)(settings)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
