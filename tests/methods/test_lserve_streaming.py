@@ -461,7 +461,7 @@ def test_dense_heads_through_loopserve_over_turns(chat_llm, pattern_file):
 
 
 @pytest.mark.parametrize("kernel", [False, True])
-def test_chunks_take_the_engine_causal_path(chat_llm, pattern_file, monkeypatch, kernel):
+def test_chunks_take_the_engine_causal_path(chat_llm, chat_model_dir, pattern_file, monkeypatch, kernel):
     """A chunk whose streaming heads hold sink + one run within prefill_local (a later turn over the
     trimmed ring) is plain causal attention over the kept keys: the engine runs it without calling
     attend, with the replies and the per-turn density the pattern path gives. A chunk that reaches
@@ -473,6 +473,11 @@ def test_chunks_take_the_engine_causal_path(chat_llm, pattern_file, monkeypatch,
 
     if kernel and importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
+    llm = chat_llm
+    if kernel and torch.cuda.is_available():  # the compiled kernel reads CUDA tensors only
+        import turnkv
+
+        llm = turnkv.LLM(str(chat_model_dir), device="cuda", dtype=torch.float32, kv_memory="64MiB")
     sink, local, prefill_local = 4, 8, 48
     recipe = f"prefill=streaming_heads(pattern={pattern_file},sink={sink},local={local},prefill_local={prefill_local})"
     real_attend = StreamingHeadsPrefill.attend
@@ -487,7 +492,7 @@ def test_chunks_take_the_engine_causal_path(chat_llm, pattern_file, monkeypatch,
         monkeypatch.setattr(StreamingHeadsPrefill, "attend", attend)
         if not plain:
             monkeypatch.setattr(StreamingHeadsPrefill, "chunk_windows", lambda self, seqs, n: None)
-        conv = chat_llm.conversation(system="Answer briefly.", recipe=recipe)
+        conv = llm.conversation(system="Answer briefly.", recipe=recipe)
         try:
             out = []
             for message in LONG_TURNS:
@@ -509,7 +514,7 @@ def test_chunks_take_the_engine_causal_path(chat_llm, pattern_file, monkeypatch,
     # The first turn's prompt is longer than the window: it goes through attend. The last turn's
     # short prompt over the trimmed ring does not.
     first_end, (last_start, last_end) = plain[0][1], plain[2][:2]
-    assert first_end - sink > prefill_local and last_end - last_start < prefill_local - local - chat_llm.pool.page_size
+    assert first_end - sink > prefill_local and last_end - last_start < prefill_local - local - llm.pool.page_size
     if kernel:  # every chunk after the first (fresh) one took the kernel, windowed or not
         assert plain_calls == []
     else:
