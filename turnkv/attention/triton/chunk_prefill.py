@@ -27,11 +27,13 @@ PROGRAMS_PER_SM = 2
 
 @triton.jit
 def _tiles(acc, m, row_sum, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table, key_pos_ptr, lo, hi, last_visible, lowest,
-           sink, scale_log2, d, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-           HAS_WINDOW: tl.constexpr, QUANT: tl.constexpr, PRECISION: tl.constexpr):
+           lowest_min, sink, scale_log2, d, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+           MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, QUANT: tl.constexpr, PRECISION: tl.constexpr):
     """Online softmax of the block's rows over the key tiles [lo, hi) (lo a multiple of BLOCK_N).
     MASKED: keys past hi and past a row's last_visible entry weigh 0; otherwise every row sees every
-    key of [lo, hi) and hi - lo is a multiple of BLOCK_N."""
+    key of [lo, hi) and hi - lo is a multiple of BLOCK_N. With a window, a tile none of whose keys is
+    in any row's view (above lowest_min, the block's lowest bound, or below the sink) is skipped
+    before its keys and values are read."""
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         if MASKED:
@@ -40,42 +42,48 @@ def _tiles(acc, m, row_sum, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table, key_pos_ptr,
         else:
             page = tl.load(table + n // PAGE)
         slot = page.to(tl.int64) * PAGE + n % PAGE
-        if MASKED:
-            k = tl.load(k_ptr + slot[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptr + slot[:, None] * D + d[None, :])
-        if QUANT:
-            k_scale = tl.load(ks_ptr + slot)  # in bounds: page 0 where masked
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION).to(tl.float32)
-            s = s * (k_scale * scale_log2)[None, :]
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2
-        if MASKED:
-            keep = n[None, :] <= last_visible[:, None]
-            if HAS_WINDOW:
-                key_pos = tl.load(key_pos_ptr + slot)[None, :]
-                keep = keep & ((key_pos > lowest[:, None]) | (key_pos < sink))
-            s = tl.where(keep, s, float("-inf"))
-        elif HAS_WINDOW:
-            key_pos = tl.load(key_pos_ptr + slot)[None, :]
-            s = tl.where((key_pos > lowest[:, None]) | (key_pos < sink), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        # A row that has seen only masked keys keeps m = -inf; shift by 0 then so exp2 gives 0, not NaN.
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - shift[:, None])
-        alpha = tl.exp2(m - shift)
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        if MASKED:
-            v = tl.load(v_ptr + slot[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
-        else:
-            v = tl.load(v_ptr + slot[:, None] * D + d[None, :])
-        if QUANT:
-            v_scale = tl.load(vs_ptr + slot)
-            pv = tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        acc = acc * alpha[:, None] + pv.to(tl.float32)
-        m = m_new
+        in_view = True
+        if HAS_WINDOW:
+            key_pos = tl.load(key_pos_ptr + slot)  # in bounds: page 0 where masked
+            seen = (key_pos > lowest_min) | (key_pos < sink)
+            if MASKED:
+                seen = seen & valid
+            in_view = tl.max(seen.to(tl.int32), 0) > 0
+        if in_view:
+            if MASKED:
+                k = tl.load(k_ptr + slot[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptr + slot[:, None] * D + d[None, :])
+            if QUANT:
+                k_scale = tl.load(ks_ptr + slot)  # in bounds: page 0 where masked
+                s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION).to(tl.float32)
+                s = s * (k_scale * scale_log2)[None, :]
+            else:
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2
+            if MASKED:
+                keep = n[None, :] <= last_visible[:, None]
+                if HAS_WINDOW:
+                    keep = keep & ((key_pos[None, :] > lowest[:, None]) | (key_pos[None, :] < sink))
+                s = tl.where(keep, s, float("-inf"))
+            elif HAS_WINDOW:
+                s = tl.where((key_pos[None, :] > lowest[:, None]) | (key_pos[None, :] < sink), s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            # A row that has seen only masked keys keeps m = -inf; shift by 0 then so exp2 gives 0, not NaN.
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - shift[:, None])
+            alpha = tl.exp2(m - shift)
+            row_sum = row_sum * alpha + tl.sum(p, 1)
+            if MASKED:
+                v = tl.load(v_ptr + slot[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+            else:
+                v = tl.load(v_ptr + slot[:, None] * D + d[None, :])
+            if QUANT:
+                v_scale = tl.load(vs_ptr + slot)
+                pv = tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+            else:
+                pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + pv.to(tl.float32)
+            m = m_new
     return acc, m, row_sum
 
 
@@ -120,22 +128,24 @@ def _chunk_attention(
     q = tl.load(q_ptr + b64 * stride_qb + hq[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
                 mask=row_ok[:, None], other=0.0)
     lowest = last_visible  # unused without a window
+    lowest_min = 0
     if HAS_WINDOW:
         # Keys at or below this position are outside a row's window (those below `sink` stay in view).
         if HEAD_WINDOW:
             window = tl.load(head_window_ptr + h).to(tl.int64)
         lowest = tl.load(query_pos_ptr + b64 * T + t, mask=row_ok, other=0).to(tl.int64) - window
+        lowest_min = tl.min(tl.where(row_ok, lowest, 1 << 62), 0)  # the block's rows that exist
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     table = table_ptr + b64 * stride_tb + h * stride_th
     acc, m, row_sum = _tiles(acc, m, row_sum, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table, key_pos_ptr, start, mid,
-                             last_visible, lowest, sink, scale_log2, d, D, PAGE, BLOCK_N, False, HAS_WINDOW, QUANT,
-                             PRECISION)
+                             last_visible, lowest, lowest_min, sink, scale_log2, d, D, PAGE, BLOCK_N, False,
+                             HAS_WINDOW, QUANT, PRECISION)
     acc, m, row_sum = _tiles(acc, m, row_sum, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table, key_pos_ptr, mid, end,
-                             last_visible, lowest, sink, scale_log2, d, D, PAGE, BLOCK_N, True, HAS_WINDOW, QUANT,
-                             PRECISION)
+                             last_visible, lowest, lowest_min, sink, scale_log2, d, D, PAGE, BLOCK_N, True,
+                             HAS_WINDOW, QUANT, PRECISION)
 
     out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
     if SPLIT:
