@@ -521,6 +521,14 @@ def test_chunks_take_the_engine_causal_path(chat_llm, chat_model_dir, pattern_fi
         assert any(position < first_end for _, position, _ in plain_calls)
         assert not any(position >= last_start for _, position, _ in plain_calls)
     assert any(position >= last_start for _, position, _ in pattern_calls)
+    if kernel:  # a chunk longer than WINDOWED_CHUNK_ROWS that needs windows goes through attend
+        from turnkv.engine import step as step_module
+
+        monkeypatch.setattr(step_module, "WINDOWED_CHUNK_ROWS", 64)
+        limited, _, limited_calls = run(True)
+        assert [r[2] for r in limited] == [r[2] for r in plain]
+        ((position, rows),) = {(position, rows) for _, position, rows in limited_calls}  # the first turn's
+        assert position + rows == first_end and rows > 64
 
 
 def attend_counts(method, seq, T: int):

@@ -14,6 +14,10 @@ from turnkv.methods.protocols import WriteWatcher
 from turnkv.methods.step_context import PLAIN, StepContext
 
 
+# The longest chunk whose per-head windows the paged chunk kernel applies (docs/benchmarks.md).
+WINDOWED_CHUNK_ROWS = 4096
+
+
 class Step:
     """Implements the decoder's AttentionStep for B sequences that each add T tokens.
 
@@ -75,10 +79,13 @@ class Step:
         # chunk kernel where it is switched on (attention/chunk.py); H2O's accumulation needs the weights.
         self.chunk_kernel = num_new > 1 and not self.fresh and not accumulate and chunk.uses_kernel(pool.device)
         # A pattern that is causal attention within windows per head (streaming heads) runs on the
-        # paths below: without windows on any of them, with windows on the chunk kernel.
+        # paths below: without windows on any of them, with windows on the chunk kernel for chunks of
+        # up to WINDOWED_CHUNK_ROWS (longer ones run faster on the pattern's own kernels: flash
+        # attention for whole heads, the line kernel for windowed ones).
         self.head_windows, self.sink = None, 0
         if self.pattern is not None and sliding_window is None and not accumulate:
-            windows = self.pattern.chunk_windows(seqs, num_new, windowed=self.chunk_kernel)
+            windowed = self.chunk_kernel and num_new <= WINDOWED_CHUNK_ROWS
+            windows = self.pattern.chunk_windows(seqs, num_new, windowed=windowed)
             if windows is not None:
                 self.pattern, self.sink = None, windows.sink
                 if windows.windows is not None:  # [L, H]
