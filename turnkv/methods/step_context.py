@@ -14,8 +14,9 @@ class StepContext:
     window: a QueryWindow that records each layer's last queries (eviction scorers read it).
     accumulate: add each query's attention weights to the mass kept beside the keys (H2O); a batch
         shares one value.
-    pattern: the sparse prefill, `pattern(layer, lines.Keys) -> (out [B, Hq, T, D], stats)`; used by
-        prefill chunks (T > 1) only.
+    pattern: the sparse prefill (a PatternHook), used by prefill chunks (T > 1) only:
+        `pattern.chunk_windows(seqs, T, windowed)` first (the chunk on the engine's causal path, or
+        None), else `pattern(layer, lines.Keys) -> out [B, Hq, T, D]` per layer.
     selector: the decode-selection state (begin / observe / entries per step, graph_config for the
         CUDA-graph step), or None: decode reads every kept token.
     """
