@@ -56,12 +56,13 @@ class Prefill(ABC):
         """Called once per conversation, before its first `attend`, with the model's layer count
         (a chunk only shows one layer). Default: nothing."""
 
-    def chunk_windows(self, seqs: Sequence[SequenceKV], num_new: int) -> ChunkWindows | None:
+    def chunk_windows(self, seqs: Sequence[SequenceKV], num_new: int, windowed: bool) -> ChunkWindows | None:
         """For a chunk of `num_new` tokens that `seqs` have just reserved (their lengths count them):
         whether each row sees exactly the keys its head keeps up to its own position that lie within
         a per-(layer, KV head) window of it or below a sink. The engine then runs the chunk on its own
         paged causal path (the chunk kernel on CUDA takes the windows) and does not call `attend`.
-        Host work only. Default: None (call `attend`)."""
+        windowed: whether the engine can apply windows here; without, answer only a chunk that needs
+        none. Host work only. Default: None (call `attend`)."""
         return None
 
 

@@ -370,9 +370,11 @@ class Scheduler:
         pool with no idle conversation left to move, the step runs as a separate slice and decode step
         instead, which know what to give up. Requests whose decode selects take a graphed decode step
         first where graphs run (mixed.rides_mixed_step); the forward then carries the others' tokens."""
-        riding = [job for job in self.decoding if mixed.rides_mixed_step(self.llm.runner, job.turn)]
-        if len(riding) < len(self.decoding):
-            self._decode([job for job in self.decoding if job not in riding])
+        riding, graphed = [], []
+        for job in self.decoding:
+            (riding if mixed.rides_mixed_step(self.llm.runner, job.turn) else graphed).append(job)
+        if graphed:
+            self._decode(graphed)
         jobs = {id(job.turn): job for job in riding}
         batches = decode_loop.batches([job.turn for job in riding], self.config.max_running)
         parts = [mixed.decode_part(batch) for batch in batches]

@@ -46,12 +46,9 @@ class PatternHook:
         return out
 
     def chunk_windows(self, seqs, num_new: int, windowed: bool):
-        """The method's ChunkWindows (Prefill.chunk_windows), or None; None too where it has windows
-        and the caller cannot apply them (not `windowed`). When given, the chunk's cells are recorded
-        here for every layer, as `attend` would have."""
-        windows = self.method.chunk_windows(seqs, num_new)
-        if windows is not None and windows.windows is not None and not windowed:
-            return None
+        """The method's ChunkWindows (Prefill.chunk_windows), or None. When given, the chunk's cells
+        are recorded here for every layer, as `attend` would have."""
+        windows = self.method.chunk_windows(seqs, num_new, windowed)
         if windows is not None:
             for layer in range(windows.computed.shape[0]):
                 self.sink.append({"layer": layer, "computed": torch.from_numpy(windows.computed[layer]),
