@@ -35,12 +35,14 @@ import torch
 
 import turnkv
 from turnkv.attention import decode as decode_module
+from turnkv.attention import top_k as top_k_module
 from turnkv.bench import hardware
 from turnkv.bench.floors import decode_kv_read_bytes
 from turnkv.engine import graph_progressive, graph_selection
 from turnkv.engine.conversation import Conversation
 from turnkv.errors import KVCacheFullError
 from turnkv.kv.sequence import SequenceKV
+from turnkv.methods.lserve.selector import graph_page_scores
 from turnkv.methods.recipe import Recipe
 
 RECIPES = {
@@ -251,6 +253,21 @@ def selector_vs_attention(llm, states, ctx: int, label: str, reps: int = 20) -> 
         for layer in range(cfg.dense_layers, L):
             handler.select(layer, q[layer], 1, kw)
 
+    def layer_scores(layer):
+        return graph_page_scores(q[layer], handler.summaries.kmax[layer], handler.summaries.kmin[layer],
+                                 graphs.tables[layer, :1], graphs.lengths[layer, :1], handler.num_phys, cfg,
+                                 llm.pool.page_size)
+
+    def scores():
+        for layer in range(cfg.dense_layers, L):
+            layer_scores(layer)
+
+    layer_scores_once = [layer_scores(layer) for layer in range(L)]
+
+    def top_k():
+        for layer in range(cfg.dense_layers, L):
+            top_k_module.top_k_candidates(layer_scores_once[layer], handler.K)
+
     def expand():
         handler.expand(slice(None), 1, kw)
 
@@ -260,7 +277,9 @@ def selector_vs_attention(llm, states, ctx: int, label: str, reps: int = 20) -> 
                                          splits, workspace=ws)
 
     out = {"recipe": label, "context": ctx, "reuse": cfg.reuse_interval}
-    for part, fn in (("selector", selector), ("expand", expand), ("attention", attention)):
+    # selector = scores + top_k + the merge, commit and expansion of the rows (in one kernel).
+    for part, fn in (("selector", selector), ("scores", scores), ("top_k", top_k), ("expand", expand),
+                     ("attention", attention)):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -125,3 +125,25 @@ def test_decode_selection_shapes_on_the_gpu(rows, n, k):
     scores[:, :4] = float("inf")
     got = dispatch.top_k_ascending(scores, k)
     assert torch.equal(got, stable_reference(scores, k))
+
+
+@pytest.mark.parametrize("rows,n,k", [(2, 2048, 64), (3, 300, 20), (2, 100, 128)])
+def test_candidates_merged_are_the_top_k(rows, n, k):
+    """The split path's two stages apart (a consumer kernel merges in its own program): the parts'
+    candidates hold each row's k best, merged back to the stable sort's; k past n pads with keys
+    below every score."""
+    scores = awkward_scores(rows, n, seed=k).to(DEVICE)
+    cand = triton_top_k.candidates(scores, k)
+    block_k = 1 << (k - 1).bit_length()
+    assert cand.dtype == torch.int64 and cand.shape[0] == rows and cand.shape[1] % block_k == 0
+    got = triton_top_k.merge_candidates(cand, min(k, n)).cpu()
+    assert torch.equal(got, stable_reference(scores.cpu(), min(k, n)))
+
+
+def test_chosen_indices_as_candidates_merge_back_to_themselves():
+    gen = torch.Generator().manual_seed(3)
+    chosen = torch.stack([torch.randperm(10_000, generator=gen)[:37] for _ in range(3)])
+    keys = triton_top_k.as_candidates(chosen.to(DEVICE))
+    assert keys.shape == (3, 64)
+    got = triton_top_k.merge_candidates(keys, 37).cpu()
+    assert torch.equal(got, chosen.sort(-1).values)

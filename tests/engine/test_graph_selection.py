@@ -263,7 +263,8 @@ def test_generate_and_conversations_take_the_graphed_path(pair, mixed_pattern):
 
 
 @pytest.mark.parametrize("physical, logical, pool_page, group", [
-    (64, 16, 16, "query"), (16, 16, 16, "max"), (32, 16, 16, "sum"), (64, 32, 32, "query"), (32, 16, 32, "max")])
+    (64, 16, 16, "query"), (16, 16, 16, "max"), (32, 16, 16, "sum"), (64, 32, 32, "query"), (32, 16, 32, "max"),
+    (48, 16, 16, "query")])
 def test_page_score_kernel_matches_reference(physical, logical, pool_page, group):
     pytest.importorskip("triton")
     from turnkv.attention.triton import page_select
@@ -350,7 +351,9 @@ def test_expand_kernel_matches_torch(pair, chat_model_dir, select):
     """The paged handler's expansion (and, selecting, its commit of the refreshed rows) by the Triton
     kernel against the torch path, on random buffers."""
     pytest.importorskip("triton")
+    from turnkv.attention import top_k
     from turnkv.attention.triton import page_select
+    from turnkv.attention.triton import top_k as top_k_kernels
     from turnkv.methods.lserve.selector import SelectorConfig
 
     graphs = pair[1].runner.graphs
@@ -377,10 +380,13 @@ def test_expand_kernel_matches_torch(pair, chat_model_dir, select):
             got = page_select.expand_pages(h.chosen, h.whole, h.read, graphs.tables, graphs.lengths, 0, L, batch, kw,
                                            h.r, cfg.physical_page)
         else:
-            top = torch.randint(0, P // 2, (batch, h.R, h.K - 1), generator=gen).sort(-1).values.to(h.chosen.device)
+            # The refreshed rows merge the top-k's candidates of their scores in the kernel.
+            scores = torch.randn(batch, h.R, h.num_phys, generator=gen).to(h.chosen.device)
+            top = top_k.top_k_ascending(scores, h.K - 1)
             chosen = h.chosen.clone()
             got = page_select.expand_pages(h.chosen, h.whole, h.read, graphs.tables, graphs.lengths, 1, 1, batch, kw,
-                                           h.r, cfg.physical_page, top=top, refresh=h.refresh)
+                                           h.r, cfg.physical_page, candidates=top_k_kernels.candidates(scores, h.K),
+                                           refresh=h.refresh)
             got_chosen, h.chosen = h.chosen, chosen
             newest = (graphs.lengths[1, :batch].long() + 31) // 32 - 1
             fresh = torch.cat([top, newest.index_select(1, h.head_of_row)[..., None]], -1)

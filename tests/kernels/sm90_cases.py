@@ -321,7 +321,7 @@ def _page_tables():
             chosen = z(L, B, R, K, dtype=I64)
             args = (chosen, z(L, B, m.kv_heads, dtype=I64), z(L, B, m.kv_heads, dtype=I64),
                     z(L, B, m.kv_heads, P), z(L, B, m.kv_heads), 0, 1, B, K, r, 64)
-            page_select.expand_pages(*args, top=z(B, R, K - 1, dtype=I64), refresh=z(L, B, dtype=I64))
+            page_select.expand_pages(*args, candidates=z(B, R, 4 * K, dtype=I64), refresh=z(L, B, dtype=I64))
             page_select.expand_pages(*args)
 
 
@@ -332,6 +332,7 @@ def _top_k():
         top_k.top_k_ascending(e(m.heads, 512, dtype=FP32), 63)
         top_k.top_k_ascending(e(m.heads, 2048, dtype=FP32), 63)
         top_k.top_k_ascending(e(m.heads, 2048, dtype=FP32), 255)
+        top_k.candidates(e(m.heads, 2048, dtype=FP32), 64)  # the graphed LServe selection's stage 1 (K = 64)
 
 
 @case("radix_top_k")

@@ -23,3 +23,17 @@ def top_k_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:
 
         return radix_top_k.top_k_ascending(scores.float(), k)
     return scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+
+
+def top_k_candidates(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """On CUDA (the Triton kernels) only: scores [..., n] (no NaN), k >= 1 -> int64 keys [..., C]
+    among which are each row's k best, for a kernel that finishes the selection in its own program
+    (triton/top_k.py merge_ascending): the parts' best keys of a short row, the radix select's winners
+    of a long one."""
+    from turnkv.attention.triton import top_k
+
+    if scores.shape[-1] <= top_k.MAX_ROW:
+        return top_k.candidates(scores.float(), k)
+    from turnkv.attention.triton import radix_top_k
+
+    return top_k.as_candidates(radix_top_k.top_k_ascending(scores.float(), k))

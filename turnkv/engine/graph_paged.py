@@ -116,13 +116,15 @@ class PagedHandler(Handler):
         lengths = g.lengths[layer, :batch]
         scores = graph_page_scores(q, self.summaries.kmax[layer], self.summaries.kmin[layer], g.tables[layer, :batch],
                                    lengths, self.num_phys, cfg, g.pool.page_size)  # [batch, R, num_phys]
-        top = top_k.top_k_ascending(scores, min(self.K - 1, self.num_phys))
-        if decode.uses_kernel(self.device):  # one kernel: sort and commit the refreshed rows, expand every row
+        if decode.uses_kernel(self.device):  # the top-k's candidates, then one kernel: merge, commit, expand
             from turnkv.attention.triton import page_select
 
+            candidates = top_k.top_k_candidates(scores, self.K)
             table, read = page_select.expand_pages(self.chosen, self.whole, self.read, g.tables, g.lengths, layer, 1,
-                                                   batch, kw, self.r, cfg.physical_page, top=top, refresh=self.refresh)
+                                                   batch, kw, self.r, cfg.physical_page, candidates=candidates,
+                                                   refresh=self.refresh)
             return table[0], read[0]
+        top = top_k.top_k_ascending(scores, min(self.K - 1, self.num_phys))
         newest = (lengths.long() + cfg.physical_page - 1) // cfg.physical_page - 1
         fresh = torch.cat([top, newest.index_select(1, self.head_of_row)[..., None]], dim=-1)
         keep = self.refresh[layer, :batch, None, None] == 0

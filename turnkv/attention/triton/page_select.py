@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from turnkv.attention.triton import top_k
+
 REDUCE = {"query": 0, "max": 1, "sum": 2}
 
 
@@ -22,7 +24,8 @@ def _page_scores(
     stride_qb, stride_qh, stride_tb, stride_th, stride_lb, stride_ob, stride_or,
     num_phys,
     H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PHYS: tl.constexpr, LOGICAL: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr,
+    PHYS: tl.constexpr, LOGICAL: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_SUB: tl.constexpr,
+    REDUCE: tl.constexpr,
 ):
     bh = tl.program_id(0)
     blk = tl.program_id(1)
@@ -30,6 +33,7 @@ def _page_scores(
     h = bh % H
     length = tl.load(lengths_ptr + b * stride_lb + h)
     limit = tl.cdiv(length, PHYS) - 1  # candidates: every physical page but the newest
+    SUB: tl.constexpr = PHYS // LOGICAL  # logical pages per physical page
     p = blk * BLOCK_P + tl.arange(0, BLOCK_P)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -37,24 +41,26 @@ def _page_scores(
     d_ok = d < D
     best = tl.full([BLOCK_G, BLOCK_P], float("-inf"), tl.float32)
     if blk * BLOCK_P < limit:
-        table = table_ptr + b * stride_tb + h * stride_th
-        for j in tl.static_range(PHYS // LOGICAL):
-            token = (p * (PHYS // LOGICAL) + j) * LOGICAL  # first token of logical page j of page p
-            valid = (p < limit) & (token < length)
-            page = tl.load(table + token // PAGE, mask=valid, other=0)
-            row = page.to(tl.int64) * (PAGE // LOGICAL) + (token % PAGE) // LOGICAL
-            kmax = tl.load(kmax_ptr + row[:, None] * D + d[None, :], mask=valid[:, None] & d_ok[None, :],
-                           other=0.0).to(tl.float32)
-            kmin = tl.load(kmin_ptr + row[:, None] * D + d[None, :], mask=valid[:, None] & d_ok[None, :],
-                           other=0.0).to(tl.float32)
-            # Products and a row sum per query head, in fp32 on the CUDA cores: a dot here pads the
-            # group (4 heads) to 16 rows and, in IEEE fp32, runs without tensor cores: many times
-            # the time it takes to read the statistics.
-            for gi in tl.static_range(G):
-                qg = tl.load(q_ptr + b * stride_qb + (h * G + gi) * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32)
-                s = tl.sum(tl.maximum(qg, 0.0)[None, :] * kmax + tl.minimum(qg, 0.0)[None, :] * kmin, axis=1)
-                s = tl.where(valid, s, float("-inf"))
-                best = tl.where((g == gi)[:, None], tl.maximum(best, s[None, :]), best)
+        # Every logical page of the program's physical pages at once, [BLOCK_P * BLOCK_SUB] rows in
+        # physical-page-major order: one table read and one statistics read in flight per program.
+        n = tl.arange(0, BLOCK_P * BLOCK_SUB)
+        pn = blk * BLOCK_P + n // BLOCK_SUB
+        j = n % BLOCK_SUB
+        token = (pn * SUB + j) * LOGICAL  # first token of logical page j of physical page pn
+        valid = (pn < limit) & (j < SUB)
+        page = tl.load(table_ptr + b * stride_tb + h * stride_th + token // PAGE, mask=valid, other=0)
+        row = page.to(tl.int64) * (PAGE // LOGICAL) + (token % PAGE) // LOGICAL
+        mask = valid[:, None] & d_ok[None, :]
+        kmax = tl.load(kmax_ptr + row[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        kmin = tl.load(kmin_ptr + row[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        # Products and a row sum per query head, in fp32 on the CUDA cores: a dot here pads the
+        # group (4 heads) to 16 rows and, in IEEE fp32, runs without tensor cores: many times
+        # the time it takes to read the statistics.
+        for gi in tl.static_range(G):
+            qg = tl.load(q_ptr + b * stride_qb + (h * G + gi) * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32)
+            s = tl.sum(tl.maximum(qg, 0.0)[None, :] * kmax + tl.minimum(qg, 0.0)[None, :] * kmin, axis=1)
+            s = tl.max(tl.reshape(tl.where(valid, s, float("-inf")), [BLOCK_P, BLOCK_SUB]), axis=1)
+            best = tl.where((g == gi)[:, None], s[None, :], best)
     p_ok = p < num_phys
     if REDUCE == 0:  # one row per query head
         tl.store(out_ptr + b * stride_ob + (h * G + g)[:, None] * stride_or + p[None, :], best,
@@ -69,26 +75,28 @@ def _page_scores(
 
 def page_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
                 num_phys: int, physical_page: int, logical_page: int, page_size: int, group: str = "query",
-                out: torch.Tensor | None = None, block_p: int = 16) -> torch.Tensor:
+                out: torch.Tensor | None = None, rows_per_program: int = 32, num_warps: int = 4) -> torch.Tensor:
     """q [B, Hq, D]; kmax / kmin one layer's summaries [rows, D] (row = pool page * (page_size //
     logical_page) + sub-page); table [B, H, P] pool page ids (int32); lengths [B, H] (int32, the
     step's token included). -> fp32 scores [B, X, num_phys] (X = Hq for group "query", else H), -inf
-    at pages >= the head's newest. block_p: physical pages per program (16 is the fastest of 8 to 64
-    at 128K on an H100; benchmarks/sparse/README.md)."""
+    at pages >= the head's newest. rows_per_program: logical pages one program reads (whole physical
+    pages, at least one); with num_warps, the launch setting (benchmarks/sparse/README.md)."""
     B, Hq, D = q.shape
     H = table.shape[1]
     G = Hq // H
     X = Hq if group == "query" else H
     assert q.stride(-1) == 1 and kmax.is_contiguous() and kmin.is_contiguous() and table.stride(-1) == 1
     out = torch.empty(B, X, num_phys, dtype=torch.float32, device=q.device) if out is None else out
+    block_sub = triton.next_power_of_2(physical_page // logical_page)
+    block_p = max(1, triton.next_power_of_2(rows_per_program) // block_sub)
     grid = (B * H, triton.cdiv(num_phys, block_p))
     _page_scores[grid](
         q, kmax, kmin, table, lengths, out,
         q.stride(0), q.stride(1), table.stride(0), table.stride(1), lengths.stride(0), out.stride(0), out.stride(1),
         num_phys,
         H=H, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        PHYS=physical_page, LOGICAL=logical_page, PAGE=page_size, BLOCK_P=block_p, REDUCE=REDUCE[group],
-        num_warps=4,
+        PHYS=physical_page, LOGICAL=logical_page, PAGE=page_size, BLOCK_P=block_p, BLOCK_SUB=block_sub,
+        REDUCE=REDUCE[group], num_warps=num_warps,
     )
     return out
 
@@ -124,14 +132,14 @@ def fold_keys(pool_k: torch.Tensor, slots: torch.Tensor, kmax: torch.Tensor, kmi
 
 
 @triton.jit
-def _expand_pages(chosen_ptr, top_ptr, refresh_ptr, whole_ptr, read_ptr, tables_ptr, lengths_ptr, out_ptr, out_len_ptr,
+def _expand_pages(chosen_ptr, cand_ptr, refresh_ptr, whole_ptr, read_ptr, tables_ptr, lengths_ptr, out_ptr, out_len_ptr,
                   stride_cl, stride_cb, stride_cr, stride_tb, stride_tr, stride_fl,
                   stride_wl, stride_wb, stride_gl, stride_gb, stride_gh, stride_ll, stride_lb,
                   stride_ol, stride_ob, stride_or, stride_nl, stride_nb,
                   layer0, NB,
                   R: tl.constexpr, G: tl.constexpr, K: tl.constexpr, RPP: tl.constexpr, P: tl.constexpr,
                   W: tl.constexpr, BLOCK_W: tl.constexpr, PHYS: tl.constexpr, SELECT: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, C: tl.constexpr):
     pid = tl.program_id(0)
     row = pid % R
     b = (pid // R) % NB
@@ -146,12 +154,13 @@ def _expand_pages(chosen_ptr, top_ptr, refresh_ptr, whole_ptr, read_ptr, tables_
     jc = tl.minimum(j, K - 1)
     chosen = chosen_ptr + layer * stride_cl + b * stride_cb + row * stride_cr
     if SELECT:
-        # A refreshed row takes its top K - 1 pages (ascending, as top_k_ascending returns them)
-        # and its newest page last.
+        # A refreshed row takes the top K - 1 pages of its candidates, ascending, and its newest
+        # page last.
         refresh = tl.load(refresh_ptr + layer * stride_fl + b)
         if refresh != 0:
             k = tl.arange(0, BLOCK_K)
-            top = tl.load(top_ptr + b * stride_tb + row * stride_tr + k, mask=k < K - 1, other=0)
+            cand = tl.load(cand_ptr + b * stride_tb + row * stride_tr + tl.arange(0, C))
+            top = top_k.merge_ascending(cand, K - 1, BLOCK_K)
             length = tl.load(lengths_ptr + layer * stride_ll + b * stride_lb + h).to(tl.int64)
             newest = (length + PHYS - 1) // PHYS - 1
             tl.store(chosen + k, tl.where(k == K - 1, newest, top), mask=k < K)
@@ -165,32 +174,36 @@ def _expand_pages(chosen_ptr, top_ptr, refresh_ptr, whole_ptr, read_ptr, tables_
 
 
 def expand_pages(chosen, whole, read, tables, lengths, layer0: int, num_layers: int, batch: int, kw: int,
-                 pages_per_phys: int, physical_page: int, top=None, refresh=None):
-    """The rows' pool-page tables from the selections (engine/graph_selection.py _PagedHandler.expand
-    and, with top / refresh, the end of .select): one program per (layer, sequence, row).
+                 pages_per_phys: int, physical_page: int, candidates=None, refresh=None):
+    """The rows' pool-page tables from the selections (engine/graph_paged.py PagedHandler.expand
+    and, with candidates / refresh, the end of .select): one program per (layer, sequence, row).
 
     chosen [L, B, R, K] int64 physical pages (rows whose refresh flag is set take the top K - 1 of
-    top [batch, R, K - 1], ascending, and their newest page, written back); whole / read [L, B, H] int64
-    (1: the row reads its whole list; tokens each row reads); tables [L, B, H, P] int32, lengths
-    [L, B, H] int32 (the graph's); refresh [L, B] int64. -> (tables [n, batch, R, kw * r] int32,
-    lengths [n, batch, R] int32) for layers [layer0, layer0 + num_layers)."""
+    their candidates, ascending, and their newest page, written back); candidates [batch, R, C]
+    int64 keys holding each row's K best pages (top_k.candidates(scores, K) or top_k.as_candidates);
+    whole / read [L, B, H] int64 (1: the row reads its whole list; tokens each row reads); tables
+    [L, B, H, P] int32, lengths [L, B, H] int32 (the graph's); refresh [L, B] int64. -> (tables
+    [n, batch, R, kw * r] int32, lengths [n, batch, R] int32) for layers [layer0, layer0 + num_layers)."""
     L, B, R, K = chosen.shape
     H, P = tables.shape[2], tables.shape[3]
     W = kw * pages_per_phys
+    BLOCK_K = triton.next_power_of_2(K)
     out = torch.empty(num_layers, batch, R, W, dtype=torch.int32, device=chosen.device)
     out_len = torch.empty(num_layers, batch, R, dtype=torch.int32, device=chosen.device)
-    select = top is not None
+    select = candidates is not None
     if not select:
-        top, refresh = chosen, chosen  # unused
-    assert chosen.is_contiguous() and whole.stride(-1) == 1 and tables.stride(-1) == 1 and top.stride(-1) == 1
+        candidates, refresh = chosen, chosen  # unused
+    C = candidates.shape[-1]
+    assert chosen.is_contiguous() and whole.stride(-1) == 1 and tables.stride(-1) == 1
+    assert candidates.stride(-1) == 1 and (not select or (C >= BLOCK_K and C & (C - 1) == 0)), C
     _expand_pages[(num_layers * batch * R,)](
-        chosen, top, refresh, whole, read, tables, lengths, out, out_len,
-        chosen.stride(0), chosen.stride(1), chosen.stride(2), top.stride(0), top.stride(1), refresh.stride(0),
-        whole.stride(0), whole.stride(1), tables.stride(0), tables.stride(1), tables.stride(2),
+        chosen, candidates, refresh, whole, read, tables, lengths, out, out_len,
+        chosen.stride(0), chosen.stride(1), chosen.stride(2), candidates.stride(0), candidates.stride(1),
+        refresh.stride(0), whole.stride(0), whole.stride(1), tables.stride(0), tables.stride(1), tables.stride(2),
         lengths.stride(0), lengths.stride(1),
         out.stride(0), out.stride(1), out.stride(2), out_len.stride(0), out_len.stride(1),
         layer0, batch,
         R=R, G=R // H, K=K, RPP=pages_per_phys, P=P, W=W, BLOCK_W=triton.next_power_of_2(W), PHYS=physical_page,
-        SELECT=select, BLOCK_K=triton.next_power_of_2(K), num_warps=4,
+        SELECT=select, BLOCK_K=BLOCK_K, C=C, num_warps=4,
     )
     return out, out_len

@@ -1,9 +1,11 @@
 """Exact top-k of short fp32 score rows on the GPU, the selected indices returned in ascending order:
 LServe's page selection (a row per query head of at most a few thousand physical pages, k = 63 at
 128K). Keys are (score, index) pairs in an int64. A row of at least two parts (PART) is split: one
-program per part keeps its best keys (tl.topk, a bitonic sort in registers), then one per row takes
-the best of those and sorts the winners' indices. Shorter rows: one program per row does both.
-Either beats torch.topk and a sort of its indices (benchmarks/kernels/gpu_top_k.py times them).
+program per part keeps its best keys (tl.topk, a bitonic sort in registers; `candidates`), then one
+per row takes the best of those and sorts the winners' indices (`merge_candidates`). A kernel that
+uses the winners itself merges in its own program (`merge_ascending`), as LServe's page expansion
+does. Shorter rows: one program per row does both. Either beats torch.topk and a sort of its
+indices (benchmarks/kernels/gpu_top_k.py times them).
 
 Ties: among equal scores at the threshold the lowest indices win, as a stable descending sort would
 take them. Scores must not be NaN.
@@ -38,12 +40,12 @@ def _keys(x, i, ok):
 
 
 @triton.jit
-def _store_ascending(top, out_ptr, row, stride_o, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The indices of the K best keys of `top` (BLOCK_K keys, descending), sorted, into row `row`."""
-    idx = 4294967295 - (top & 4294967295)
+def merge_ascending(cand, K, BLOCK_K: tl.constexpr):
+    """The indices of the K best of the keys `cand` (a row's candidates, any length >= BLOCK_K) in
+    ascending order in the first K of BLOCK_K entries; the entries past K hold 2**62."""
+    idx = 4294967295 - (tl.topk(cand, BLOCK_K) & 4294967295)
     j = tl.arange(0, BLOCK_K)
-    idx = tl.sort(tl.where(j < K, idx, 4611686018427387904))  # the winners past K sort last
-    tl.store(out_ptr + row * stride_o + j, idx, mask=j < K)
+    return tl.sort(tl.where(j < K, idx, 4611686018427387904))
 
 
 @triton.jit
@@ -53,7 +55,8 @@ def _top_k_small(scores_ptr, out_ptr, n, stride_s, stride_o, K: tl.constexpr, BL
     i = tl.arange(0, BLOCK)
     ok = i < n
     key = _keys(tl.load(scores_ptr + row * stride_s + i, mask=ok, other=0.0), i, ok)
-    _store_ascending(tl.topk(key, BLOCK_K), out_ptr, row, stride_o, K, BLOCK_K)
+    j = tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + row * stride_o + j, merge_ascending(key, K, BLOCK_K), mask=j < K)
 
 
 @triton.jit
@@ -72,8 +75,53 @@ def _top_k_part(scores_ptr, cand_ptr, n, stride_s, BLOCK_K: tl.constexpr, PART: 
 def _top_k_merge(cand_ptr, out_ptr, stride_o, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
     """The K best of a row's parts' candidates, their indices ascending (stage 2)."""
     row = tl.program_id(0).to(tl.int64)
-    top = tl.topk(tl.load(cand_ptr + row * BLOCK_C + tl.arange(0, BLOCK_C)), BLOCK_K)
-    _store_ascending(top, out_ptr, row, stride_o, K, BLOCK_K)
+    idx = merge_ascending(tl.load(cand_ptr + row * BLOCK_C + tl.arange(0, BLOCK_C)), K, BLOCK_K)
+    j = tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + row * stride_o + j, idx, mask=j < K)
+
+
+def candidates(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Stage 1 alone, for a kernel that merges in its own program (merge_ascending): scores [..., n]
+    fp32 (no NaN), 1 <= k, n <= MAX_ROW -> int64 keys [..., C] (C a power of two, a multiple of
+    next_pow2(k)) among which are each row's k best; padding keys rank below every score."""
+    *lead, n = scores.shape
+    assert scores.dtype == torch.float32 and 1 <= k and n <= MAX_ROW, (scores.dtype, k, n)
+    rows = scores.reshape(-1, n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    BLOCK_K = max(2, triton.next_power_of_2(k))
+    BLOCK = max(BLOCK_K, triton.next_power_of_2(n))
+    part = min(BLOCK, max(PART, 2 * BLOCK_K))
+    parts = BLOCK // part
+    cand = torch.empty(rows.shape[0], parts * BLOCK_K, dtype=torch.int64, device=scores.device)
+    if rows.shape[0]:
+        _top_k_part[(rows.shape[0], parts)](rows, cand, n, rows.stride(0), BLOCK_K=BLOCK_K, PART=part,
+                                            NUM_PARTS=parts, num_warps=4)
+    return cand.view(*lead, parts * BLOCK_K)
+
+
+def merge_candidates(cand: torch.Tensor, k: int) -> torch.Tensor:
+    """Stage 2: keys [..., C] from candidates / as_candidates (C >= next_pow2(k)) -> int64 [..., k],
+    the indices of each row's k best keys in ascending order."""
+    *lead, C = cand.shape
+    BLOCK_K = max(2, triton.next_power_of_2(k))
+    assert cand.dtype == torch.int64 and C >= BLOCK_K and C & (C - 1) == 0, (cand.dtype, C, k)
+    rows = cand.reshape(-1, C).contiguous()
+    out = torch.empty(rows.shape[0], k, dtype=torch.int64, device=cand.device)
+    if rows.shape[0]:
+        _top_k_merge[(rows.shape[0],)](rows, out, out.stride(0), K=k, BLOCK_K=BLOCK_K, BLOCK_C=C,
+                                       num_warps=4 if C <= 1024 else 8)
+    return out.view(*lead, k)
+
+
+def as_candidates(indices: torch.Tensor) -> torch.Tensor:
+    """Chosen indices [..., k] (any top-k's, k < 2**32) -> keys [..., next_pow2(k)] that
+    merge_ascending takes back to the same indices (equal scores: the lowest index ranks first;
+    padding ranks last)."""
+    k = indices.shape[-1]
+    keys = 4294967295 - indices.long()
+    pad = max(2, triton.next_power_of_2(k)) - k
+    return torch.nn.functional.pad(keys, (0, pad), value=-9223372036854775807 - 1)
 
 
 def top_k_ascending(scores: torch.Tensor, k: int, split: bool = True) -> torch.Tensor:
@@ -93,11 +141,7 @@ def top_k_ascending(scores: torch.Tensor, k: int, split: bool = True) -> torch.T
     part = max(PART, 2 * BLOCK_K)
     parts = BLOCK // part
     if split and parts >= 2:  # a row's parts in parallel, then their candidates merged
-        cand = torch.empty(rows.shape[0] * parts * BLOCK_K, dtype=torch.int64, device=scores.device)
-        _top_k_part[(rows.shape[0], parts)](rows, cand, n, rows.stride(0), BLOCK_K=BLOCK_K, PART=part,
-                                            NUM_PARTS=parts, num_warps=4)
-        _top_k_merge[(rows.shape[0],)](cand, out, out.stride(0), K=k, BLOCK_K=BLOCK_K, BLOCK_C=parts * BLOCK_K,
-                                       num_warps=4 if parts * BLOCK_K <= 1024 else 8)
+        return merge_candidates(candidates(rows, k), k).view(*lead, k)
     else:
         _top_k_small[(rows.shape[0],)](rows, out, n, rows.stride(0), out.stride(0), K=k, BLOCK_K=BLOCK_K,
                                        BLOCK=BLOCK, num_warps=4 if BLOCK <= 1024 else 8)
