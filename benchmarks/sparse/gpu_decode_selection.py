@@ -244,7 +244,8 @@ def selector_vs_attention(llm, states, ctx: int, label: str, reps: int = 20) -> 
     L, cfg = llm.config.num_layers, handler.config
     q = graphs.queries[:, :1]
     D = llm.config.head_dim
-    splits = decode_module.num_splits(llm.device, handler.R, kw * handler.r * llm.pool.page_size)
+    splits = decode_module.num_splits(llm.device, handler.R, kw * handler.r * llm.pool.page_size,
+                                      selected=True)
     ws = (torch.empty(llm.config.num_heads * splits * D, device=llm.device),
           torch.empty(llm.config.num_heads * splits, device=llm.device))
     tables, lengths = handler.expand(slice(None), 1, kw)

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton is first imported
 
 from turnkv.attention import reference  # noqa: E402
-from turnkv.attention.triton.decode import choose_splits, indexed_decode  # noqa: E402
+from turnkv.attention.triton.decode import SELECTED_PROGRAMS_PER_SM, choose_splits, indexed_decode  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Triton's interpreter computes in numpy, which has no bfloat16.
@@ -101,5 +101,9 @@ def test_choose_splits_fills_the_machine_without_tiny_chunks():
     assert choose_splits(8, 131072, 132) == 66  # batch 1 x 8 KV heads: ~4 programs per SM
     assert choose_splits(8, 300, 132) == 5  # short lists are not cut below 64 keys
     assert choose_splits(32, 1040, 132) == 17  # LoopServe's selection, per query head
+    # A selection's lists take chunks of about 64 keys: LServe's 4096 tokens per query head at batch 1.
+    assert choose_splits(32, 4096, 132, programs_per_sm=SELECTED_PROGRAMS_PER_SM) == 64
+    assert choose_splits(32, 1040, 132, programs_per_sm=SELECTED_PROGRAMS_PER_SM) == 17
+    assert choose_splits(8 * 32, 4096, 132, programs_per_sm=SELECTED_PROGRAMS_PER_SM) == 9
     assert choose_splits(16 * 8, 4096, 132) == 5
     assert choose_splits(1024, 4096, 132) == 1

@@ -29,13 +29,18 @@ def uses_kernel(device: torch.device) -> bool:
     return device.type == "cuda" and _kernel() is not None
 
 
-def num_splits(device: torch.device, batch_kv_heads: int, max_length: int, kv_dtype: torch.dtype | None = None) -> int:
-    """How many chunks the kernel cuts each key list into (1 off CUDA); kv_dtype: the store's."""
+def num_splits(device: torch.device, batch_kv_heads: int, max_length: int, kv_dtype: torch.dtype | None = None,
+               selected: bool = False) -> int:
+    """How many chunks the kernel cuts each key list into (1 off CUDA); kv_dtype: the store's.
+    selected: the lists are a decode selection's pages or tokens (a few thousand keys a row), which
+    are latency-bound and take more, shorter chunks (SELECTED_PROGRAMS_PER_SM)."""
     if not uses_kernel(device):
         return 1
     kernel = _kernel()
-    return kernel.choose_splits(batch_kv_heads, max_length, _num_sms(device.index or 0),
-                                programs_per_sm=kernel.PROGRAMS_PER_SM.get(kv_dtype, 4))
+    per_sm = kernel.PROGRAMS_PER_SM.get(kv_dtype, 4)
+    if selected:
+        per_sm = max(per_sm, kernel.SELECTED_PROGRAMS_PER_SM)
+    return kernel.choose_splits(batch_kv_heads, max_length, _num_sms(device.index or 0), programs_per_sm=per_sm)
 
 
 def indexed_decode(q, k_cache, v_cache, table, lengths, splits: int = 1, scale=None, window=None,

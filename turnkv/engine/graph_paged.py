@@ -163,7 +163,8 @@ class _PagedStep(_GraphStep):
         self.dense_layers = handler.config.dense_layers if variant != "dense" else runner.pool.num_layers
         Hq, D = runner.queries.shape[2], runner.queries.shape[3]
         width = max(1, kw * handler.r) * runner.pool.page_size
-        self.sel_splits = decode.num_splits(runner.pool.device, batch * handler.R, width, runner.pool.kv_dtype)
+        self.sel_splits = decode.num_splits(runner.pool.device, batch * handler.R, width, runner.pool.kv_dtype,
+                                            selected=True)
         self.sel_workspace = (torch.empty(batch * Hq * self.sel_splits * D, device=runner.pool.device),
                               torch.empty(batch * Hq * self.sel_splits, device=runner.pool.device))
         self.expanded = None

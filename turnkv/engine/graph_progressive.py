@@ -209,7 +209,8 @@ class _ProgressiveStep(_GraphStep):
         super().__init__(runner, batch)
         self.handler, self.variant = handler, variant
         Hq, D = runner.queries.shape[2], runner.queries.shape[3]
-        self.sel_splits = decode.num_splits(runner.pool.device, batch * handler.R, handler.W, runner.pool.kv_dtype)
+        self.sel_splits = decode.num_splits(runner.pool.device, batch * handler.R, handler.W, runner.pool.kv_dtype,
+                                            selected=True)
         self.sel_workspace = (torch.empty(batch * Hq * self.sel_splits * D, device=runner.pool.device),
                               torch.empty(batch * Hq * self.sel_splits, device=runner.pool.device))
         self.read_rows = None

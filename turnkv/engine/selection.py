@@ -45,5 +45,5 @@ def tables(step, layer: int, q: torch.Tensor):
     width = max(s.shape[1] for s in slot_rows)
     table = torch.stack([torch.nn.functional.pad(s, (0, width - s.shape[1])) for s in slot_rows]).to(torch.int32)
     lengths = torch.from_numpy(np.stack(counts).astype(np.int32)).to(pool.device)
-    splits = decode.num_splits(pool.device, len(picks) * rows, width, pool.kv_dtype)
+    splits = decode.num_splits(pool.device, len(picks) * rows, width, pool.kv_dtype, selected=True)
     return table, lengths, splits

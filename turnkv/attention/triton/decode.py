@@ -31,6 +31,9 @@ QUANT_CONFIG = {torch.int8: dict(block_n=128, num_warps=4, num_stages=3),
                 torch.float8_e4m3fn: dict(block_n=128, num_warps=4, num_stages=2)}
 DEQUANT = {torch.int8: "f16asm", torch.float8_e4m3fn: "cast"}
 PROGRAMS_PER_SM = {torch.int8: 8, torch.float8_e4m3fn: 8}
+# A decode selection's lists (LServe's 4096 selected tokens a row): chunks of about 64 keys, which
+# finish sooner than 17 chunks of 241 (benchmarks/sparse/README.md, the launch sweep).
+SELECTED_PROGRAMS_PER_SM = 16
 _QUANT_MODE = {"cast": 1, "fp32": 2, "f16asm": 3}
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter: no inline PTX
 
