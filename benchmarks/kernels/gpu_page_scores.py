@@ -74,5 +74,5 @@ for rpp in (16, 32, 64):
                          of_floor=floor_us / us, max_abs_err=err, same_inf=same_inf))
         print(f"rows/program {rpp:3d} warps {warps}: {us:6.2f} us per layer (floor {floor_us:.2f}, "
               f"{floor_us / us:.2f}); max err {err:.2e}, -inf agree {same_inf}", flush=True)
-json.dump({"copy_bandwidth": copy, "rows": rows}, open(os.path.join(os.environ.get("OUT", "."), "page_scores.json"), "w"),
-          indent=1)
+with open(os.path.join(os.environ.get("OUT", "."), "page_scores.json"), "w") as f:
+    json.dump({"copy_bandwidth": copy, "rows": rows}, f, indent=1)

@@ -1,57 +1,48 @@
-"""Launch settings of the decode over selected tokens / pages, end to end at 128K: loopserve-d and
-lserve decode steps (graphed) with the selection lists' chunk count (17 default, or 33) and the
-decode kernel's keys per tile (32, 64) and warps (2, 4) overridden. Prints ms per token and the
-decode kernel's time per step (torch.profiler) per setting.
+"""Launch settings of the decode over a selection's lists, end to end: LServe (streaming heads,
+pattern=random) at 128K, batch 1, one process per setting (gpu_step_profile.py with --splits /
+--block-n / --warps), each printing wall ms per step and the decode kernels' GPU time per step.
+The default row ("default") is the engine's own choice. JSON per setting to $OUT/launch/.
 
-    python benchmarks/sparse/gpu_selection_launch.py     # H100: ~2 min
+    python benchmarks/sparse/gpu_selection_launch.py [--context 129536]     # H100: ~30 s a setting
 """
-import os, sys, time, collections, torch
-sys.path.insert(0, "."); sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import turnkv
-import gpu_decode_selection as S
-from turnkv.attention import decode
-from turnkv.kv.sequence import SequenceKV
-from turnkv.methods.recipe import Recipe
-from torch.profiler import profile, ProfilerActivity
-from turnkv.attention.triton import decode as K
-import itertools
-BASE = dict(K.DEFAULT_CONFIG)
-ctx = 129536
-llm = turnkv.LLM("llama-3.1-8b", dtype="bfloat16", device="cuda", kv_memory="40GiB", max_model_len=131072)
-seq = SequenceKV(llm.pool)
-llm.runner.prefill(seq, S.prompt(ctx, llm.config.vocab_size, ctx))
-orig = decode.num_splits
-OVERRIDE = [None]
-def patched(device, bkh, max_len, kv_dtype=None):
-    if bkh == 32 and OVERRIDE[0] is not None:
-        return OVERRIDE[0]
-    return orig(device, bkh, max_len, kv_dtype)
-decode.num_splits = patched
-rows = []
-for name in ("loopserve-d", "lserve"):
-    recipe = Recipe.parse(S.RECIPES[name])
-    states = S.start(llm, recipe, [seq], ctx)
-    for splits, bn, warps in [(None, None, None)] + list(itertools.product((None, 33), (32, 64), (2, 4))):
-        OVERRIDE[0] = splits
-        K.DEFAULT_CONFIG.clear(); K.DEFAULT_CONFIG.update(BASE)
-        if bn is not None:
-            K.DEFAULT_CONFIG.update(block_n=bn, num_warps=warps)
-        if getattr(llm.runner.graphs, "selection", None) is not None:
-            llm.runner.graphs.selection.close()
-        tok = torch.full((1,), 7, device=llm.device)
-        tok, _ = S.decode_steps(llm, recipe, [seq], states, tok, 8)
-        torch.cuda.synchronize()
-        n = 48
-        t0 = time.perf_counter()
-        tok, _ = S.decode_steps(llm, recipe, [seq], states, tok, n)
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / n
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            tok, _ = S.decode_steps(llm, recipe, [seq], states, tok, 16)
-            torch.cuda.synchronize()
-        tot = collections.Counter()
-        for e in prof.events():
-            if e.device_type.name == "CUDA":
-                tot[e.name[:40]] += e.time_range.end - e.time_range.start
-        print(f"{name:12s} splits {str(splits):5s} block_n {bn} warps {warps} wall {wall*1e3:.3f} ms/step  decode_chunk {tot['_decode_chunk']/16:.1f} us/step  merge {tot['_merge_chunks']/16:.1f}", flush=True)
-    seq.truncate(ctx)
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+SETTINGS = [(None, None, None), (17, 32, 2), (33, 32, 2), (66, 32, 2), (66, 16, 2), (100, 16, 2), (33, 16, 2),
+            (17, 16, 2), (33, 64, 4)]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--context", type=int, default=129536)
+    p.add_argument("--recipe", default="lserve")
+    p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/sparse/results")
+    args = p.parse_args()
+    here = os.path.dirname(os.path.abspath(__file__))
+    rows = []
+    for splits, block_n, warps in SETTINGS:
+        name = "default" if splits is None else f"{splits}_{block_n}_{warps}"
+        out = os.path.join(args.out, "launch", name)
+        cmd = [sys.executable, os.path.join(here, "gpu_step_profile.py"), "--context", str(args.context),
+               "--recipes", args.recipe, "--out", out]
+        for flag, value in (("--splits", splits), ("--block-n", block_n), ("--warps", warps)):
+            if value is not None:
+                cmd += [flag, str(value)]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        with open(os.path.join(out, "step_profile.json")) as f:
+            row = json.load(f)["rows"][0]
+        kernels = {k["name"]: k["us_per_step"] for k in row["kernels"]}
+        rows.append((name, row["wall_us_per_step"], kernels.get("_decode_chunk", 0.0),
+                     kernels.get("_merge_chunks", 0.0)))
+        print(f"{name:10s} wall {rows[-1][1]:7.0f} us/step  decode kernel {rows[-1][2]:6.1f}  merge {rows[-1][3]:6.1f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -5,6 +5,10 @@ per step over 48 steps, then 16 steps under torch.profiler: GPU time per step of
 the kernels' sum, and the rest of the wall time (gaps between kernels). JSON to $OUT/step_profile.json.
 
     python benchmarks/sparse/gpu_step_profile.py [--context 129536]     # H100: ~1.5 min
+
+--splits / --block-n / --warps override the launch of the decode over a selection's lists (the
+chunks per row, keys per tile, warps) for a launch sweep (gpu_selection_launch.py runs one process
+per setting: a CUDA graph captures the setting it was made with).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_decode_selection as S  # noqa: E402
 
 import turnkv  # noqa: E402
+from turnkv.attention import decode  # noqa: E402
+from turnkv.attention.triton import decode as decode_kernel  # noqa: E402
 from turnkv.kv.sequence import SequenceKV  # noqa: E402
 from turnkv.methods.recipe import Recipe  # noqa: E402
 
@@ -56,12 +62,31 @@ def profile_recipe(llm, seq, name: str, recipe: Recipe, ctx: int, steps: int = 4
     return row
 
 
+def override_launch(splits: int | None, block_n: int | None, warps: int | None) -> None:
+    """Launch settings for the decode over selected lists, set before any graph is captured."""
+    if block_n is not None:
+        decode_kernel.DEFAULT_CONFIG["block_n"] = block_n
+    if warps is not None:
+        decode_kernel.DEFAULT_CONFIG["num_warps"] = warps
+    if splits is not None:
+        chosen = decode.num_splits
+
+        def num_splits(device, batch_kv_heads, max_length, kv_dtype=None, selected=False):
+            return splits if selected else chosen(device, batch_kv_heads, max_length, kv_dtype)
+
+        decode.num_splits = num_splits
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--context", type=int, default=129536)
     p.add_argument("--recipes", default="dense,lserve")
     p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/sparse/results")
+    p.add_argument("--splits", type=int, default=None, help="chunks per row of the selection's lists")
+    p.add_argument("--block-n", type=int, default=None, help="keys per tile of the decode kernel")
+    p.add_argument("--warps", type=int, default=None, help="warps of the decode kernel")
     args = p.parse_args()
+    override_launch(args.splits, args.block_n, args.warps)
     ctx = args.context
     llm = turnkv.LLM("llama-3.1-8b", dtype="bfloat16", device="cuda", kv_memory=int(ctx * 131072 * 1.1) + (1 << 30),
                      max_model_len=131072)
@@ -71,7 +96,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "step_profile.json"), "w") as f:
         json.dump({"command": "python benchmarks/sparse/gpu_step_profile.py " + " ".join(sys.argv[1:]),
-                   "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+                   "device": torch.cuda.get_device_name(), "launch": {"splits": args.splits, "block_n": args.block_n,
+                                                                     "warps": args.warps}, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
