@@ -2,8 +2,8 @@
 pattern=random) at 32K, Llama-3.1-8B shape with random weights in bf16, through LLM.generate, in a pool
 sized as `turnkv bench speed` sizes it for 128K. The same 32K prompt runs on a fresh pool, again, after
 a full-cache 128K conversation came and went (its pages back on the free stacks), and after the free
-stacks were sorted (low page ids handed out first). ms per token over the steps that made tokens
-16..63. A dense 32K row closes the run. JSON to $OUT/page_layout.json.
+stacks were sorted (low page ids handed out first) and shuffled. ms per token over the steps that made tokens
+16..63, with dense 32K rows on the sorted and the shuffled stacks. JSON to $OUT/page_layout.json.
 
     python benchmarks/sparse/gpu_page_layout.py     # H100: ~1 min
 """
@@ -52,11 +52,21 @@ def main():
     run(LSERVE, p32, "lserve 32K, after full 128K")
     run(LSERVE, p32, "lserve 32K, again")
     pool = llm.pool
-    for layer in range(pool.num_layers):  # low ids on top of each free stack
-        top = pool._top[layer]
-        pool._stack[layer, :top] = np.sort(pool._stack[layer, :top])[::-1]
+    gen = np.random.default_rng(0)
+
+    def reorder(how: str) -> None:
+        for layer in range(pool.num_layers):
+            top = pool._top[layer]
+            free = np.sort(pool._stack[layer, :top])[::-1]  # low ids on top of each free stack
+            pool._stack[layer, :top] = free if how == "sorted" else gen.permutation(free)
+
+    reorder("sorted")
     run(LSERVE, p32, "lserve 32K, free stacks sorted")
-    run("full", p32, "full 32K")
+    run("full", p32, "full 32K, free stacks sorted")
+    for i in range(2):
+        reorder("shuffled")
+        run(LSERVE, p32, f"lserve 32K, free stacks shuffled ({i + 1})")
+    run("full", p32, "full 32K, free stacks shuffled")
     out = os.environ.get("OUT") or "benchmarks/sparse/results"
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "page_layout.json"), "w") as f:
