@@ -63,3 +63,51 @@ def paged_chunk(q, k_cache, v_cache, table, lengths, splits: int = 1, scale=None
                                          query_positions, k_scale, v_scale, sink=sink)
     return reference.paged_chunk(q, k_cache, v_cache, table, lengths, scale, window, key_positions, query_positions,
                                  k_scale, v_scale, sink)
+
+
+# A long chunk over a long history runs faster as two dense attention calls, merged by their
+# log-sum-exp, than through the paged kernel: the history gathered once (every key visible) and the
+# chunk over itself (causal), both on cuDNN's flash attention (benchmarks/prefill/README.md).
+SPLIT_MIN_ROWS = 2048
+SPLIT_MIN_HISTORY = 16384
+
+
+def uses_split(device: torch.device, num_new: int, history: int) -> bool:
+    """Whether a chunk of num_new tokens over `history` kept tokens per head (every head the same,
+    no window) takes split_history on `device`: CUDA with cuDNN attention, long enough to gain."""
+    return (device.type == "cuda" and torch.backends.cudnn.is_available() and num_new >= SPLIT_MIN_ROWS
+            and history >= SPLIT_MIN_HISTORY)
+
+
+def split_history(q: torch.Tensor, k_hist: torch.Tensor, v_hist: torch.Tensor, k_new: torch.Tensor,
+                  v_new: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """q [B, Hq, T, D], the T new tokens, over their history k_hist / v_hist [B, H, S, D] (every key
+    visible) and themselves k_new / v_new [B, H, T, D] (causal) -> [B, Hq, T, D] in q's dtype: the
+    same attention as reference.causal_suffix over the two concatenated, as two calls, each with its
+    log-sum-exp, merged. The history call folds each KV head's query group into its rows, so one K/V
+    tile serves the group."""
+    B, Hq, T, D = q.shape
+    H = k_hist.shape[1]
+    out_h, lse_h = _attend_with_lse(q.reshape(B, H, (Hq // H) * T, D), k_hist, v_hist, False, scale)
+    out_s, lse_s = _attend_with_lse(q, k_new, v_new, True, scale)
+    lse_h, lse_s = lse_h.reshape(B, Hq, T, 1), lse_s.reshape(B, Hq, T, 1)
+    lse = torch.logaddexp(lse_h, lse_s)
+    out = out_h.reshape(B, Hq, T, D).float() * (lse_h - lse).exp() + out_s.float() * (lse_s - lse).exp()
+    return out.to(q.dtype)
+
+
+def _attend_with_lse(q, k, v, causal: bool, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, Hq, T, D] over k, v [B, H, S, D] (Hq a multiple of H; causal: query t sees keys <= t)
+    -> (out [B, Hq, T, D], natural-log log-sum-exp of the scaled scores [B, Hq, T], fp32)."""
+    if q.device.type == "cuda":
+        result = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                    scale=scale)
+        return result[0], result[1].reshape(q.shape[:3]).float()
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1).float(), v.repeat_interleave(G, 1).float()
+    scores = (q.float() @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if causal:
+        T, S = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(T, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse = scores.logsumexp(-1)
+    return (scores - lse[..., None]).exp() @ v, lse

@@ -157,6 +157,8 @@ class Step:
                 self.splits, window=self.sliding_window, key_positions=self.pool.positions[layer],
                 query_positions=self.query_positions[:, 0], **self.pool.scale_kwargs(layer))
             return out[:, None]
+        if self.chunk_kernel and self._splits_history(layer, T):
+            return self._split_attention(layer, q, k, v).transpose(1, 2)
         if self.chunk_kernel:
             splits = chunk.num_splits(q.device, B * self.pool.num_kv_heads, T, Hq // self.pool.num_kv_heads,
                                       self.max_len[layer], q.dtype)
@@ -185,6 +187,20 @@ class Step:
         if self.accumulate:
             self._accumulate_attention(layer, q, keys, mask)
         return reference.attention(q, keys, values, mask).transpose(1, 2)
+
+    def _splits_history(self, layer: int, num_new: int) -> bool:
+        """A long chunk whose heads all hold the same history, with no window: chunk.split_history."""
+        return (not self.padded[layer] and self.sliding_window is None and self.head_windows is None
+                and chunk.uses_split(self.pool.device, num_new, self.max_len[layer] - num_new))
+
+    def _split_attention(self, layer, q, k, v):
+        """q [B, Hq, T, D] over the history gathered from the pool and the chunk's own K/V k, v [B, T, H, D]
+        (as the store holds them: a quantized pool's round trip)."""
+        history = self.max_len[layer] - q.shape[2]
+        k_hist = self.pool.gather(layer, self.tables[layer], history, "k")
+        v_hist = self.pool.gather(layer, self.tables[layer], history, "v")
+        k_new, v_new = self.pool.round_trip(k).transpose(1, 2), self.pool.round_trip(v).transpose(1, 2)
+        return chunk.split_history(q, k_hist, v_hist, k_new, v_new)
 
     def _pattern_attention(self, layer, q, k, v):
         """A prefill chunk through the recipe's pattern: q [B, Hq, T, D] over every kept key."""

@@ -1,0 +1,141 @@
+"""A long chunk over a long history as two attention calls merged by their log-sum-exp
+(attention/chunk.py split_history): against causal attention over the concatenated keys, through the
+engine's Step (which heads take it, quantized pools) and against transformers' logits. On CPU its
+reference path (fp32 softmax with the log-sum-exp); on a GPU the cuDNN path in bf16 (marked gpu)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton is first imported
+
+from turnkv.attention import chunk, reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the cuDNN path in bf16")
+
+
+def relative_error(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def parts(B, H, G, D, S, T, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H * G, T, D, generator=gen)
+    k_hist, v_hist = torch.randn(B, H, S, D, generator=gen), torch.randn(B, H, S, D, generator=gen)
+    k_new, v_new = torch.randn(B, H, T, D, generator=gen), torch.randn(B, H, T, D, generator=gen)
+    return [t.to(device, dtype) for t in (q, k_hist, v_hist, k_new, v_new)]
+
+
+@pytest.mark.parametrize("B,H,G,S,T,scale", [(1, 2, 4, 37, 11, None), (2, 3, 1, 5, 9, 0.3), (1, 1, 2, 64, 64, None)])
+def test_split_equals_causal_attention_over_history_and_chunk(B, H, G, S, T, scale):
+    """Every history key visible to every new token, the chunk causal over itself, GQA groups folded;
+    on the CPU reference path, fp32."""
+    q, k_hist, v_hist, k_new, v_new = parts(B, H, G, 16, S, T, torch.float32, "cpu")
+    got = chunk.split_history(q, k_hist, v_hist, k_new, v_new, scale=scale)
+    want = reference.causal_suffix(q, torch.cat([k_hist, k_new], 2), torch.cat([v_hist, v_new], 2), scale=scale)
+    assert got.shape == want.shape and got.dtype == q.dtype
+    assert relative_error(got, want) < 1e-5
+
+
+def test_split_is_taken_for_long_chunks_over_long_histories_on_cuda_only(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    cuda = torch.device("cuda")
+    assert chunk.uses_split(cuda, chunk.SPLIT_MIN_ROWS, chunk.SPLIT_MIN_HISTORY)
+    assert not chunk.uses_split(cuda, chunk.SPLIT_MIN_ROWS - 1, 10**6)  # short turns keep the paged kernel
+    assert not chunk.uses_split(cuda, 32768, chunk.SPLIT_MIN_HISTORY - 1)
+    assert not chunk.uses_split(torch.device("cpu"), 32768, 10**6)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_step_splits_only_where_every_head_holds_the_same_history(monkeypatch, kv_dtype):
+    """Step's split path (forced on CPU) equals the reference path for even heads, a quantized pool's
+    round trip included; a layer with uneven heads keeps the paged path."""
+    from turnkv.engine.step import Step
+    from turnkv.kv.pool import PagePool
+    from turnkv.kv.sequence import SequenceKV
+
+    L, H, G, D, page = 2, 2, 2, 16, 4
+    pool = PagePool(L, H, D, 64, page_size=page, dtype=torch.float32, device="cpu", kv_dtype=kv_dtype)
+    seq = SequenceKV(pool)
+    gen = torch.Generator().manual_seed(1)
+    calls = []
+    split = chunk.split_history
+    monkeypatch.setattr(chunk, "split_history", lambda *a, **kw: calls.append(a[0].shape) or split(*a, **kw))
+
+    def step(T, forced):
+        monkeypatch.setattr(chunk, "ENABLED", forced)
+        monkeypatch.setattr(chunk, "FORCE", forced)
+        monkeypatch.setattr(chunk, "uses_split", lambda device, num_new, history: forced)
+        slots = seq.reserve(T)
+        positions = torch.arange(seq.next_position - T, seq.next_position)[None]
+        return Step(pool, [seq], [slots], positions)
+
+    def attend(s, q, k, v):
+        return [s.attention(layer, q[layer], k[layer], v[layer]) for layer in range(L)]
+
+    T0 = 13
+    q0, k0, v0 = (torch.randn(L, 1, T0, n, D, generator=gen) for n in (H * G, H, H))
+    attend(step(T0, False), q0, k0, v0)
+    seq.keep(1, [torch.arange(T0), torch.arange(3, T0)])  # layer 1: uneven heads
+    T = 6
+    q, k, v = (torch.randn(L, 1, T, n, D, generator=gen) for n in (H * G, H, H))
+    got = attend(step(T, True), q, k, v)
+    assert calls == [(1, H * G, T, D)]  # layer 0 only
+    seq.truncate(seq.next_position - T)
+    want = attend(step(T, False), q, k, v)
+    for a, b in zip(got, want):
+        assert relative_error(a, b) < 1e-5
+
+
+def test_later_chunks_through_the_split_match_transformers(tmp_path, monkeypatch):
+    """A tiny model prefilled in chunks of 8 over two turns, every later chunk through the split,
+    gives transformers' logits of the whole sequence at once."""
+    from tests.conftest import save_tiny
+    from turnkv.engine.runner import ModelRunner
+    from turnkv.kv.pool import PagePool
+    from turnkv.kv.sequence import SequenceKV
+    from turnkv.model.load import load_model
+
+    hf = save_tiny(tmp_path, "llama")
+    model = load_model(str(tmp_path), dtype="float32").model
+    calls = []
+    split = chunk.split_history
+    monkeypatch.setattr(chunk, "split_history", lambda *a, **kw: calls.append(a[0].shape) or split(*a, **kw))
+    monkeypatch.setattr(chunk, "ENABLED", True)
+    monkeypatch.setattr(chunk, "FORCE", True)
+    monkeypatch.setattr(chunk, "uses_split", lambda device, num_new, history: True)
+    ids = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    c = model.config
+    pool = PagePool(c.num_layers, c.num_kv_heads, c.head_dim, 64, 4, torch.float32, "cpu")
+    runner = ModelRunner(model, pool, prefill_chunk=8, cuda_graphs=False)
+    seq = SequenceKV(pool)
+    first = runner.prefill(seq, ids[:18].tolist(), all_logits=True)  # chunks of 8, 8, 2
+    second = runner.prefill(seq, ids[18:].tolist(), all_logits=True)  # a later turn: 8, 4
+    ours = torch.cat([first, second])
+    assert len(calls) == 4 * c.num_layers  # every chunk after the first
+    assert relative_error(ours, ref) < 1e-4
+
+
+# ---- the GPU lane: cuDNN, bf16 ------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("S,T", [(16384, 2048), (4000, 3000)])
+def test_cudnn_split_matches_the_paged_kernel_bf16(S, T):
+    """Llama-3.1-8B's heads (32 / 8, D 128) in bf16: the cuDNN split against the fp32 reference over
+    the concatenated keys, at the rounding of bf16."""
+    q, k_hist, v_hist, k_new, v_new = parts(1, 8, 4, 128, S, T, torch.bfloat16, "cuda", seed=3)
+    got = chunk.split_history(q, k_hist, v_hist, k_new, v_new)
+    keys, values = torch.cat([k_hist, k_new], 2).float(), torch.cat([v_hist, v_new], 2).float()
+    want = reference.causal_suffix(q.float(), keys, values)
+    assert got.dtype == torch.bfloat16 and relative_error(got, want) < 2e-2
