@@ -1,7 +1,8 @@
 """A long chunk over a long history as two attention calls merged by their log-sum-exp
 (attention/chunk.py split_history): against causal attention over the concatenated keys, through the
-engine's Step (which heads take it, quantized pools) and against transformers' logits. On CPU its
-reference path (fp32 softmax with the log-sum-exp); on a GPU the cuDNN path in bf16 (marked gpu)."""
+engine's Step (which heads take it, quantized pools) and against transformers' logits, in fp32 on its
+reference path (a softmax with the log-sum-exp; on a GPU too); on a GPU also the cuDNN path in bf16
+(marked gpu)."""
 
 from __future__ import annotations
 
@@ -45,13 +46,33 @@ def test_split_equals_causal_attention_over_history_and_chunk(B, H, G, S, T, sca
     assert relative_error(got, want) < 1e-5
 
 
+def test_merge_kernel_equals_the_reference_merge():
+    """The one-pass merge (Triton; interpreted on CPU) against the torch merge, from strided inputs
+    into an output laid out [B, T, Hq, D] as the engine's step hands it."""
+    from turnkv.attention.triton import lse_merge
+
+    gen = torch.Generator().manual_seed(5)
+    B, Hq, T, D = 2, 3, 21, 16
+    a = torch.randn(B, T, Hq, D, generator=gen).to(DEVICE).transpose(1, 2)  # strided
+    b = torch.randn(B, Hq, T, D, generator=gen).to(DEVICE)
+    lse_a, lse_b = (torch.randn(B, Hq, T, generator=gen).to(DEVICE) * 4 for _ in range(2))
+    lse_b[0, 0, :3] = float("-inf")  # a row with no key on one side takes the other whole
+    out = torch.empty(B, T, Hq, D, device=DEVICE).transpose(1, 2)
+    got = lse_merge.merge(a, lse_a, b, lse_b, out)
+    assert got.data_ptr() == out.data_ptr()
+    want = chunk._merge_reference(a, lse_a, b, lse_b)
+    assert relative_error(got, want) < 1e-6
+    assert torch.equal(got[0, 0, :3], a[0, 0, :3])
+
+
 def test_split_is_taken_for_long_chunks_over_long_histories_on_cuda_only(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
-    cuda = torch.device("cuda")
-    assert chunk.uses_split(cuda, chunk.SPLIT_MIN_ROWS, chunk.SPLIT_MIN_HISTORY)
-    assert not chunk.uses_split(cuda, chunk.SPLIT_MIN_ROWS - 1, 10**6)  # short turns keep the paged kernel
-    assert not chunk.uses_split(cuda, 32768, chunk.SPLIT_MIN_HISTORY - 1)
-    assert not chunk.uses_split(torch.device("cpu"), 32768, 10**6)
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    assert chunk.uses_split(cuda, bf16, chunk.SPLIT_MIN_ROWS, chunk.SPLIT_MIN_HISTORY)
+    assert not chunk.uses_split(cuda, bf16, chunk.SPLIT_MIN_ROWS - 1, 10**6)  # short turns keep the paged kernel
+    assert not chunk.uses_split(cuda, bf16, 32768, chunk.SPLIT_MIN_HISTORY - 1)
+    assert not chunk.uses_split(cuda, torch.float32, 32768, 10**6)  # cuDNN attention takes fp16 / bf16 only
+    assert not chunk.uses_split(torch.device("cpu"), bf16, 32768, 10**6)
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
@@ -63,7 +84,7 @@ def test_step_splits_only_where_every_head_holds_the_same_history(monkeypatch, k
     from turnkv.kv.sequence import SequenceKV
 
     L, H, G, D, page = 2, 2, 2, 16, 4
-    pool = PagePool(L, H, D, 64, page_size=page, dtype=torch.float32, device="cpu", kv_dtype=kv_dtype)
+    pool = PagePool(L, H, D, 64, page_size=page, dtype=torch.float32, device=DEVICE, kv_dtype=kv_dtype)
     seq = SequenceKV(pool)
     gen = torch.Generator().manual_seed(1)
     calls = []
@@ -73,20 +94,20 @@ def test_step_splits_only_where_every_head_holds_the_same_history(monkeypatch, k
     def step(T, forced):
         monkeypatch.setattr(chunk, "ENABLED", forced)
         monkeypatch.setattr(chunk, "FORCE", forced)
-        monkeypatch.setattr(chunk, "uses_split", lambda device, num_new, history: forced)
+        monkeypatch.setattr(chunk, "uses_split", lambda device, dtype, num_new, history: forced)
         slots = seq.reserve(T)
-        positions = torch.arange(seq.next_position - T, seq.next_position)[None]
+        positions = torch.arange(seq.next_position - T, seq.next_position, device=DEVICE)[None]
         return Step(pool, [seq], [slots], positions)
 
     def attend(s, q, k, v):
         return [s.attention(layer, q[layer], k[layer], v[layer]) for layer in range(L)]
 
     T0 = 13
-    q0, k0, v0 = (torch.randn(L, 1, T0, n, D, generator=gen) for n in (H * G, H, H))
+    q0, k0, v0 = (torch.randn(L, 1, T0, n, D, generator=gen).to(DEVICE) for n in (H * G, H, H))
     attend(step(T0, False), q0, k0, v0)
     seq.keep(1, [torch.arange(T0), torch.arange(3, T0)])  # layer 1: uneven heads
     T = 6
-    q, k, v = (torch.randn(L, 1, T, n, D, generator=gen) for n in (H * G, H, H))
+    q, k, v = (torch.randn(L, 1, T, n, D, generator=gen).to(DEVICE) for n in (H * G, H, H))
     got = attend(step(T, True), q, k, v)
     assert calls == [(1, H * G, T, D)]  # layer 0 only
     seq.truncate(seq.next_position - T)
@@ -105,23 +126,23 @@ def test_later_chunks_through_the_split_match_transformers(tmp_path, monkeypatch
     from turnkv.model.load import load_model
 
     hf = save_tiny(tmp_path, "llama")
-    model = load_model(str(tmp_path), dtype="float32").model
+    model = load_model(str(tmp_path), dtype="float32").model.to(DEVICE)
     calls = []
     split = chunk.split_history
     monkeypatch.setattr(chunk, "split_history", lambda *a, **kw: calls.append(a[0].shape) or split(*a, **kw))
     monkeypatch.setattr(chunk, "ENABLED", True)
     monkeypatch.setattr(chunk, "FORCE", True)
-    monkeypatch.setattr(chunk, "uses_split", lambda device, num_new, history: True)
+    monkeypatch.setattr(chunk, "uses_split", lambda device, dtype, num_new, history: True)
     ids = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        ref = hf(ids[None]).logits[0]
+        ref = hf.to(DEVICE)(ids[None].to(DEVICE)).logits[0].cpu()
     c = model.config
-    pool = PagePool(c.num_layers, c.num_kv_heads, c.head_dim, 64, 4, torch.float32, "cpu")
+    pool = PagePool(c.num_layers, c.num_kv_heads, c.head_dim, 64, 4, torch.float32, DEVICE)
     runner = ModelRunner(model, pool, prefill_chunk=8, cuda_graphs=False)
     seq = SequenceKV(pool)
     first = runner.prefill(seq, ids[:18].tolist(), all_logits=True)  # chunks of 8, 8, 2
     second = runner.prefill(seq, ids[18:].tolist(), all_logits=True)  # a later turn: 8, 4
-    ours = torch.cat([first, second])
+    ours = torch.cat([first, second]).cpu()
     assert len(calls) == 4 * c.num_layers  # every chunk after the first
     assert relative_error(ours, ref) < 1e-4
 
@@ -139,3 +160,15 @@ def test_cudnn_split_matches_the_paged_kernel_bf16(S, T):
     keys, values = torch.cat([k_hist, k_new], 2).float(), torch.cat([v_hist, v_new], 2).float()
     want = reference.causal_suffix(q.float(), keys, values)
     assert got.dtype == torch.bfloat16 and relative_error(got, want) < 2e-2
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("T", [1, 700, 4096])
+def test_fresh_causal_through_cudnn_matches_sdpa_bf16(T):
+    """A fresh chunk's causal attention with the query groups handed to cuDNN as they are, against
+    SDPA's GQA path (reference.causal_prefill), bf16, Llama-3.1-8B's heads."""
+    q, k, v = parts(1, 8, 4, 128, T, T, torch.bfloat16, "cuda", seed=4)[:3]
+    got = chunk.fresh_causal(q, k, v)
+    want = reference.causal_prefill(q.float(), k.float(), v.float())
+    assert got.shape == want.shape and relative_error(got, want) < 2e-2

@@ -24,6 +24,7 @@ from turnkv.attention.triton import (
     diagonals,
     greedy,
     lines,
+    lse_merge,
     page_select,
     radix_top_k,
     token_slots,
@@ -323,6 +324,16 @@ def _page_tables():
                     z(L, B, m.kv_heads, P), z(L, B, m.kv_heads), 0, 1, B, K, r, 64)
             page_select.expand_pages(*args, candidates=z(B, R, 4 * K, dtype=I64), refresh=z(L, B, dtype=I64))
             page_select.expand_pages(*args)
+
+
+@case("lse_merge")
+def _lse_merge():
+    # A 32K prefill chunk's history and self attention merged into the step's [B, T, Hq, D] output.
+    m = MODELS["llama8b"]
+    T = 32768
+    out = e(1, T, m.heads, m.head_dim).transpose(1, 2)
+    lse_merge.merge(e(1, m.heads, T, m.head_dim), e(1, m.heads, T, dtype=FP32),
+                    e(1, T, m.heads, m.head_dim).transpose(1, 2), e(1, m.heads, T, dtype=FP32), out)
 
 
 @case("top_k")

@@ -72,34 +72,58 @@ SPLIT_MIN_ROWS = 2048
 SPLIT_MIN_HISTORY = 16384
 
 
-def uses_split(device: torch.device, num_new: int, history: int) -> bool:
+def uses_split(device: torch.device, dtype: torch.dtype, num_new: int, history: int) -> bool:
     """Whether a chunk of num_new tokens over `history` kept tokens per head (every head the same,
-    no window) takes split_history on `device`: CUDA with cuDNN attention, long enough to gain."""
-    return (device.type == "cuda" and torch.backends.cudnn.is_available() and num_new >= SPLIT_MIN_ROWS
-            and history >= SPLIT_MIN_HISTORY)
+    no window) takes split_history: on CUDA with cuDNN attention (fp16 / bf16), long enough to gain."""
+    return (_cudnn(device, dtype) and num_new >= SPLIT_MIN_ROWS and history >= SPLIT_MIN_HISTORY)
+
+
+def _cudnn(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and torch.backends.cudnn.is_available()
 
 
 def split_history(q: torch.Tensor, k_hist: torch.Tensor, v_hist: torch.Tensor, k_new: torch.Tensor,
-                  v_new: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+                  v_new: torch.Tensor, scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, T, D], the T new tokens, over their history k_hist / v_hist [B, H, S, D] (every key
-    visible) and themselves k_new / v_new [B, H, T, D] (causal) -> [B, Hq, T, D] in q's dtype: the
-    same attention as reference.causal_suffix over the two concatenated, as two calls, each with its
-    log-sum-exp, merged. The history call folds each KV head's query group into its rows, so one K/V
-    tile serves the group."""
+    visible) and themselves k_new / v_new [B, H, T, D] (causal) -> [B, Hq, T, D] in q's dtype (into
+    `out` when given, any strides with a contiguous last dimension): the same attention as
+    reference.causal_suffix over the two concatenated, as two calls, each with its log-sum-exp,
+    merged. The history call folds each KV head's query group into its rows, so one K/V tile serves
+    the group."""
     B, Hq, T, D = q.shape
     H = k_hist.shape[1]
     out_h, lse_h = _attend_with_lse(q.reshape(B, H, (Hq // H) * T, D), k_hist, v_hist, False, scale)
     out_s, lse_s = _attend_with_lse(q, k_new, v_new, True, scale)
-    lse_h, lse_s = lse_h.reshape(B, Hq, T, 1), lse_s.reshape(B, Hq, T, 1)
-    lse = torch.logaddexp(lse_h, lse_s)
-    out = out_h.reshape(B, Hq, T, D).float() * (lse_h - lse).exp() + out_s.float() * (lse_s - lse).exp()
-    return out.to(q.dtype)
+    out_h, lse_h = out_h.reshape(B, Hq, T, D), lse_h.reshape(B, Hq, T).contiguous()
+    lse_s = lse_s.contiguous()
+    if q.device.type == "cuda" and available():
+        from turnkv.attention.triton import lse_merge
+
+        return lse_merge.merge(out_h, lse_h, out_s, lse_s, out)
+    merged = _merge_reference(out_h, lse_h, out_s, lse_s).to(q.dtype)
+    return merged if out is None else out.copy_(merged)
+
+
+def _merge_reference(a, lse_a, b, lse_b) -> torch.Tensor:
+    """Attention results a, b [B, Hq, T, D] over disjoint keys with their log-sum-exps [B, Hq, T] ->
+    the attention over both keys, fp32."""
+    lse = torch.logaddexp(lse_a, lse_b)[..., None]
+    return a.float() * (lse_a[..., None] - lse).exp() + b.float() * (lse_b[..., None] - lse).exp()
+
+
+def fresh_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of a fresh chunk, q [B, Hq, T, D] over its own k, v [B, H, T, D] -> [B, Hq, T, D]:
+    reference.causal_prefill, which on CUDA in fp16 / bf16 calls cuDNN's flash attention with the
+    query groups as they are (SDPA's GQA path through cuDNN repeats K/V for every query head first)."""
+    if q.shape[2] > 1 and _cudnn(q.device, q.dtype):
+        return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, True, False)[0]
+    return reference.causal_prefill(q, k, v)
 
 
 def _attend_with_lse(q, k, v, causal: bool, scale) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hq, T, D] over k, v [B, H, S, D] (Hq a multiple of H; causal: query t sees keys <= t)
     -> (out [B, Hq, T, D], natural-log log-sum-exp of the scaled scores [B, Hq, T], fp32)."""
-    if q.device.type == "cuda":
+    if _cudnn(q.device, q.dtype):
         result = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
                                                                     scale=scale)
         return result[0], result[1].reshape(q.shape[:3]).float()

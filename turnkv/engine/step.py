@@ -149,7 +149,7 @@ class Step:
             # The new tokens as the store holds them (a quantized pool's round trip), as every other
             # path reads them: attention does not depend on whether a chunk had history.
             k, v = self.pool.round_trip(k), self.pool.round_trip(v)
-            out = reference.causal_prefill(q, k.transpose(1, 2), v.transpose(1, 2))
+            out = chunk.fresh_causal(q, k.transpose(1, 2), v.transpose(1, 2))
             return out.transpose(1, 2)
         if self.indexed:
             out = decode.indexed_decode(
@@ -191,7 +191,7 @@ class Step:
     def _splits_history(self, layer: int, num_new: int) -> bool:
         """A long chunk whose heads all hold the same history, with no window: chunk.split_history."""
         return (not self.padded[layer] and self.sliding_window is None and self.head_windows is None
-                and chunk.uses_split(self.pool.device, num_new, self.max_len[layer] - num_new))
+                and chunk.uses_split(self.pool.device, self.pool.dtype, num_new, self.max_len[layer] - num_new))
 
     def _split_attention(self, layer, q, k, v):
         """q [B, Hq, T, D] over the history gathered from the pool and the chunk's own K/V k, v [B, T, H, D]
@@ -200,7 +200,9 @@ class Step:
         k_hist = self.pool.gather(layer, self.tables[layer], history, "k")
         v_hist = self.pool.gather(layer, self.tables[layer], history, "v")
         k_new, v_new = self.pool.round_trip(k).transpose(1, 2), self.pool.round_trip(v).transpose(1, 2)
-        return chunk.split_history(q, k_hist, v_hist, k_new, v_new)
+        B, Hq, T, D = q.shape
+        out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)  # returned transposed back
+        return chunk.split_history(q, k_hist, v_hist, k_new, v_new, out=out)
 
     def _pattern_attention(self, layer, q, k, v):
         """A prefill chunk through the recipe's pattern: q [B, Hq, T, D] over every kept key."""
