@@ -8,6 +8,9 @@ history + itself, causal from the bottom right):
 - sdpa_gather: today's engine path: gather K/V pages (reference.gather_pages) + SDPA with a bottom-right
                causal mask (reference.causal_suffix);
 - sdpa_only:   the same SDPA call on K/V already contiguous (the attention alone, no gather);
+- split:       the engine's path for long chunks over long histories (attention/chunk.py
+               split_history): the history gathered and attended, every key visible, and the chunk
+               over itself, causal, both by cuDNN, merged by their log-sum-exp in one Triton pass;
 - flex:        torch's FlexAttention (compiled) over the pool itself with a BlockMask built from the
                page tables. Flex's key blocks are 128 tokens, so the benchmark's pool hands each head
                its pages in runs of 8 consecutive pages (128 slots) in shuffled order: the layout Flex
@@ -46,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 SHAPE = dict(Hq=32, H=8, D=128, page=16, flex_block=128)
 SMOKE_SHAPE = dict(Hq=4, H=2, D=32, page=4, flex_block=16)
 SMOKE_TILES = dict(block_m=16, block_n=16, num_warps=2, num_stages=1)
-METHODS = ("kernel", "sdpa_gather", "sdpa_only", "flex", "hf")
+METHODS = ("kernel", "sdpa_gather", "sdpa_only", "split", "flex", "hf")
 SWEEP = [dict(block_m=m, block_n=n, num_warps=w, num_stages=st)
          for m, n, w, st in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 4, 2), (128, 32, 4, 3),
                              (64, 64, 4, 3)]]
@@ -74,7 +77,7 @@ if ARGS is not None and ARGS.smoke and not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
-from turnkv.attention import reference  # noqa: E402
+from turnkv.attention import chunk, reference  # noqa: E402
 from turnkv.attention.triton import chunk_prefill as kernel  # noqa: E402
 
 # ---- inputs -------------------------------------------------------------------------------------
@@ -136,6 +139,15 @@ def run_sdpa_gather(cell: Cell):
         keys = reference.gather_pages(cell.k, cell.table, cell.length)
         values = reference.gather_pages(cell.v, cell.table, cell.length)
         return reference.causal_suffix(cell.q, keys, values)
+    return call
+
+
+def run_split(cell: Cell):
+    def call():
+        keys = reference.gather_pages(cell.k, cell.table, cell.length)
+        values = reference.gather_pages(cell.v, cell.table, cell.length)
+        h = cell.history
+        return chunk.split_history(cell.q, keys[:, :, :h], values[:, :, :h], keys[:, :, h:], values[:, :, h:])
     return call
 
 
@@ -275,7 +287,8 @@ def time_cell(T, history, shape, dtype, device, config, methods, rate, compiled,
             continue
         try:
             fn = {"kernel": lambda: run_kernel(cell, device, config), "sdpa_gather": lambda: run_sdpa_gather(cell),
-                  "sdpa_only": lambda: run_sdpa_only(cell), "flex": lambda: run_flex(cell, device, compiled),
+                  "sdpa_only": lambda: run_sdpa_only(cell), "split": lambda: run_split(cell),
+                  "flex": lambda: run_flex(cell, device, compiled),
                   "hf": lambda: run_hf(cell)}[name]()
             if name != "kernel":
                 row["rel_err_vs_kernel"][name] = relative_error(fn(), out)
