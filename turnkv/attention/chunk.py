@@ -68,14 +68,16 @@ def paged_chunk(q, k_cache, v_cache, table, lengths, splits: int = 1, scale=None
 # A long chunk over a long history runs faster as two dense attention calls, merged by their
 # log-sum-exp, than through the paged kernel: the history gathered once (every key visible) and the
 # chunk over itself (causal), both on cuDNN's flash attention (benchmarks/prefill/README.md).
-SPLIT_MIN_ROWS = 2048
-SPLIT_MIN_HISTORY = 16384
+SPLIT_MIN_ROWS = 512
+SPLIT_MIN_HISTORY = 8192
+SPLIT_MIN_CELLS = 1 << 24  # new tokens x history: 512 over 32K, 2048 over 8K
 
 
 def uses_split(device: torch.device, dtype: torch.dtype, num_new: int, history: int) -> bool:
     """Whether a chunk of num_new tokens over `history` kept tokens per head (every head the same,
-    no window) takes split_history: on CUDA with cuDNN attention (fp16 / bf16), long enough to gain."""
-    return (_cudnn(device, dtype) and num_new >= SPLIT_MIN_ROWS and history >= SPLIT_MIN_HISTORY)
+    no window) takes split_history: on CUDA with cuDNN attention (fp16 / bf16), large enough to gain."""
+    return (_cudnn(device, dtype) and num_new >= SPLIT_MIN_ROWS and history >= SPLIT_MIN_HISTORY
+            and num_new * history >= SPLIT_MIN_CELLS)
 
 
 def _cudnn(device: torch.device, dtype: torch.dtype) -> bool:
