@@ -117,8 +117,8 @@ def _merge_reference(a, lse_a, b, lse_b) -> torch.Tensor:
 
 def fresh_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention of a fresh chunk, q [B, Hq, T, D] over its own k, v [B, H, T, D] -> [B, Hq, T, D]:
-    reference.causal_prefill, which on CUDA in fp16 / bf16 calls cuDNN's flash attention with the
-    query groups as they are (SDPA's GQA path through cuDNN repeats K/V for every query head first)."""
+    reference.causal_prefill; on CUDA in fp16 / bf16 cuDNN's flash attention, called directly as
+    split_history calls it, with the query groups as they are."""
     if q.shape[2] > 1 and _cudnn(q.device, q.dtype):
         return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, True, False)[0]
     return reference.causal_prefill(q, k, v)

@@ -133,16 +133,12 @@ def top_k_ascending(scores: torch.Tensor, k: int, split: bool = True) -> torch.T
     rows = scores.reshape(-1, n)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], k, dtype=torch.int64, device=scores.device)
-    if rows.shape[0] == 0:
-        return out.view(*lead, k)
     BLOCK = max(2, triton.next_power_of_2(n))
     BLOCK_K = max(2, triton.next_power_of_2(k))
-    part = max(PART, 2 * BLOCK_K)
-    parts = BLOCK // part
-    if split and parts >= 2:  # a row's parts in parallel, then their candidates merged
+    if split and BLOCK // max(PART, 2 * BLOCK_K) >= 2:  # a row's parts in parallel, then their candidates merged
         return merge_candidates(candidates(rows, k), k).view(*lead, k)
-    else:
+    out = torch.empty(rows.shape[0], k, dtype=torch.int64, device=scores.device)
+    if rows.shape[0]:
         _top_k_small[(rows.shape[0],)](rows, out, n, rows.stride(0), out.stride(0), K=k, BLOCK_K=BLOCK_K,
                                        BLOCK=BLOCK, num_warps=4 if BLOCK <= 1024 else 8)
     return out.view(*lead, k)
