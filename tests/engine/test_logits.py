@@ -41,6 +41,7 @@ def test_bad_sampling_values_are_refused():
 
 
 def test_a_generation_under_a_grammar_writes_what_the_schema_allows(chat_llm):
+    pytest.importorskip("xgrammar", reason="structured output needs xgrammar (turnkv[structured])")
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                              "maximum": 9}},
               "required": ["ok", "n"], "additionalProperties": False}
