@@ -4,6 +4,7 @@ the transformers peer runs on turnkv's own weights, and the report is written.""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -220,3 +221,16 @@ def test_each_row_is_written_as_it_finishes_and_a_stopped_run_resumes(tiny, tmp_
     assert len(measured) == 4
     with pytest.raises(InvalidRequestError, match="other settings"):
         run_speed(tiny, SpeedConfig(**{**vars(cfg), "new_tokens": 4}), progress=False, rows_path=rows_path)
+
+
+def test_median_time_runs_the_undo_after_every_call_outside_the_clock():
+    calls = []
+
+    def slow_undo():
+        calls.append("undo")
+        time.sleep(0.05)
+
+    seconds = hardware.median_time(lambda: calls.append("run"), torch.device("cpu"), repeat=3, warmup=1,
+                                   after=slow_undo)
+    assert calls == ["run", "undo"] * 4  # the warm-up too: every timed call starts from the same state
+    assert seconds < 0.01  # the 50 ms undo is not on the clock

@@ -13,17 +13,20 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_time(fn: Callable[[], object], device: torch.device, repeat: int = 5, warmup: int = 1) -> float:
-    """Median wall seconds of fn(), with the device synchronised before every clock read."""
-    for _ in range(warmup):
-        fn()
+def median_time(fn: Callable[[], object], device: torch.device, repeat: int = 5, warmup: int = 1,
+                after: Callable[[], object] | None = None) -> float:
+    """Median wall seconds of fn(), with the device synchronised before every clock read. after(), if
+    given, runs after every call of fn, outside the clock (an undo that puts the state back)."""
     times = []
-    for _ in range(repeat):
+    for i in range(warmup + repeat):
         synchronize(device)
         start = time.perf_counter()
         fn()
         synchronize(device)
-        times.append(time.perf_counter() - start)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+        if after is not None:
+            after()
     return sorted(times)[len(times) // 2]
 
 
