@@ -147,7 +147,7 @@ def run_split(cell: Cell):
         keys = reference.gather_pages(cell.k, cell.table, cell.length)
         values = reference.gather_pages(cell.v, cell.table, cell.length)
         h = cell.history
-        return chunk.split_history(cell.q, [(keys[:, :, :h], values[:, :, :h])], keys[:, :, h:], values[:, :, h:])
+        return chunk.split_history(cell.q, keys[:, :, :h], values[:, :, :h], keys[:, :, h:], values[:, :, h:])
     return call
 
 

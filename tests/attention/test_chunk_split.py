@@ -40,20 +40,9 @@ def test_split_equals_causal_attention_over_history_and_chunk(B, H, G, S, T, sca
     """Every history key visible to every new token, the chunk causal over itself, GQA groups folded;
     on the CPU reference path, fp32."""
     q, k_hist, v_hist, k_new, v_new = parts(B, H, G, 16, S, T, torch.float32, "cpu")
-    got = chunk.split_history(q, [(k_hist, v_hist)], k_new, v_new, scale=scale)
+    got = chunk.split_history(q, k_hist, v_hist, k_new, v_new, scale=scale)
     want = reference.causal_suffix(q, torch.cat([k_hist, k_new], 2), torch.cat([v_hist, v_new], 2), scale=scale)
     assert got.shape == want.shape and got.dtype == q.dtype
-    assert relative_error(got, want) < 1e-5
-
-
-@pytest.mark.parametrize("cuts", [(0, 5, 37), (0, 1, 20, 21, 37), (0, 12, 24, 37)])
-def test_history_in_blocks_in_any_order_equals_the_whole_history(cuts):
-    """The history handed as several blocks (some strided, out of order) gives the attention over all of
-    it: the running merge of three or more parts."""
-    q, k_hist, v_hist, k_new, v_new = parts(1, 2, 3, 16, 37, 9, torch.float32, "cpu", seed=6)
-    blocks = [(k_hist[:, :, a:b], v_hist[:, :, a:b]) for a, b in zip(cuts, cuts[1:])][::-1]
-    got = chunk.split_history(q, blocks, k_new, v_new)
-    want = reference.causal_suffix(q, torch.cat([k_hist, k_new], 2), torch.cat([v_hist, v_new], 2))
     assert relative_error(got, want) < 1e-5
 
 
@@ -89,19 +78,13 @@ def test_split_is_taken_for_long_chunks_over_long_histories_on_cuda_only(monkeyp
     assert not chunk.uses_split(torch.device("cpu"), bf16, 32768, 10**6)
 
 
-@pytest.mark.parametrize("kv_dtype,min_run,blocks", [(None, None, 1), ("int8", None, 1), (None, 4, 2), ("int8", 4, 1)])
-def test_step_splits_only_where_every_head_holds_the_same_history(monkeypatch, kv_dtype, min_run, blocks):
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_step_splits_only_where_every_head_holds_the_same_history(monkeypatch, kv_dtype):
     """Step's split path (forced on CPU) equals the reference path for even heads, a quantized pool's
-    round trip included; a layer with uneven heads keeps the paged path. With runs of one page counting
-    as long, the history's whole pages are read in place and its partly filled last page gathered
-    (a quantized pool is always gathered: its codes need their scales)."""
+    round trip included; a layer with uneven heads keeps the paged path."""
     from turnkv.engine.step import Step
-    from turnkv.kv import history_blocks
     from turnkv.kv.pool import PagePool
     from turnkv.kv.sequence import SequenceKV
-
-    if min_run is not None:
-        monkeypatch.setattr(history_blocks, "MIN_RUN_TOKENS", min_run)
 
     L, H, G, D, page = 2, 2, 2, 16, 4
     pool = PagePool(L, H, D, 64, page_size=page, dtype=torch.float32, device=DEVICE, kv_dtype=kv_dtype)
@@ -109,8 +92,7 @@ def test_step_splits_only_where_every_head_holds_the_same_history(monkeypatch, k
     gen = torch.Generator().manual_seed(1)
     calls = []
     split = chunk.split_history
-    monkeypatch.setattr(chunk, "split_history",
-                        lambda *a, **kw: calls.append((a[0].shape, len(a[1]))) or split(*a, **kw))
+    monkeypatch.setattr(chunk, "split_history", lambda *a, **kw: calls.append(a[0].shape) or split(*a, **kw))
 
     def step(T, forced):
         monkeypatch.setattr(chunk, "ENABLED", forced)
@@ -130,21 +112,18 @@ def test_step_splits_only_where_every_head_holds_the_same_history(monkeypatch, k
     T = 6
     q, k, v = (torch.randn(L, 1, T, n, D, generator=gen).to(DEVICE) for n in (H * G, H, H))
     got = attend(step(T, True), q, k, v)
-    assert calls == [((1, H * G, T, D), blocks)]  # layer 0 only
+    assert calls == [(1, H * G, T, D)]  # layer 0 only
     seq.truncate(seq.next_position - T)
     want = attend(step(T, False), q, k, v)
     for a, b in zip(got, want):
         assert relative_error(a, b) < 1e-5
 
 
-@pytest.mark.parametrize("min_run", [None, 4])
-def test_later_chunks_through_the_split_match_transformers(tmp_path, monkeypatch, min_run):
+def test_later_chunks_through_the_split_match_transformers(tmp_path, monkeypatch):
     """A tiny model prefilled in chunks of 8 over two turns, every later chunk through the split,
-    gives transformers' logits of the whole sequence at once; with min_run, the history's runs of
-    pages are read in place."""
+    gives transformers' logits of the whole sequence at once."""
     from tests.conftest import save_tiny
     from turnkv.engine.runner import ModelRunner
-    from turnkv.kv import history_blocks
     from turnkv.kv.pool import PagePool
     from turnkv.kv.sequence import SequenceKV
     from turnkv.model.load import load_model
@@ -153,9 +132,7 @@ def test_later_chunks_through_the_split_match_transformers(tmp_path, monkeypatch
     model = load_model(str(tmp_path), dtype="float32").model.to(DEVICE)
     calls = []
     split = chunk.split_history
-    monkeypatch.setattr(chunk, "split_history", lambda *a, **kw: calls.append(len(a[1])) or split(*a, **kw))
-    if min_run is not None:
-        monkeypatch.setattr(history_blocks, "MIN_RUN_TOKENS", min_run)
+    monkeypatch.setattr(chunk, "split_history", lambda *a, **kw: calls.append(a[0].shape) or split(*a, **kw))
     monkeypatch.setattr(chunk, "ENABLED", True)
     monkeypatch.setattr(chunk, "FORCE", True)
     monkeypatch.setattr(chunk, "uses_split", lambda device, dtype, num_new, history: True)
@@ -170,10 +147,6 @@ def test_later_chunks_through_the_split_match_transformers(tmp_path, monkeypatch
     second = runner.prefill(seq, ids[18:].tolist(), all_logits=True)  # a later turn: 8, 4
     ours = torch.cat([first, second]).cpu()
     assert len(calls) == 4 * c.num_layers  # every chunk after the first
-    # The history's 8-token slices lie in runs of two pages: one block each where they count as long.
-    # Blocks per layer call, two layers: with runs of one page counting as long, each 8-token slice's
-    # pages are one run (read in place) and a partly filled page is gathered; later chunks merge 3 to 6 parts.
-    assert calls == ([1] * 8 if min_run is None else [1, 1, 2, 2, 3, 3, 5, 5])
     assert relative_error(ours, ref) < 1e-4
 
 
@@ -186,12 +159,7 @@ def test_cudnn_split_matches_the_paged_kernel_bf16(S, T):
     """Llama-3.1-8B's heads (32 / 8, D 128) in bf16: the cuDNN split against the fp32 reference over
     the concatenated keys, at the rounding of bf16."""
     q, k_hist, v_hist, k_new, v_new = parts(1, 8, 4, 128, S, T, torch.bfloat16, "cuda", seed=3)
-    half = S // 2  # two blocks: a strided view (the pool's runs) and a contiguous one (the gathered rest)
-    wide_k, wide_v = (torch.empty(1, 8, S + 64, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    wide_k[:, :, :half], wide_v[:, :, :half] = k_hist[:, :, :half], v_hist[:, :, :half]
-    blocks = [(wide_k[:, :, :half], wide_v[:, :, :half]), (k_hist[:, :, half:], v_hist[:, :, half:])]
-    got = chunk.split_history(q, blocks, k_new, v_new)
-    assert relative_error(chunk.split_history(q, [(k_hist, v_hist)], k_new, v_new), got) < 1e-2
+    got = chunk.split_history(q, k_hist, v_hist, k_new, v_new)
     keys, values = torch.cat([k_hist, k_new], 2).float(), torch.cat([v_hist, v_new], 2).float()
     want = reference.causal_suffix(q.float(), keys, values)
     assert got.dtype == torch.bfloat16 and relative_error(got, want) < 2e-2

@@ -334,12 +334,6 @@ def _lse_merge():
     out = e(1, T, m.heads, m.head_dim).transpose(1, 2)
     lse_merge.merge(e(1, m.heads, T, m.head_dim), e(1, m.heads, T, dtype=FP32),
                     e(1, T, m.heads, m.head_dim).transpose(1, 2), e(1, m.heads, T, dtype=FP32), out)
-    # A history in several blocks: the running result in fp32, merged in place, then into the output.
-    acc = e(1, m.heads, 512, m.head_dim, dtype=FP32)
-    lse_merge.merge(acc, e(1, m.heads, 512, dtype=FP32), e(1, m.heads, 512, m.head_dim),
-                    e(1, m.heads, 512, dtype=FP32), acc)
-    lse_merge.merge(acc, e(1, m.heads, 512, dtype=FP32), e(1, m.heads, 512, m.head_dim),
-                    e(1, m.heads, 512, dtype=FP32), e(1, 512, m.heads, m.head_dim).transpose(1, 2))
 
 
 @case("top_k")

@@ -65,13 +65,13 @@ def paged_chunk(q, k_cache, v_cache, table, lengths, splits: int = 1, scale=None
                                  k_scale, v_scale, sink)
 
 
-# A long chunk over a long history runs faster as dense attention calls merged by their log-sum-exp
-# than through the paged kernel: the history (every key visible; read in place where its pages lie in
-# long runs, gathered elsewhere) and the chunk over itself (causal), on cuDNN's flash attention.
+# A long chunk over a long history runs faster as two dense attention calls, merged by their
+# log-sum-exp, than through the paged kernel: the history gathered once (every key visible) and the
+# chunk over itself (causal), both on cuDNN's flash attention (benchmarks/prefill/README.md).
 SPLIT_MIN_ROWS = 512
 SPLIT_MIN_HISTORY = 8192
 # new tokens x history: 512 over 64K, 1024 over 32K, 4096 over 8K. Below it the split's fixed cost
-# per layer (cuDNN calls, merges, a gather) outweighs cuDNN's faster tiles.
+# per layer (two cuDNN calls, a gather and a merge) outweighs cuDNN's faster tiles.
 SPLIT_MIN_CELLS = 1 << 25
 
 
@@ -86,43 +86,26 @@ def _cudnn(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and torch.backends.cudnn.is_available()
 
 
-def split_history(q: torch.Tensor, history: list[tuple[torch.Tensor, torch.Tensor]], k_new: torch.Tensor,
+def split_history(q: torch.Tensor, k_hist: torch.Tensor, v_hist: torch.Tensor, k_new: torch.Tensor,
                   v_new: torch.Tensor, scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, Hq, T, D], the T new tokens, over their history (every key visible) and themselves k_new /
-    v_new [B, H, T, D] (causal) -> [B, Hq, T, D] in q's dtype (into `out` when given, any strides with a
-    contiguous last dimension): the same attention as reference.causal_suffix over the two
-    concatenated. history: one or more (k, v) blocks [B, H, S_i, D] (any strides, the last dimension
-    contiguous) whose keys together are the history, in any order. One call per block and one for the
-    chunk, each with its log-sum-exp, merged. The history calls fold each KV head's query group into its
-    rows, so one K/V tile serves the group."""
+    """q [B, Hq, T, D], the T new tokens, over their history k_hist / v_hist [B, H, S, D] (every key
+    visible) and themselves k_new / v_new [B, H, T, D] (causal) -> [B, Hq, T, D] in q's dtype (into
+    `out` when given, any strides with a contiguous last dimension): the same attention as
+    reference.causal_suffix over the two concatenated, as two calls, each with its log-sum-exp,
+    merged. The history call folds each KV head's query group into its rows, so one K/V tile serves
+    the group."""
     B, Hq, T, D = q.shape
-    H = k_new.shape[1]
-    folded = q.reshape(B, H, (Hq // H) * T, D)
-    parts = []
-    for k_hist, v_hist in history:
-        o, lse = _attend_with_lse(folded, k_hist, v_hist, False, scale)
-        parts.append((o.reshape(B, Hq, T, D), lse.reshape(B, Hq, T).contiguous()))
-    o, lse = _attend_with_lse(q, k_new, v_new, True, scale)
-    parts.append((o, lse.contiguous()))
-    out = torch.empty_like(q) if out is None else out
-    acc, acc_lse = parts[0]
-    if len(parts) > 2:  # more than one history block: an fp32 running result, merged in place
-        acc = _merge(acc, acc_lse, *parts[1], torch.empty(B, Hq, T, D, dtype=torch.float32, device=q.device))
-        acc_lse = torch.logaddexp(acc_lse, parts[1][1])
-        for o, lse in parts[2:-1]:
-            acc = _merge(acc, acc_lse, o, lse, acc)
-            acc_lse = torch.logaddexp(acc_lse, lse)
-    return _merge(acc, acc_lse, *parts[-1], out)
-
-
-def _merge(a, lse_a, b, lse_b, out: torch.Tensor) -> torch.Tensor:
-    """Attention results a, b [B, Hq, T, D] over disjoint keys with their log-sum-exps [B, Hq, T]
-    (contiguous, fp32) -> the attention over both keys, written into `out` (which may be a)."""
-    if a.device.type == "cuda" and available():
+    H = k_hist.shape[1]
+    out_h, lse_h = _attend_with_lse(q.reshape(B, H, (Hq // H) * T, D), k_hist, v_hist, False, scale)
+    out_s, lse_s = _attend_with_lse(q, k_new, v_new, True, scale)
+    out_h, lse_h = out_h.reshape(B, Hq, T, D), lse_h.reshape(B, Hq, T).contiguous()
+    lse_s = lse_s.contiguous()
+    if q.device.type == "cuda" and available():
         from turnkv.attention.triton import lse_merge
 
-        return lse_merge.merge(a, lse_a, b, lse_b, out)
-    return out.copy_(_merge_reference(a, lse_a, b, lse_b))
+        return lse_merge.merge(out_h, lse_h, out_s, lse_s, out)
+    merged = _merge_reference(out_h, lse_h, out_s, lse_s).to(q.dtype)
+    return merged if out is None else out.copy_(merged)
 
 
 def _merge_reference(a, lse_a, b, lse_b) -> torch.Tensor:

@@ -8,7 +8,6 @@ import torch
 
 from turnkv.attention import chunk, decode, lines, reference
 from turnkv.engine import selection
-from turnkv.kv.history_blocks import history_blocks
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.protocols import WriteWatcher
@@ -195,19 +194,15 @@ class Step:
                 and chunk.uses_split(self.pool.device, self.pool.dtype, num_new, self.max_len[layer] - num_new))
 
     def _split_attention(self, layer, q, k, v):
-        """q [B, Hq, T, D] over the history in the pool and the chunk's own K/V k, v [B, T, H, D] (as the
-        store holds them: a quantized pool's round trip). One sequence's history is read in place where
-        its pages lie in long runs (kv/history_blocks.py); a batch's is gathered."""
+        """q [B, Hq, T, D] over the history gathered from the pool and the chunk's own K/V k, v [B, T, H, D]
+        (as the store holds them: a quantized pool's round trip)."""
         history = self.max_len[layer] - q.shape[2]
-        if len(self.seqs) == 1:
-            blocks = history_blocks(self.pool, layer, self.seqs[0].table[layer], self.tables[layer], history)
-        else:
-            blocks = [(self.pool.gather(layer, self.tables[layer], history, "k"),
-                       self.pool.gather(layer, self.tables[layer], history, "v"))]
+        k_hist = self.pool.gather(layer, self.tables[layer], history, "k")
+        v_hist = self.pool.gather(layer, self.tables[layer], history, "v")
         k_new, v_new = self.pool.round_trip(k).transpose(1, 2), self.pool.round_trip(v).transpose(1, 2)
         B, Hq, T, D = q.shape
         out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)  # returned transposed back
-        return chunk.split_history(q, blocks, k_new, v_new, out=out)
+        return chunk.split_history(q, k_hist, v_hist, k_new, v_new, out=out)
 
     def _pattern_attention(self, layer, q, k, v):
         """A prefill chunk through the recipe's pattern: q [B, Hq, T, D] over every kept key."""
