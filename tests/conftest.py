@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 # One intra-op thread per test process unless TURNKV_TEST_THREADS says otherwise. Several threads
@@ -23,6 +24,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Without a GPU, Triton kernels run in its interpreter; the flag is read when triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+@pytest.fixture(autouse=True)
+def _unfrozen_heap():
+    """The CLI freezes the heap for the engine it keeps (turnkv.heap); within the test process that
+    would keep every later test's dropped engines from being collected, so undo it after each test."""
+    yield
+    gc.unfreeze()
+
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512)

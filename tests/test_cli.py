@@ -119,3 +119,23 @@ def test_serve_names_the_prefix_cache_modes(monkeypatch, capsys, chat_model_dir)
     with pytest.raises(SystemExit):
         main(["serve", "--model", str(chat_model_dir), "--prefix-cache", "all"])
     assert "choose from 'turns', 'system', 'off'" in capsys.readouterr().err
+
+
+def test_commands_that_keep_an_engine_freeze_the_heap_once_it_is_loaded(monkeypatch, capsys, chat_model_dir):
+    """The engine's objects leave the collector's full passes (turnkv.heap) before the first turn."""
+    import gc
+
+    from turnkv.engine.llm import LLM
+
+    frozen_at_first_turn = []
+    generate = LLM.generate
+
+    def spy(self, *args, **kwargs):
+        frozen_at_first_turn.append(gc.get_freeze_count())
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    assert gc.get_freeze_count() == 0
+    code, _, _ = run_cli(monkeypatch, capsys, ["generate", "Hi", "--model", str(chat_model_dir),
+                                               "--max-new-tokens", "2", "--kv-memory", "32MiB"])
+    assert code == 0 and frozen_at_first_turn[0] > 10_000

@@ -16,6 +16,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from turnkv import heap
 from turnkv.bench.cli import add_quality_parser, add_speed_parser
 from turnkv.engine.info import model_info
 from turnkv.engine.llm import LLM, PREFIX_MODES
@@ -148,8 +149,10 @@ def _recipe(args):
 def _load(args, **options):
     recipe = _recipe(args)  # a bad recipe fails before the model loads
     with _working(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'}"):
-        return LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory,
-                   tokenizer=args.tokenizer, recipe=recipe, kv_dtype=args.kv_dtype, **options)
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory,
+                  tokenizer=args.tokenizer, recipe=recipe, kv_dtype=args.kv_dtype, **options)
+    heap.freeze()  # the engine stays until the command ends
+    return llm
 
 
 class _StderrHandler(logging.StreamHandler):

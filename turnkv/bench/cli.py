@@ -8,6 +8,7 @@ import shlex
 import sys
 import time
 
+from turnkv import heap
 from turnkv.bench import speed_report
 from turnkv.bench.datasets.loaders import load
 from turnkv.bench.datasets.tasks import generate
@@ -126,6 +127,7 @@ def cmd_speed(args) -> int:
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory or kv_memory,
               max_model_len=need + 16, kv_dtype=args.kv_dtype)
+    heap.freeze()  # no full collection of the engine's objects inside a timed step
     config = SpeedConfig(contexts=contexts, batches=batches, new_tokens=args.new_tokens, turns=args.turns,
                          turn_tokens=tuple(turn_tokens), recipes=recipes,
                          peers=tuple(p for p in _split(args.peers) if p != "none"), repeat=args.repeat,
