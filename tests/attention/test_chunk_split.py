@@ -68,14 +68,31 @@ def test_merge_kernel_equals_the_reference_merge():
 def test_split_is_taken_for_long_chunks_over_long_histories_on_cuda_only(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
-    # The H100 turns where the split won end to end (benchmarks/prefill/README.md) and where the kernel did.
-    assert chunk.uses_split(cuda, bf16, 512, 129536) and chunk.uses_split(cuda, bf16, 4096, 32768)
-    assert chunk.uses_split(cuda, bf16, 32768, 98304)
+    # The engine's 32K slices over what earlier slices kept, and turns large enough to repay cuDNN's plans
+    # (benchmarks/prefill/README.md); shorter turns over any history keep the paged kernel.
+    assert chunk.uses_split(cuda, bf16, 32768, 32768) and chunk.uses_split(cuda, bf16, 32768, 98304)
+    assert chunk.uses_split(cuda, bf16, 4096, 65536) and chunk.uses_split(cuda, bf16, 32768, 8192)
+    assert not chunk.uses_split(cuda, bf16, 512, 129536) and not chunk.uses_split(cuda, bf16, 4096, 32768)
     assert not chunk.uses_split(cuda, bf16, 512, 32768) and not chunk.uses_split(cuda, bf16, 512, 8192)
     assert not chunk.uses_split(cuda, bf16, chunk.SPLIT_MIN_ROWS - 1, 10**6)  # short turns keep the paged kernel
     assert not chunk.uses_split(cuda, bf16, 32768, chunk.SPLIT_MIN_HISTORY - 1)
     assert not chunk.uses_split(cuda, torch.float32, 32768, 10**6)  # cuDNN attention takes fp16 / bf16 only
     assert not chunk.uses_split(torch.device("cpu"), bf16, 32768, 10**6)
+
+
+def test_fresh_chunks_take_cudnn_only_where_its_plan_pays(monkeypatch):
+    """cuDNN builds a plan for every new shape: fresh chunks from FRESH_CUDNN_MIN_ROWS take it, shorter
+    ones torch's flash attention (the reference call under sdpa_kernel), on CUDA in bf16 (forced here)."""
+    monkeypatch.setattr(chunk, "_cudnn", lambda device, dtype: True)
+    taken = []
+    monkeypatch.setattr(chunk, "_cudnn_attention", lambda q, k, v, causal, scale=None, with_lse=False:
+                        taken.append(("cudnn", q.shape[2], causal)) or (q, None))
+    monkeypatch.setattr(reference, "causal_prefill", lambda q, k, v: taken.append(("flash", q.shape[2])) or q)
+    for T in (2, chunk.FRESH_CUDNN_MIN_ROWS - 1, chunk.FRESH_CUDNN_MIN_ROWS):
+        q = torch.zeros(1, 2, T, 8)
+        chunk.fresh_causal(q, q[:, :1], q[:, :1])
+    least = chunk.FRESH_CUDNN_MIN_ROWS
+    assert taken == [("flash", 2), ("flash", least - 1), ("cudnn", least, True)]
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
@@ -167,10 +184,11 @@ def test_cudnn_split_matches_the_paged_kernel_bf16(S, T):
 
 @pytest.mark.gpu
 @CUDA
-@pytest.mark.parametrize("T", [1, 700, 4096])
+@pytest.mark.parametrize("T", [1, 700, 4096, 12288])
 def test_fresh_causal_through_cudnn_matches_sdpa_bf16(T):
-    """A fresh chunk's causal attention with the query groups handed to cuDNN as they are, against
-    SDPA's GQA path (reference.causal_prefill), bf16, Llama-3.1-8B's heads."""
+    """A fresh chunk's causal attention, short ones through torch's flash attention and long ones with
+    the query groups handed to cuDNN as they are, against the fp32 reference (reference.causal_prefill),
+    bf16, Llama-3.1-8B's heads."""
     q, k, v = parts(1, 8, 4, 128, T, T, torch.bfloat16, "cuda", seed=4)[:3]
     got = chunk.fresh_causal(q, k, v)
     want = reference.causal_prefill(q.float(), k.float(), v.float())

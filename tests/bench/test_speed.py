@@ -234,3 +234,36 @@ def test_median_time_runs_the_undo_after_every_call_outside_the_clock():
                                    after=slow_undo)
     assert calls == ["run", "undo"] * 4  # the warm-up too: every timed call starts from the same state
     assert seconds < 0.01  # the 50 ms undo is not on the clock
+
+
+def test_every_timed_prefill_has_lengths_no_earlier_call_had(tiny, monkeypatch):
+    """A conversation's lengths do not repeat, so neither do the benchmark's: each timed turn runs over a
+    history a token shorter than the last (then the history is put back), and each TTFT run's prompt is
+    a token shorter than the last."""
+    from turnkv.bench.speed import measure, measure_turns
+
+    calls = []
+    prefill = tiny.runner.prefill
+
+    def spy_prefill(seq, ids, *args, **kwargs):
+        calls.append((seq.next_position, len(ids)))
+        return prefill(seq, ids, *args, **kwargs)
+
+    monkeypatch.setattr(tiny.runner, "prefill", spy_prefill)
+    cfg = SpeedConfig(contexts=[24], new_tokens=4, turns=2, turn_tokens=(8, 3), repeat=3, peers=())
+    rows = measure_turns(tiny, 24, cfg, {"matmul_rate": 1e12})
+    assert [(r["history_tokens"], r["new_tokens"]) for r in rows] == [(24, 8), (24, 3), (32, 8), (32, 3)]
+    # The first turn: the 24-token history, an untimed call and three timed ones, each over a shorter
+    # history, then the 4 rolled-back tokens again; the same for 3 new tokens; then the turn kept.
+    assert calls[:13] == [(0, 24), (24, 8), (23, 8), (22, 8), (21, 8), (20, 4),
+                          (24, 3), (23, 3), (22, 3), (21, 3), (20, 4), (24, 8), (32, 8)]
+    lengths = []
+    generate = tiny.generate
+
+    def spy(prompts, **kwargs):
+        lengths.append([len(p) for p in prompts] if isinstance(prompts[0], list) else "warm-up")
+        return generate(prompts, **kwargs)
+
+    monkeypatch.setattr(tiny, "generate", spy)
+    measure(tiny, tiny.recipe, 40, 1, cfg, {"matmul_rate": 1e12, "copy_bandwidth": 1e11, "weight_bytes": 1})
+    assert lengths == ["warm-up", [40], [39], [38]]

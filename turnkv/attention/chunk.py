@@ -68,11 +68,16 @@ def paged_chunk(q, k_cache, v_cache, table, lengths, splits: int = 1, scale=None
 # A long chunk over a long history runs faster as two dense attention calls, merged by their
 # log-sum-exp, than through the paged kernel: the history gathered once (every key visible) and the
 # chunk over itself (causal), both on cuDNN's flash attention (benchmarks/prefill/README.md).
+# cuDNN builds an execution plan for every new shape, once per chunk (its layers share it): a later
+# turn, whose lengths a conversation never repeats, pays it on every turn.
 SPLIT_MIN_ROWS = 512
 SPLIT_MIN_HISTORY = 8192
-# new tokens x history: 512 over 64K, 1024 over 32K, 4096 over 8K. Below it the split's fixed cost
-# per layer (two cuDNN calls, a gather and a merge) outweighs cuDNN's faster tiles.
-SPLIT_MIN_CELLS = 1 << 25
+# new tokens x history: 4096 over 64K, 32K over 8K (and the engine's 32K slices over 32K and more).
+# Below it the plans' build outweighs what cuDNN's faster tiles save over the paged kernel.
+SPLIT_MIN_CELLS = 1 << 28
+# A fresh chunk shorter than this takes torch's flash attention, which builds nothing per shape; from
+# it on, cuDNN's twice-as-fast tiles save more than its plan's build.
+FRESH_CUDNN_MIN_ROWS = 12288
 
 
 def uses_split(device: torch.device, dtype: torch.dtype, num_new: int, history: int) -> bool:
@@ -117,20 +122,33 @@ def _merge_reference(a, lse_a, b, lse_b) -> torch.Tensor:
 
 def fresh_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention of a fresh chunk, q [B, Hq, T, D] over its own k, v [B, H, T, D] -> [B, Hq, T, D]:
-    reference.causal_prefill; on CUDA in fp16 / bf16 cuDNN's flash attention, called directly as
-    split_history calls it, with the query groups as they are."""
-    if q.shape[2] > 1 and _cudnn(q.device, q.dtype):
-        return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, True, False)[0]
+    reference.causal_prefill. On CUDA in fp16 / bf16: cuDNN's flash attention from FRESH_CUDNN_MIN_ROWS
+    rows (called directly, as split_history calls it, with the query groups as they are), torch's
+    flash attention below."""
+    T = q.shape[2]
+    if T > 1 and _cudnn(q.device, q.dtype):
+        if T >= FRESH_CUDNN_MIN_ROWS:
+            return _cudnn_attention(q, k, v, True)[0]
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            return reference.causal_prefill(q, k, v)
     return reference.causal_prefill(q, k, v)
+
+
+def _cudnn_attention(q, k, v, causal: bool, scale=None, with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN's flash attention (GQA as it is): (out, log-sum-exp [B, Hq, T, 1] or an empty tensor)."""
+    result = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, with_lse, 0.0, causal, False,
+                                                                scale=scale)
+    return result[0], result[1]
 
 
 def _attend_with_lse(q, k, v, causal: bool, scale) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hq, T, D] over k, v [B, H, S, D] (Hq a multiple of H; causal: query t sees keys <= t)
     -> (out [B, Hq, T, D], natural-log log-sum-exp of the scaled scores [B, Hq, T], fp32)."""
     if _cudnn(q.device, q.dtype):
-        result = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
-                                                                    scale=scale)
-        return result[0], result[1].reshape(q.shape[:3]).float()
+        out, lse = _cudnn_attention(q, k, v, causal, scale, with_lse=True)
+        return out, lse.reshape(q.shape[:3]).float()
     G = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(G, 1).float(), v.repeat_interleave(G, 1).float()
     scores = (q.float() @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)

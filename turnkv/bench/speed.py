@@ -2,7 +2,9 @@
 
 For each recipe, context and batch size it measures TTFT, time per output token, decode throughput,
 peak device memory, and the prefill of later turns against kept history; each figure is set beside
-its floor, computed from the copy bandwidth and matmul rate measured in the same run:
+its floor, computed from the copy bandwidth and matmul rate measured in the same run. Every timed
+prefill has lengths no earlier call had (each repetition a token shorter): a conversation's lengths
+do not repeat, so what a kernel library builds per shape (cuDNN's plans) is paid as users pay it.
     decode floor  = (weight bytes + KV bytes the step reads) / copy bandwidth
     prefill floor = matmul FLOPs / matmul rate
 """
@@ -77,8 +79,9 @@ def measure(llm, recipe, ctx: int, batch: int, cfg: SpeedConfig, hw: dict) -> di
     llm.generate(warm, recipe=recipe, max_new_tokens=cfg.skip_tokens + 8, ignore_eos=True)
     runs = []
     _peak_reset(llm.device)
-    for _ in range(cfg.repeat if batch == 1 else 1):
-        runs.append(llm.generate(prompts, recipe=recipe, max_new_tokens=cfg.new_tokens, ignore_eos=True))
+    for i in range(cfg.repeat if batch == 1 else 1):
+        shorter = [p[: ctx - i] for p in prompts]  # a new length each time (the module's docstring)
+        runs.append(llm.generate(shorter, recipe=recipe, max_new_tokens=cfg.new_tokens, ignore_eos=True))
     tpot = statistics.median(steady_time_per_token(replies[0], cfg.skip_tokens) for replies in runs)
     replies = runs[0]
     kv_bytes = sum(r.kv_bytes for r in replies)  # pages held at the end
@@ -105,19 +108,25 @@ def measure_turns(llm, ctx: int, cfg: SpeedConfig, hw: dict) -> list[dict]:
     turn of the first size. The last row also holds the time to re-prefill that whole history (what an
     engine without conversation state pays)."""
     seq = SequenceKV(llm.pool)
+    held = _prompt(ctx, llm.config.vocab_size, cfg.seed)  # the token ids the sequence holds
     rows = []
     try:
-        llm.runner.prefill(seq, _prompt(ctx, llm.config.vocab_size, cfg.seed))
+        llm.runner.prefill(seq, held)
         for k in range(cfg.turns):
             history = seq.next_position
             for size in cfg.turn_tokens:
                 new = _prompt(size, llm.config.vocab_size, cfg.seed + 100 + k)
-                # The rollback to the history is not the turn's cost: it runs outside the clock.
+                # After each call, off the clock, a rollback to a history a token shorter than the last
+                # (a new length for every call: the module's docstring); then the history is put back.
+                shorter = iter(range(history - 1, 0, -1))
                 kept = hardware.median_time(lambda: llm.runner.prefill(seq, new), llm.device, repeat=cfg.repeat,
-                                            after=lambda: seq.truncate(history))
+                                            after=lambda: seq.truncate(next(shorter)))
+                llm.runner.prefill(seq, held[seq.next_position : history])
                 rows.append({"turn": k + 2, "history_tokens": history, "new_tokens": size, "prefill_s": kept,
                              "floor_s": hardware.prefill_flops(llm.config, size, history) / hw["matmul_rate"]})
-            llm.runner.prefill(seq, _prompt(cfg.turn_tokens[0], llm.config.vocab_size, cfg.seed + 100 + k))
+            turn = _prompt(cfg.turn_tokens[0], llm.config.vocab_size, cfg.seed + 100 + k)
+            llm.runner.prefill(seq, turn)
+            held += turn
         whole = _prompt(seq.next_position, llm.config.vocab_size, cfg.seed)
         seq.free()  # the pool needs room for the history once, not twice
         fresh = SequenceKV(llm.pool)
