@@ -253,10 +253,10 @@ def test_every_timed_prefill_has_lengths_no_earlier_call_had(tiny, monkeypatch):
     cfg = SpeedConfig(contexts=[24], new_tokens=4, turns=2, turn_tokens=(8, 3), repeat=3, peers=())
     rows = measure_turns(tiny, 24, cfg, {"matmul_rate": 1e12})
     assert [(r["history_tokens"], r["new_tokens"]) for r in rows] == [(24, 8), (24, 3), (32, 8), (32, 3)]
-    # The first turn: the 24-token history, an untimed call and three timed ones, each over a shorter
-    # history, then the 4 rolled-back tokens again; the same for 3 new tokens; then the turn kept.
-    assert calls[:13] == [(0, 24), (24, 8), (23, 8), (22, 8), (21, 8), (20, 4),
-                          (24, 3), (23, 3), (22, 3), (21, 3), (20, 4), (24, 8), (32, 8)]
+    # The first turn: the 24-token history, two untimed calls and three timed ones, each over a shorter
+    # history, then the 5 rolled-back tokens again; the same for 3 new tokens; then the turn kept.
+    assert calls[:15] == [(0, 24), (24, 8), (23, 8), (22, 8), (21, 8), (20, 8), (19, 5),
+                          (24, 3), (23, 3), (22, 3), (21, 3), (20, 3), (19, 5), (24, 8), (32, 8)]
     lengths = []
     generate = tiny.generate
 

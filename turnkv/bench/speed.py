@@ -118,9 +118,11 @@ def measure_turns(llm, ctx: int, cfg: SpeedConfig, hw: dict) -> list[dict]:
                 new = _prompt(size, llm.config.vocab_size, cfg.seed + 100 + k)
                 # After each call, off the clock, a rollback to a history a token shorter than the last
                 # (a new length for every call: the module's docstring); then the history is put back.
+                # Two untimed calls: Triton compiles a kernel once for lengths divisible by 16 and once
+                # for the others.
                 shorter = iter(range(history - 1, 0, -1))
                 kept = hardware.median_time(lambda: llm.runner.prefill(seq, new), llm.device, repeat=cfg.repeat,
-                                            after=lambda: seq.truncate(next(shorter)))
+                                            warmup=2, after=lambda: seq.truncate(next(shorter)))
                 llm.runner.prefill(seq, held[seq.next_position : history])
                 rows.append({"turn": k + 2, "history_tokens": history, "new_tokens": size, "prefill_s": kept,
                              "floor_s": hardware.prefill_flops(llm.config, size, history) / hw["matmul_rate"]})
