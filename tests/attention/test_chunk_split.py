@@ -191,5 +191,7 @@ def test_fresh_causal_through_cudnn_matches_sdpa_bf16(T):
     bf16, Llama-3.1-8B's heads."""
     q, k, v = parts(1, 8, 4, 128, T, T, torch.bfloat16, "cuda", seed=4)[:3]
     got = chunk.fresh_causal(q, k, v)
-    want = reference.causal_prefill(q.float(), k.float(), v.float())
-    assert got.shape == want.shape and relative_error(got, want) < 2e-2
+    # The fp32 reference for the first KV head's query group only: SDPA's fp32 GQA path materializes
+    # the scores (12288 rows: 2.4 GB for these four heads, 19 GB for all 32).
+    want = reference.causal_prefill(q[:, :4].float(), k[:, :1].float(), v[:, :1].float())
+    assert got.shape == q.shape and relative_error(got[:, :4], want) < 2e-2
