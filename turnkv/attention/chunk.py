@@ -72,7 +72,7 @@ def paged_chunk(q, k_cache, v_cache, table, lengths, splits: int = 1, scale=None
 # turn, whose lengths a conversation never repeats, pays it on every turn.
 SPLIT_MIN_ROWS = 512
 SPLIT_MIN_HISTORY = 8192
-# new tokens x history: 4096 over 64K, 32K over 8K (and the engine's 32K slices over 32K and more).
+# new tokens x history: 4096 over 64K, 32K over 8K (every 32K slice of a long prompt after its first).
 # Below it the plans' build outweighs what cuDNN's faster tiles save over the paged kernel.
 SPLIT_MIN_CELLS = 1 << 28
 # A fresh chunk shorter than this takes torch's flash attention, which builds nothing per shape; from
