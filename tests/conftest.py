@@ -53,6 +53,29 @@ def save_tiny(path, family: str, vocab_size: int = 320, tokenizer=None, **overri
     return model
 
 
+def two_turn_logits(path, family: str, device: str, **overrides):
+    """A tiny random `family` model saved to `path`, prefilled through the engine's runner in chunks of
+    8 over two turns (18 tokens as 8, 8, 2, then 12 as 8, 4), with every logit kept -> (turnkv's
+    logits [30, V], transformers' logits of the 30 tokens at once, the model's config), both on the CPU."""
+    from turnkv.engine.runner import ModelRunner
+    from turnkv.kv.pool import PagePool
+    from turnkv.kv.sequence import SequenceKV
+    from turnkv.model.load import load_model
+
+    hf = save_tiny(path, family, **overrides)
+    model = load_model(str(path), dtype="float32").model.to(device)
+    ids = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf.to(device)(ids[None].to(device)).logits[0].cpu()
+    c = model.config
+    pool = PagePool(c.num_layers, c.num_kv_heads, c.head_dim, 64, 4, torch.float32, device)
+    runner = ModelRunner(model, pool, prefill_chunk=8, cuda_graphs=False)
+    seq = SequenceKV(pool)
+    first = runner.prefill(seq, ids[:18].tolist(), all_logits=True)
+    second = runner.prefill(seq, ids[18:].tolist(), all_logits=True)  # the later turn
+    return torch.cat([first, second]).cpu(), ref, c
+
+
 @pytest.fixture(scope="session")
 def embedded_model():
     """The embedded SmolLM2 GGUF file; a machine without it skips the test and names what is missing."""

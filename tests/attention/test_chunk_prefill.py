@@ -240,30 +240,15 @@ def test_step_takes_the_kernel_when_enabled(monkeypatch, kv_dtype):
 def test_later_chunks_and_turns_match_transformers(tmp_path, monkeypatch, family, overrides):
     """A tiny model prefilled in chunks of 8 over two turns, with the kernel forced on, gives
     transformers' logits of the whole sequence at once (a sliding window included)."""
-    from tests.conftest import save_tiny
+    from tests.conftest import two_turn_logits
     from turnkv.attention.triton import chunk_prefill
-    from turnkv.engine.runner import ModelRunner
-    from turnkv.kv.pool import PagePool
-    from turnkv.kv.sequence import SequenceKV
-    from turnkv.model.load import load_model
 
-    hf = save_tiny(tmp_path, family, **overrides)
-    model = load_model(str(tmp_path), dtype="float32").model.to(DEVICE)
     calls = []
     launch = chunk_prefill.chunk_attention
     monkeypatch.setattr(chunk_prefill, "chunk_attention", lambda *a, **k: calls.append(a[0].shape) or launch(*a, **k))
     monkeypatch.setattr(chunk, "ENABLED", True)
     monkeypatch.setattr(chunk, "FORCE", True)
-    ids = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        ref = hf.to(DEVICE)(ids[None].to(DEVICE)).logits[0].cpu()
-    c = model.config
-    pool = PagePool(c.num_layers, c.num_kv_heads, c.head_dim, 64, 4, torch.float32, DEVICE)
-    runner = ModelRunner(model, pool, prefill_chunk=8, cuda_graphs=False)
-    seq = SequenceKV(pool)
-    first = runner.prefill(seq, ids[:18].tolist(), all_logits=True)  # chunks of 8, 8, 2
-    second = runner.prefill(seq, ids[18:].tolist(), all_logits=True)  # a later turn: 8, 4
-    ours = torch.cat([first, second]).cpu()
+    ours, ref, c = two_turn_logits(tmp_path, family, DEVICE, **overrides)
     # Every chunk after the first; with a window the first too (Step's fresh path has no window).
     assert len(calls) == (5 if c.sliding_window else 4) * c.num_layers
     assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4

@@ -139,30 +139,15 @@ def test_step_splits_only_where_every_head_holds_the_same_history(monkeypatch, k
 def test_later_chunks_through_the_split_match_transformers(tmp_path, monkeypatch):
     """A tiny model prefilled in chunks of 8 over two turns, every later chunk through the split,
     gives transformers' logits of the whole sequence at once."""
-    from tests.conftest import save_tiny
-    from turnkv.engine.runner import ModelRunner
-    from turnkv.kv.pool import PagePool
-    from turnkv.kv.sequence import SequenceKV
-    from turnkv.model.load import load_model
+    from tests.conftest import two_turn_logits
 
-    hf = save_tiny(tmp_path, "llama")
-    model = load_model(str(tmp_path), dtype="float32").model.to(DEVICE)
     calls = []
     split = chunk.split_history
     monkeypatch.setattr(chunk, "split_history", lambda *a, **kw: calls.append(a[0].shape) or split(*a, **kw))
     monkeypatch.setattr(chunk, "ENABLED", True)
     monkeypatch.setattr(chunk, "FORCE", True)
     monkeypatch.setattr(chunk, "uses_split", lambda device, dtype, num_new, history: True)
-    ids = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        ref = hf.to(DEVICE)(ids[None].to(DEVICE)).logits[0].cpu()
-    c = model.config
-    pool = PagePool(c.num_layers, c.num_kv_heads, c.head_dim, 64, 4, torch.float32, DEVICE)
-    runner = ModelRunner(model, pool, prefill_chunk=8, cuda_graphs=False)
-    seq = SequenceKV(pool)
-    first = runner.prefill(seq, ids[:18].tolist(), all_logits=True)  # chunks of 8, 8, 2
-    second = runner.prefill(seq, ids[18:].tolist(), all_logits=True)  # a later turn: 8, 4
-    ours = torch.cat([first, second]).cpu()
+    ours, ref, c = two_turn_logits(tmp_path, "llama", DEVICE)
     assert len(calls) == 4 * c.num_layers  # every chunk after the first
     assert relative_error(ours, ref) < 1e-4
 
