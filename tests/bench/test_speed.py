@@ -267,3 +267,14 @@ def test_every_timed_prefill_has_lengths_no_earlier_call_had(tiny, monkeypatch):
     monkeypatch.setattr(tiny, "generate", spy)
     measure(tiny, tiny.recipe, 40, 1, cfg, {"matmul_rate": 1e12, "copy_bandwidth": 1e11, "weight_bytes": 1})
     assert lengths == ["warm-up", [40], [39], [38]]
+
+
+def test_a_history_shorter_than_the_timed_calls_still_measures(tiny):
+    """Three tokens of history and five calls: the rollbacks stop at an empty history, then the whole
+    history is prefilled again, and the next turn's row starts from it."""
+    from turnkv.bench.speed import measure_turns
+
+    cfg = SpeedConfig(contexts=[3], new_tokens=2, turns=2, turn_tokens=4, repeat=3, peers=())
+    rows = measure_turns(tiny, 3, cfg, {"matmul_rate": 1e12})
+    assert [(r["history_tokens"], r["new_tokens"]) for r in rows] == [(3, 4), (7, 4)]
+    assert all(r["prefill_s"] > 0 for r in rows)

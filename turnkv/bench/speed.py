@@ -11,6 +11,7 @@ do not repeat, so what a kernel library builds per shape (cuDNN's plans) is paid
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 from dataclasses import dataclass, field
@@ -120,9 +121,9 @@ def measure_turns(llm, ctx: int, cfg: SpeedConfig, hw: dict) -> list[dict]:
                 # (a new length for every call: the module's docstring); then the history is put back.
                 # Two untimed calls: Triton compiles a kernel once for lengths divisible by 16 and once
                 # for the others.
-                shorter = iter(range(history - 1, 0, -1))
+                shorter = itertools.count(1)
                 kept = hardware.median_time(lambda: llm.runner.prefill(seq, new), llm.device, repeat=cfg.repeat,
-                                            warmup=2, after=lambda: seq.truncate(next(shorter)))
+                                            warmup=2, after=lambda: seq.truncate(max(0, history - next(shorter))))
                 llm.runner.prefill(seq, held[seq.next_position : history])
                 rows.append({"turn": k + 2, "history_tokens": history, "new_tokens": size, "prefill_s": kept,
                              "floor_s": hardware.prefill_flops(llm.config, size, history) / hw["matmul_rate"]})
