@@ -6,6 +6,7 @@ reference path (a softmax with the log-sum-exp; on a GPU too); on a GPU also the
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
@@ -81,18 +82,87 @@ def test_split_is_taken_for_long_chunks_over_long_histories_on_cuda_only(monkeyp
 
 
 def test_fresh_chunks_take_cudnn_only_where_its_plan_pays(monkeypatch):
-    """cuDNN builds a plan for every new shape: fresh chunks from FRESH_CUDNN_MIN_ROWS take it, shorter
-    ones torch's flash attention (the reference call under sdpa_kernel), on CUDA in bf16 (forced here)."""
+    """cuDNN builds a plan for every new shape: fresh chunks from CUDNN_MIN_ROWS take it directly,
+    shorter ones SDPA under sdpa_backends (cuDNN's SDPA off on CUDA), in bf16 on CUDA (forced here)."""
     monkeypatch.setattr(chunk, "_cudnn", lambda device, dtype: True)
-    taken = []
+    taken, inside = [], []
+
+    @contextlib.contextmanager
+    def backends(device, num_new):
+        inside.append(num_new)
+        yield
+        inside.pop()
+
+    monkeypatch.setattr(chunk, "sdpa_backends", backends)
     monkeypatch.setattr(chunk, "_cudnn_attention", lambda q, k, v, causal, scale=None, with_lse=False:
-                        taken.append(("cudnn", q.shape[2], causal)) or (q, None))
-    monkeypatch.setattr(reference, "causal_prefill", lambda q, k, v: taken.append(("flash", q.shape[2])) or q)
-    for T in (2, chunk.FRESH_CUDNN_MIN_ROWS - 1, chunk.FRESH_CUDNN_MIN_ROWS):
+                        taken.append(("cudnn", q.shape[2], causal, list(inside))) or (q, None))
+    monkeypatch.setattr(reference, "causal_prefill", lambda q, k, v: taken.append(("sdpa", q.shape[2], list(inside))) or q)
+    least = chunk.CUDNN_MIN_ROWS
+    for T in (2, least - 1, least):
         q = torch.zeros(1, 2, T, 8)
         chunk.fresh_causal(q, q[:, :1], q[:, :1])
-    least = chunk.FRESH_CUDNN_MIN_ROWS
-    assert taken == [("flash", 2), ("flash", least - 1), ("cudnn", least, True)]
+    assert taken == [("sdpa", 2, [2]), ("sdpa", least - 1, [least - 1]), ("cudnn", least, True, [])]
+
+
+def test_sdpa_keeps_off_cudnn_under_its_threshold_on_cuda():
+    """sdpa_backends: on CUDA, SDPA without cuDNN for steps of fewer than CUDNN_MIN_ROWS new tokens
+    (decode included), torch's default order from it; off CUDA nothing changes. The switch is process
+    state: reading it needs no GPU."""
+    cuda = torch.device("cuda")
+    default = torch.backends.cuda.cudnn_sdp_enabled()
+    assert default  # torch's default: a test above would otherwise prove nothing
+    for n in (1, 512, chunk.CUDNN_MIN_ROWS - 1):
+        with chunk.sdpa_backends(cuda, n):
+            assert not torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+            assert torch.backends.cuda.mem_efficient_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    for device, n in ((cuda, chunk.CUDNN_MIN_ROWS), (cuda, 10**6), (torch.device("cpu"), 1)):
+        with chunk.sdpa_backends(device, n):
+            assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_every_runner_step_runs_under_the_backends_of_its_width(monkeypatch, tmp_path):
+    """The runner's prefill chunks and decode steps each enter sdpa_backends with their own number of
+    new tokens, around the whole model call (every layer's SDPA, the patterns' dense heads included):
+    chunks of 4, 4 and 2 tokens, then one decode step."""
+    from tests.conftest import save_tiny
+    from tests.model.test_oracle import runner_for
+    from turnkv.kv.sequence import SequenceKV
+    from turnkv.model.load import load_model
+
+    save_tiny(tmp_path, "llama")
+    runner, pool = runner_for(load_model(str(tmp_path), dtype="float32").model)
+    runner.prefill_chunk = 4
+    entered = []
+
+    @contextlib.contextmanager
+    def backends(device, num_new):
+        entered.append((device.type, num_new))
+        yield
+
+    monkeypatch.setattr(chunk, "sdpa_backends", backends)
+    seq = SequenceKV(pool)
+    runner.prefill(seq, list(range(3, 13)))
+    runner.decode([seq], torch.tensor([5]))
+    # The first chunk, fresh, enters them again in each layer's fresh_causal.
+    layers = runner.model.config.num_layers
+    assert entered == [("cpu", 4)] * (1 + layers) + [("cpu", 4), ("cpu", 2), ("cpu", 1)]
+
+
+@CUDA
+def test_cudnn_called_directly_runs_with_cudnn_sdpa_switched_off():
+    """fresh_causal's and split_history's cuDNN calls go to the op itself, so a step under
+    sdpa_backends (cuDNN's SDPA off) still runs them: the same output as outside it."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, n, 700, 64, generator=gen, device="cuda", dtype=torch.bfloat16) for n in (8, 2, 2))
+    outside = chunk._cudnn_attention(q, k, v, True)[0]
+    with chunk.sdpa_backends(torch.device("cuda"), 700):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        inside = chunk._cudnn_attention(q, k, v, True)[0]
+    torch.testing.assert_close(inside, outside, rtol=0, atol=0)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
+                                                           enable_gqa=True)
+    assert relative_error(inside, ref) < 2e-2
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])

@@ -10,6 +10,7 @@ interpreter on CPU), for tests. Both are read when a Step is built.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -75,9 +76,22 @@ SPLIT_MIN_HISTORY = 8192
 # new tokens x history: 4096 over 64K, 32K over 8K (every 32K slice of a long prompt after its first).
 # Below it the plans' build outweighs what cuDNN's faster tiles save over the paged kernel.
 SPLIT_MIN_CELLS = 1 << 28
-# A fresh chunk shorter than this takes torch's flash attention, which builds nothing per shape; from
-# it on, cuDNN's twice-as-fast tiles save more than its plan's build.
-FRESH_CUDNN_MIN_ROWS = 12288
+# A step of fewer new tokens per sequence than this keeps off cuDNN's attention, which builds an
+# execution plan at every new length: torch's flash attention builds nothing per shape. From it on,
+# cuDNN's twice-as-fast tiles save more than its plan's build.
+CUDNN_MIN_ROWS = 12288
+
+
+def sdpa_backends(device: torch.device, num_new: int):
+    """The SDPA backends for a step of num_new new tokens per sequence on `device` (a context manager):
+    on CUDA under CUDNN_MIN_ROWS, cuDNN's attention off (decode meets a new key length at every step,
+    and a conversation a new chunk length at every turn); otherwise torch's default order. The cuDNN
+    calls of fresh_causal and split_history go to cuDNN directly: the switch does not reach them."""
+    if device.type != "cuda" or num_new >= CUDNN_MIN_ROWS:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def uses_split(device: torch.device, dtype: torch.dtype, num_new: int, history: int) -> bool:
@@ -122,18 +136,14 @@ def _merge_reference(a, lse_a, b, lse_b) -> torch.Tensor:
 
 def fresh_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention of a fresh chunk, q [B, Hq, T, D] over its own k, v [B, H, T, D] -> [B, Hq, T, D]:
-    reference.causal_prefill. On CUDA in fp16 / bf16: cuDNN's flash attention from FRESH_CUDNN_MIN_ROWS
-    rows (called directly, as split_history calls it, with the query groups as they are), torch's
-    flash attention below."""
+    reference.causal_prefill. On CUDA in fp16 / bf16: cuDNN's flash attention from CUDNN_MIN_ROWS
+    rows (called directly, as split_history calls it, with the query groups as they are), SDPA without
+    cuDNN below (sdpa_backends)."""
     T = q.shape[2]
-    if T > 1 and _cudnn(q.device, q.dtype):
-        if T >= FRESH_CUDNN_MIN_ROWS:
-            return _cudnn_attention(q, k, v, True)[0]
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
-            return reference.causal_prefill(q, k, v)
-    return reference.causal_prefill(q, k, v)
+    if T >= CUDNN_MIN_ROWS and _cudnn(q.device, q.dtype):
+        return _cudnn_attention(q, k, v, True)[0]
+    with sdpa_backends(q.device, T):
+        return reference.causal_prefill(q, k, v)
 
 
 def _cudnn_attention(q, k, v, causal: bool, scale=None, with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,10 +3,9 @@ decode steps. Owns no conversation logic; the engine decides what to feed."""
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
+from turnkv.attention import chunk
 from turnkv.attention import decode as decode_kernel
 from turnkv.engine import graph_selection
 from turnkv.engine.cuda_graphs import GraphedDecode
@@ -56,15 +55,9 @@ class ModelRunner:
         return logits if all_logits else logits[:, -1]
 
     def _attention_backends(self, num_new: int):
-        """Decode on CUDA skips cuDNN attention: it builds an execution plan for every new key length,
-        and decode meets a new one at every step and in every layer whose length differs (several
-        times slower decode, most for uneven heads; benchmarks/decode/README.md). Prefill
-        keeps it, where it is the fastest backend."""
-        if self.device.type != "cuda" or num_new > 1:
-            return contextlib.nullcontext()
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+        """SDPA's backends for a step of num_new tokens per sequence (chunk.sdpa_backends): cuDNN's
+        attention only for chunks long enough to pay for its plan at each new length."""
+        return chunk.sdpa_backends(self.device, num_new)
 
     def prefill(self, seq: SequenceKV, token_ids: list[int], all_logits: bool = False,
                 context: StepContext | None = None) -> torch.Tensor:
