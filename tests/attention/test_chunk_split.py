@@ -96,7 +96,8 @@ def test_fresh_chunks_take_cudnn_only_where_its_plan_pays(monkeypatch):
     monkeypatch.setattr(chunk, "sdpa_backends", backends)
     monkeypatch.setattr(chunk, "_cudnn_attention", lambda q, k, v, causal, scale=None, with_lse=False:
                         taken.append(("cudnn", q.shape[2], causal, list(inside))) or (q, None))
-    monkeypatch.setattr(reference, "causal_prefill", lambda q, k, v: taken.append(("sdpa", q.shape[2], list(inside))) or q)
+    monkeypatch.setattr(reference, "causal_prefill",
+                        lambda q, k, v: taken.append(("sdpa", q.shape[2], list(inside))) or q)
     least = chunk.CUDNN_MIN_ROWS
     for T in (2, least - 1, least):
         q = torch.zeros(1, 2, T, 8)
