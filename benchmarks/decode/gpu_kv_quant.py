@@ -30,7 +30,9 @@ import argparse
 import gc
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -39,6 +41,9 @@ from turnkv.attention import reference
 from turnkv.bench import hardware
 from turnkv.kv import quant
 from turnkv.kv.pool import PagePool
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks import gpu_timing  # noqa: E402
 
 KV_DTYPES = [None, "int8", "fp8"]
 STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -108,24 +113,9 @@ def correctness(device) -> list[dict]:
 
 
 def time_graphed(fn, calls=20, repeat=15) -> float:
-    """Seconds per call of `calls` back-to-back calls replayed from one CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+    """Seconds per call of `calls` back-to-back calls replayed from one CUDA graph: the median of `repeat`
+    replays after one (benchmarks/gpu_timing.py; gpu_kv_quant_splits.py times with it too)."""
+    return gpu_timing.time_graphed(fn, calls, repeat, warmup=1)
 
 
 def kernel_timings(device, bw, sweep: bool) -> tuple[list[dict], dict]:

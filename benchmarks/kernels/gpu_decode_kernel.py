@@ -13,12 +13,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from turnkv.attention import reference
 from turnkv.attention.triton.decode import choose_splits, indexed_decode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.gpu_timing import time_cuda, time_graphed  # noqa: E402
 
 
 def copy_bandwidth(device) -> float:
@@ -27,32 +32,6 @@ def copy_bandwidth(device) -> float:
     for _ in range(3):
         y.copy_(x)
     return 2 * x.numel() / time_cuda(lambda: y.copy_(x), repeat=20)
-
-
-def time_cuda(fn, repeat=50, warmup=5) -> float:
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeat):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-def time_graphed(fn, calls=20) -> float:
-    """Per-call time of `calls` back-to-back calls replayed from one CUDA graph: no launch overhead,
-    as in the engine's graphed decode step."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return time_cuda(graph.replay, repeat=20) / calls
 
 
 def sweep(device, sms, bw):

@@ -15,6 +15,7 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
+from benchmarks.gpu_timing import time_graphed  # noqa: E402
 from turnkv.attention.triton import page_select  # noqa: E402
 from turnkv.bench import hardware  # noqa: E402
 from turnkv.methods.lserve.selector import SelectorConfig, graph_page_scores_reference  # noqa: E402
@@ -23,28 +24,6 @@ L, H, G, D, PS, CONTEXT = 32, 8, 4, 128, 16, 129536
 PHYS, LOGICAL = 64, 16
 P = 131072 // PS  # the graph's page-table width at max_model_len 131072
 num_phys = P * PS // PHYS
-
-
-def graphed_us(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) / reps * 1e3 / L
 
 
 torch.manual_seed(0)
@@ -67,9 +46,9 @@ for rpp in (16, 32, 64):
                                       rows_per_program=rpp, num_warps=warps)
         err = (got - want).abs().nan_to_num().max().item()
         same_inf = torch.equal(torch.isinf(got), torch.isinf(want))
-        us = graphed_us(lambda: [page_select.page_scores(q, kmax[i], kmin[i], table, lengths, num_phys, PHYS,
-                                                         LOGICAL, PS, rows_per_program=rpp, num_warps=warps)
-                                 for i in range(L)])
+        us = time_graphed(lambda: [page_select.page_scores(q, kmax[i], kmin[i], table, lengths, num_phys, PHYS,
+                                                           LOGICAL, PS, rows_per_program=rpp, num_warps=warps)
+                                   for i in range(L)], calls=1, warmup=1, back_to_back=True) * 1e6 / L
         rows.append(dict(rows_per_program=rpp, num_warps=warps, us_per_layer=us, floor_us=floor_us,
                          of_floor=floor_us / us, max_abs_err=err, same_inf=same_inf))
         print(f"rows/program {rpp:3d} warps {warps}: {us:6.2f} us per layer (floor {floor_us:.2f}, "

@@ -26,7 +26,9 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +38,9 @@ from turnkv.bench import hardware
 from turnkv.model import ops
 from turnkv.model.config import rope_inverse_frequencies, shape_config
 from turnkv.model.triton import activation, gemv, norm, rope
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks import gpu_timing  # noqa: E402
 
 # Llama-3.1-8B's projections (N, K) and how many of each a decode step runs.
 SHAPES = [("qkv", 6144, 4096, 32), ("o_proj", 4096, 4096, 32), ("gate_up", 28672, 4096, 32),
@@ -57,42 +62,10 @@ def sync():
 # --- timing ----------------------------------------------------------------------------------------
 
 
-def time_cuda(fn, repeat=30, warmup=3) -> float:
-    """Median seconds of fn() by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    if DEVICE != "cuda":
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeat):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def time_graphed(fns: list, calls: int = 24, repeat: int = 20) -> float:
-    """Per-call seconds of `calls` calls cycling through fns, replayed from one CUDA graph: no launch
-    overhead, as in the engine's graphed decode step."""
-    for fn in fns:
-        fn()
-    rounds = max(1, math.ceil(calls / len(fns)))
-    if DEVICE != "cuda":
-        return time_cuda(lambda: [fn() for fn in fns], warmup=0) / len(fns)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(rounds):
-            for fn in fns:
-                fn()
-    t = time_cuda(graph.replay, repeat=repeat) / (rounds * len(fns))
-    del graph
-    return t
+    """Per-call seconds of `calls` calls cycling through fns, replayed from one CUDA graph: the median of
+    `repeat` replays after 3 (benchmarks/gpu_timing.py; gemv_sweep.py times with it too)."""
+    return gpu_timing.time_graphed(fns, calls, repeat, warmup=3, device=DEVICE)
 
 
 def rel_err(out, ref) -> float:
@@ -322,7 +295,7 @@ def bench_decode_step(bw, context=4096, e2e_steps=64) -> dict:
         times = {mode: [] for mode in step_graphs}
         for _ in range(3):
             for mode, (graph, _, _) in step_graphs.items():
-                times[mode].append(time_cuda(graph.replay, repeat=20))
+                times[mode].append(gpu_timing.time_cuda(graph.replay, repeat=20, warmup=3, device=DEVICE))
         kv_bytes = seq.bytes()
         floor = hardware.decode_bytes(weight_bytes, kv_bytes) / bw
         speed_floor = hardware.decode_bytes(all_weight_bytes, kv_bytes) / bw

@@ -7,25 +7,8 @@ Prints a table; JSON to $OUT/top_k.json.
 """
 import json, os, sys, torch
 sys.path.insert(0, ".")
+from benchmarks.gpu_timing import time_graphed
 from turnkv.attention.triton import radix_top_k as R, top_k as S
-
-
-def graphed(fn, reps=50):
-    fn(); torch.cuda.synchronize()
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay(); torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record(); torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps * 1e3
 
 
 def ref(s, k):
@@ -48,7 +31,7 @@ for rows, n, k in ((32, 131072, 1024), (8, 131072, 1024), (32, 32768, 1024), (32
         variants["split"] = lambda: S.top_k_ascending(x, k, split=True)
     for name, fn in variants.items():
         exact = torch.equal(fn(), want) if name != "torch topk+sort" else None
-        us = graphed(fn)
+        us = time_graphed(fn, calls=1, repeat=50, warmup=1, back_to_back=True) * 1e6
         rows_out.append(dict(rows=rows, n=n, k=k, variant=name, us=us, exact=exact))
         print(f"[{rows:2d}, {n:6d}] k={k:4d}  {name:22s} {us:7.1f} us  exact={exact}")
 json.dump(rows_out, open(os.path.join(os.environ.get("OUT", "."), "top_k.json"), "w"), indent=1)

@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -44,6 +45,9 @@ from turnkv.errors import KVCacheFullError
 from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.lserve.selector import graph_page_scores
 from turnkv.methods.recipe import Recipe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.gpu_timing import time_graphed  # noqa: E402
 
 RECIPES = {
     "dense": "",
@@ -69,11 +73,6 @@ SMOKE_RECIPES = {
     "lserve-kv": "lserve prefill=streaming_heads(pattern=random,sink=16,local=32) decode=lserve(budget=128,group=max)",
 }
 ORDER = ["dense", "quest", "lserve-dynamic", "loopserve-d", "loopserve-d-eager", "loopserve-d-kv", "lserve-kv", "lserve"]
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def prompt(n: int, vocab: int, seed: int) -> list[int]:
@@ -281,23 +280,7 @@ def selector_vs_attention(llm, states, ctx: int, label: str, reps: int = 20) -> 
     # selector = scores + top_k + the merge, commit and expansion of the rows (in one kernel).
     for part, fn in (("selector", selector), ("scores", scores), ("top_k", top_k), ("expand", expand),
                      ("attention", attention)):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        graph.replay()
-        sync(llm.device)
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        sync(llm.device)
-        out[f"{part}_ms"] = begin.elapsed_time(end) / reps
+        out[f"{part}_ms"] = time_graphed(fn, calls=1, repeat=reps, warmup=1, back_to_back=True) * 1e3
     out["selector_amortised_ms"] = out["selector_ms"] / cfg.reuse_interval
     out["selector_over_attention"] = out["selector_amortised_ms"] / out["attention_ms"]  # target < 0.5
     print(json.dumps(out), flush=True)
