@@ -83,26 +83,17 @@ def test_split_is_taken_for_long_chunks_over_long_histories_on_cuda_only(monkeyp
 
 def test_fresh_chunks_take_cudnn_only_where_its_plan_pays(monkeypatch):
     """cuDNN builds a plan for every new shape: fresh chunks from CUDNN_MIN_ROWS take it directly,
-    shorter ones SDPA under sdpa_backends (cuDNN's SDPA off on CUDA), in bf16 on CUDA (forced here)."""
+    shorter ones SDPA (under the runner's sdpa_backends: no cuDNN), in bf16 on CUDA (forced here)."""
     monkeypatch.setattr(chunk, "_cudnn", lambda device, dtype: True)
-    taken, inside = [], []
-
-    @contextlib.contextmanager
-    def backends(device, num_new):
-        inside.append(num_new)
-        yield
-        inside.pop()
-
-    monkeypatch.setattr(chunk, "sdpa_backends", backends)
+    taken = []
     monkeypatch.setattr(chunk, "_cudnn_attention", lambda q, k, v, causal, scale=None, with_lse=False:
-                        taken.append(("cudnn", q.shape[2], causal, list(inside))) or (q, None))
-    monkeypatch.setattr(reference, "causal_prefill",
-                        lambda q, k, v: taken.append(("sdpa", q.shape[2], list(inside))) or q)
+                        taken.append(("cudnn", q.shape[2], causal)) or (q, None))
+    monkeypatch.setattr(reference, "causal_prefill", lambda q, k, v: taken.append(("sdpa", q.shape[2])) or q)
     least = chunk.CUDNN_MIN_ROWS
     for T in (2, least - 1, least):
         q = torch.zeros(1, 2, T, 8)
         chunk.fresh_causal(q, q[:, :1], q[:, :1])
-    assert taken == [("sdpa", 2, [2]), ("sdpa", least - 1, [least - 1]), ("cudnn", least, True, [])]
+    assert taken == [("sdpa", 2), ("sdpa", least - 1), ("cudnn", least, True)]
 
 
 def test_sdpa_keeps_off_cudnn_under_its_threshold_on_cuda():
@@ -145,9 +136,7 @@ def test_every_runner_step_runs_under_the_backends_of_its_width(monkeypatch, tmp
     seq = SequenceKV(pool)
     runner.prefill(seq, list(range(3, 13)))
     runner.decode([seq], torch.tensor([5]))
-    # The first chunk, fresh, enters them again in each layer's fresh_causal.
-    layers = runner.model.config.num_layers
-    assert entered == [("cpu", 4)] * (1 + layers) + [("cpu", 4), ("cpu", 2), ("cpu", 1)]
+    assert entered == [("cpu", 4), ("cpu", 4), ("cpu", 2), ("cpu", 1)]
 
 
 @CUDA

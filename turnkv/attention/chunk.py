@@ -136,14 +136,12 @@ def _merge_reference(a, lse_a, b, lse_b) -> torch.Tensor:
 
 def fresh_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention of a fresh chunk, q [B, Hq, T, D] over its own k, v [B, H, T, D] -> [B, Hq, T, D]:
-    reference.causal_prefill. On CUDA in fp16 / bf16: cuDNN's flash attention from CUDNN_MIN_ROWS
-    rows (called directly, as split_history calls it, with the query groups as they are), SDPA without
-    cuDNN below (sdpa_backends)."""
-    T = q.shape[2]
-    if T >= CUDNN_MIN_ROWS and _cudnn(q.device, q.dtype):
+    reference.causal_prefill. On CUDA in fp16 / bf16 from CUDNN_MIN_ROWS rows: cuDNN's flash attention,
+    called directly (as split_history calls it, with the query groups as they are); below, SDPA under
+    the step's backends (the runner's sdpa_backends: no cuDNN there)."""
+    if q.shape[2] >= CUDNN_MIN_ROWS and _cudnn(q.device, q.dtype):
         return _cudnn_attention(q, k, v, True)[0]
-    with sdpa_backends(q.device, T):
-        return reference.causal_prefill(q, k, v)
+    return reference.causal_prefill(q, k, v)
 
 
 def _cudnn_attention(q, k, v, causal: bool, scale=None, with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from turnkv.attention import chunk
 from turnkv.engine import graph_selection
 from turnkv.engine.step import Step
 from turnkv.engine.turn import TurnRun
@@ -86,7 +87,7 @@ def forward(runner, parts: list[Part]) -> list[torch.Tensor]:
             offset += part.size
         token_ids = torch.tensor([ids], dtype=torch.int64, device=device)
         at = torch.tensor([last], device=device)
-        with runner._attention_backends(max(p.width for p in parts)):
+        with chunk.sdpa_backends(device, max(p.width for p in parts)):
             logits = runner.model(token_ids, torch.cat(positions)[None], MixedStep(steps, parts), logits_at=at)[0]
     except BaseException:
         for s, p in zip(seqs, before):

@@ -46,18 +46,13 @@ class ModelRunner:
             positions = torch.tensor(before, device=self.device)[:, None] + torch.arange(T, device=self.device)
             step = Step(self.pool, seqs, slots, positions, self.model.config.sliding_window, contexts, decoding)
             last = None if all_logits else torch.full((B, 1), T - 1, device=self.device)
-            with self._attention_backends(T):
+            with chunk.sdpa_backends(self.device, T):
                 logits = self.model(token_ids.to(self.device), positions, step, logits_at=last)
         except BaseException:
             for s, p in zip(seqs, before):
                 s.truncate(p)
             raise
         return logits if all_logits else logits[:, -1]
-
-    def _attention_backends(self, num_new: int):
-        """SDPA's backends for a step of num_new tokens per sequence (chunk.sdpa_backends): cuDNN's
-        attention only for chunks long enough to pay for its plan at each new length."""
-        return chunk.sdpa_backends(self.device, num_new)
 
     def prefill(self, seq: SequenceKV, token_ids: list[int], all_logits: bool = False,
                 context: StepContext | None = None) -> torch.Tensor:
