@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from turnkv.attention import reference
+from turnkv.attention import flash, reference
 from turnkv.attention.triton import available
 
 ENABLED = os.environ.get("TURNKV_CHUNK_KERNEL", "1") != "0"
@@ -136,9 +136,12 @@ def _merge_reference(a, lse_a, b, lse_b) -> torch.Tensor:
 
 def fresh_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention of a fresh chunk, q [B, Hq, T, D] over its own k, v [B, H, T, D] -> [B, Hq, T, D]:
-    reference.causal_prefill. On CUDA in fp16 / bf16 from CUDNN_MIN_ROWS rows: cuDNN's flash attention,
+    reference.causal_prefill. FlashAttention-4 where it is installed and the chunk long enough
+    (flash.takes_fresh); else on CUDA in fp16 / bf16 from CUDNN_MIN_ROWS rows, cuDNN's flash attention,
     called directly (as split_history calls it, with the query groups as they are); below, SDPA under
     the step's backends (the runner's sdpa_backends: no cuDNN there)."""
+    if flash.takes_fresh(q.shape[2]) and flash.usable(q.device, q.dtype, q.shape[-1]):
+        return flash.causal(q, k, v)
     if q.shape[2] >= CUDNN_MIN_ROWS and _cudnn(q.device, q.dtype):
         return _cudnn_attention(q, k, v, True)[0]
     return reference.causal_prefill(q, k, v)

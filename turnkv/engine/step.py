@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from turnkv.attention import chunk, decode, lines, reference
+from turnkv.attention import chunk, decode, flash, lines, reference
 from turnkv.engine import selection
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
@@ -90,6 +90,13 @@ class Step:
                 self.pattern, self.sink = None, windows.sink
                 if windows.windows is not None:  # [L, H]
                     self.head_windows = torch.from_numpy(windows.windows).to(pool.device, torch.int32)
+        # Later chunks with work enough go to FlashAttention-4 where it is installed (attention/flash.py):
+        # heads without window or sink, a pool in the compute dtype. It reads int32 tables and lengths,
+        # converted at the first layer that takes it.
+        self.flash_history = (num_new > 1 and not self.fresh and not accumulate and self.pattern is None
+                              and self.head_windows is None and self.sink == 0 and sliding_window is None
+                              and not pool.quantized and flash.usable(pool.device, pool.dtype, pool.head_dim))
+        self._flash_args = None
         if self.pattern is not None:
             before = [s.next_position - num_new for s in seqs]
             self.span = (min(before), max(before) + num_new)  # host ints: no device read per layer
@@ -157,6 +164,12 @@ class Step:
                 self.splits, window=self.sliding_window, key_positions=self.pool.positions[layer],
                 query_positions=self.query_positions[:, 0], **self.pool.scale_kwargs(layer))
             return out[:, None]
+        if self.flash_history and flash.takes_chunk(q.device, B * self.pool.num_kv_heads, Hq // self.pool.num_kv_heads,
+                                                    T, self.max_len[layer]):
+            if self._flash_args is None:
+                self._flash_args = (self.tables.to(torch.int32), self.lengths.to(torch.int32))
+            tables, lengths = self._flash_args
+            return flash.paged(q, self.pool.k[layer], self.pool.v[layer], tables[layer], lengths[layer]).transpose(1, 2)
         if self.chunk_kernel and self._splits_history(layer, T):
             return self._split_attention(layer, q, k, v).transpose(1, 2)
         if self.chunk_kernel:

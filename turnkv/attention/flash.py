@@ -1,0 +1,111 @@
+"""FlashAttention-4 (the optional `flash-attn-4` package, CuTe-DSL kernels for Hopper and Blackwell) for
+prefill chunks: a fresh chunk causal over itself, and a chunk over its kept history read from the page
+pool in place.
+
+Contracts (the same as the paths they stand in for):
+- causal(q, k, v): reference.causal_prefill; q [B, Hq, T, D] and k, v [B, H, T, D], each a transposed
+  view of a [B, T, heads, D] tensor with a contiguous last dim (what the step holds) -> [B, Hq, T, D],
+  a view of a [B, T, Hq, D] tensor.
+- paged(q, k_cache, v_cache, table, lengths): reference.paged_chunk without window, sink or scales:
+  every head's last T entries are the chunk, causal from the bottom right; heads may hold different
+  numbers of entries. Each (sequence, KV head) is one FA4 batch entry with its own page table and
+  length, its query group as its heads.
+
+Switch: used on CUDA devices of compute capability 9.x and 10.x, in fp16 / bf16, for head dims FA4
+takes, when flash_attn.cute imports. TURNKV_FLASH_ATTN=0 in the environment (read at import) or
+`flash.ENABLED = False` turns it off; `flash.FORCE = True` also uses it off CUDA (tests, with a stand-in
+for the package). FA4 compiles each kernel variant once per process (seconds), never per length; with
+FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 it keeps them on disk across processes.
+
+Which chunks it takes: each FA4 call costs about 0.2 ms of host time and has no key splits on Hopper,
+so only chunks with work enough (takes_chunk, takes_fresh); the rest stay on the paged Triton kernel
+and torch's SDPA (benchmarks/prefill/README.md has the measurements behind the thresholds).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+ENABLED = os.environ.get("TURNKV_FLASH_ATTN", "1") != "0"
+FORCE = False
+# A chunk over history: query tiles of TILE_ROWS rows (a KV head's group folded in) at least
+# MIN_TILES_PER_SM per SM, and new tokens x kept entries at least MIN_CELLS.
+TILE_ROWS = 128
+MIN_TILES_PER_SM = 0.7
+MIN_CELLS = 1 << 24
+# A fresh chunk: at least this many new tokens.
+FRESH_MIN_ROWS = 4096
+
+
+@functools.cache
+def _interface():
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except Exception:  # not installed, or its CUDA libraries do not load
+        return None
+    return flash_attn_func, flash_attn_varlen_func
+
+
+@functools.cache
+def _device_ok(index: int) -> bool:
+    return torch.cuda.get_device_properties(index).major in (9, 10)
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether FA4 runs attention for tensors of this device, dtype and head dim."""
+    on_device = FORCE or (device.type == "cuda" and _device_ok(device.index or 0))
+    return (ENABLED and on_device and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
+            and 8 <= head_dim <= 256 and _interface() is not None)
+
+
+def takes_chunk(device: torch.device, batch_kv_heads: int, group: int, num_new: int, max_length: int) -> bool:
+    """Whether a chunk of num_new tokens over heads of at most max_length entries (the chunk included),
+    its query groups of `group` heads, has work enough for FA4: tiles to fill the GPU without key
+    splits, and cells enough to pay for the call's host time."""
+    tiles = batch_kv_heads * -(-group * num_new // TILE_ROWS)
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 1
+    return tiles >= MIN_TILES_PER_SM * sms and num_new * max_length >= MIN_CELLS
+
+
+def takes_fresh(num_new: int) -> bool:
+    """Whether a fresh chunk of num_new tokens has work enough for FA4."""
+    return num_new >= FRESH_MIN_ROWS
+
+
+def _first(result):
+    return result[0] if isinstance(result, tuple) else result
+
+
+def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of a fresh chunk (the module's docstring gives the layouts)."""
+    flash_attn_func = _interface()[0]
+    out = _first(flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
+                                 causal=True))
+    return out.transpose(1, 2)
+
+
+def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+          lengths: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """q [B, Hq, T, D] over one layer's pool k_cache, v_cache [pages, PAGE, D] through table [B, H, P]
+    and lengths [B, H] -> [B, Hq, T, D], a view of a [B, T, Hq, D] tensor."""
+    flash_attn_varlen_func = _interface()[1]
+    B, Hq, T, D = q.shape
+    H = table.shape[1]
+    G = Hq // H
+    # [B, Hq, T, D] -> [B * H, T, G, D]: a strided view for one sequence, a copy for several.
+    grouped = q.reshape(B, H, G, T, D).transpose(2, 3)
+    grouped = grouped[0] if B == 1 else grouped.reshape(B * H, T, G, D)
+    out = _first(flash_attn_varlen_func(
+        grouped, k_cache[:, :, None], v_cache[:, :, None], seqused_k=lengths.reshape(B * H).to(torch.int32),
+        page_table=table.reshape(B * H, -1).to(torch.int32), softmax_scale=scale, causal=True))
+    # [B * H, T, G, D] -> [B, T, Hq, D]
+    out = out.view(B, H, T, G, D).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
+    return out.transpose(1, 2)
