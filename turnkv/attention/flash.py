@@ -14,8 +14,9 @@ Contracts (the same as the paths they stand in for):
 Switch: used on CUDA devices of compute capability 9.x and 10.x, in fp16 / bf16, for head dims FA4
 takes, when flash_attn.cute imports. TURNKV_FLASH_ATTN=0 in the environment (read at import) or
 `flash.ENABLED = False` turns it off; `flash.FORCE = True` also uses it off CUDA (tests, with a stand-in
-for the package). FA4 compiles each kernel variant once per process (seconds), never per length; with
-FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 it keeps them on disk across processes.
+for the package). FA4 compiles each kernel variant once (seconds), never per length. turnkv switches on
+its disk cache of compiled kernels (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1, unless the environment
+sets it), as Triton keeps its own: only the first process on a machine pays the compile.
 
 Which chunks it takes: each FA4 call costs about 0.2 ms of host time and has no key splits on Hopper,
 so only chunks with work enough (takes_chunk, takes_fresh); the rest stay on the paged Triton kernel
@@ -42,6 +43,7 @@ FRESH_MIN_ROWS = 4096
 
 @functools.cache
 def _interface():
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")  # read when the package loads
     try:
         from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
     except Exception:  # not installed, or its CUDA libraries do not load
