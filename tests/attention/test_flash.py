@@ -173,6 +173,26 @@ def test_windows_sinks_and_quantized_pools_keep_the_paged_kernel(monkeypatch, st
         assert Step(pool, [seq], [slots], positions, sliding_window=window).flash_history is taken
 
 
+def test_warm_up_compiles_both_kernels_at_the_engines_shapes(stand_in, monkeypatch):
+    """An engine's load runs one fresh and one paged call at its head counts and page size (FA4 compiles
+    per head-count ratio, head dim and page size); nothing where FA4 is not used."""
+    flash.warm_up(torch.device("cpu"), torch.bfloat16, 8, 2, 16, 4)
+    assert stand_in.calls == []
+    monkeypatch.setattr(flash, "usable", lambda device, dtype, head_dim: True)
+    flash.warm_up(torch.device("cpu"), torch.float32, 8, 2, 16, 4)
+    assert stand_in.calls == [("dense", (1, 256, 8, 16)), ("paged", (2, 256, 4, 16))]
+
+
+def test_an_engine_warms_it_up_as_it_loads(monkeypatch, chat_model_dir):
+    from turnkv.engine.llm import LLM
+
+    calls = []
+    monkeypatch.setattr(flash, "warm_up", lambda *args: calls.append(args))
+    llm = LLM(str(chat_model_dir), device="cpu", kv_memory="16MiB")
+    c = llm.config
+    assert calls == [(llm.device, llm.dtype, c.num_heads, c.num_kv_heads, c.head_dim, llm.pool.page_size)]
+
+
 # ---- the GPU lane: the real FA4 kernels, bf16 ------------------------------------------------------------
 
 REAL = pytest.mark.skipif(not (torch.cuda.is_available() and importlib.util.find_spec("flash_attn")

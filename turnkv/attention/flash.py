@@ -111,3 +111,22 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: 
     # [B * H, T, G, D] -> [B, T, Hq, D]
     out = out.view(B, H, T, G, D).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
     return out.transpose(1, 2)
+
+
+def warm_up(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+            page_size: int) -> None:
+    """Compile (or load from the disk cache) the two kernels the engine calls, at the engine's head
+    counts, head dim and page size: an engine calls it as it loads, so that no prompt waits on a compile
+    and the objects the compile leaves are there before the CLI freezes the heap. Nothing where FA4 is
+    not used."""
+    if not usable(device, dtype, head_dim):
+        return
+    T = 256  # past one query tile with the group folded in, as every chunk takes_chunk passes
+    q = torch.zeros(1, T, num_heads, head_dim, dtype=dtype, device=device).transpose(1, 2)
+    kv = torch.zeros(1, T, num_kv_heads, head_dim, dtype=dtype, device=device).transpose(1, 2)
+    causal(q, kv, kv)
+    pages = -(-T // page_size)
+    cache = torch.zeros(pages, page_size, head_dim, dtype=dtype, device=device)
+    table = torch.arange(pages, device=device).expand(1, num_kv_heads, pages)
+    lengths = torch.full((1, num_kv_heads), T, device=device)
+    paged(q, cache, cache, table, lengths)

@@ -7,6 +7,7 @@ from dataclasses import fields
 import numpy as np
 import torch
 
+from turnkv.attention import flash
 from turnkv.engine import chat_template, decode_loop
 from turnkv.engine.conversation import Conversation
 from turnkv.engine.generation import Generation, Reply
@@ -114,6 +115,10 @@ class LLM:
         self.kv_dtype = self._choose_kv_dtype(kv_dtype, default_recipe)
         self.pool = PagePool.for_budget(self.config, self._kv_budget(kv_memory), page_size, self.dtype, self.device,
                                         self.kv_dtype)
+        # FlashAttention-4's kernels compile here (once per machine with its disk cache), not inside the
+        # first long prompt (attention/flash.py); a no-op where it is not used.
+        flash.warm_up(self.device, self.dtype, self.config.num_heads, self.config.num_kv_heads, self.config.head_dim,
+                      page_size)
         self.prefix_index = None
         if self.prefix_mode != "off":
             cap = _optional_bytes(prefix_cache_memory)
