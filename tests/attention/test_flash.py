@@ -183,6 +183,19 @@ def test_warm_up_compiles_both_kernels_at_the_engines_shapes(stand_in, monkeypat
     assert stand_in.calls == [("dense", (1, 256, 8, 16)), ("paged", (2, 256, 4, 16))]
 
 
+def test_a_package_that_fails_to_run_is_switched_off_with_a_warning(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel image for this GPU")
+
+    monkeypatch.setattr(flash, "_interface", lambda: (broken, broken))
+    monkeypatch.setattr(flash, "FORCE", True)
+    monkeypatch.setattr(flash, "ENABLED", True)
+    assert flash.usable(torch.device("cpu"), torch.bfloat16, 16)
+    with pytest.warns(UserWarning, match="no kernel image for this GPU"):
+        flash.warm_up(torch.device("cpu"), torch.bfloat16, 8, 2, 16, 4)
+    assert not flash.usable(torch.device("cpu"), torch.bfloat16, 16)
+
+
 def test_an_engine_warms_it_up_as_it_loads(monkeypatch, chat_model_dir):
     from turnkv.engine.llm import LLM
 

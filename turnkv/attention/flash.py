@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 
@@ -118,15 +119,21 @@ def warm_up(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_hea
     """Compile (or load from the disk cache) the two kernels the engine calls, at the engine's head
     counts, head dim and page size: an engine calls it as it loads, so that no prompt waits on a compile
     and the objects the compile leaves are there before the CLI freezes the heap. Nothing where FA4 is
-    not used."""
+    not used. A package that imports but fails here (its CUDA libraries, this GPU) is switched off with
+    a warning: the engine runs on its own kernels."""
+    global ENABLED
     if not usable(device, dtype, head_dim):
         return
     T = 256  # past one query tile with the group folded in, as every chunk takes_chunk passes
-    q = torch.zeros(1, T, num_heads, head_dim, dtype=dtype, device=device).transpose(1, 2)
-    kv = torch.zeros(1, T, num_kv_heads, head_dim, dtype=dtype, device=device).transpose(1, 2)
-    causal(q, kv, kv)
-    pages = -(-T // page_size)
-    cache = torch.zeros(pages, page_size, head_dim, dtype=dtype, device=device)
-    table = torch.arange(pages, device=device).expand(1, num_kv_heads, pages)
-    lengths = torch.full((1, num_kv_heads), T, device=device)
-    paged(q, cache, cache, table, lengths)
+    try:
+        q = torch.zeros(1, T, num_heads, head_dim, dtype=dtype, device=device).transpose(1, 2)
+        kv = torch.zeros(1, T, num_kv_heads, head_dim, dtype=dtype, device=device).transpose(1, 2)
+        causal(q, kv, kv)
+        pages = -(-T // page_size)
+        cache = torch.zeros(pages, page_size, head_dim, dtype=dtype, device=device)
+        table = torch.arange(pages, device=device).expand(1, num_kv_heads, pages)
+        lengths = torch.full((1, num_kv_heads), T, device=device)
+        paged(q, cache, cache, table, lengths)
+    except Exception as error:  # noqa: BLE001 - any failure of the optional package
+        ENABLED = False
+        warnings.warn(f"FlashAttention-4 (flash-attn-4) failed to run and is switched off: {error!r}", stacklevel=2)
