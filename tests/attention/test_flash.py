@@ -129,7 +129,7 @@ def test_usable_needs_the_package_a_half_precision_and_the_switch(stand_in, monk
 def test_takes_chunks_with_work_enough_for_its_host_cost_and_no_key_splits(monkeypatch, new, history, taken):
     """Llama-3.1-8B's heads (8 KV heads, groups of 4) on a 132-SM H100, the cells the thresholds come
     from (benchmarks/prefill/README.md): FA4 where it measured faster than the paged kernel."""
-    monkeypatch.setattr(flash, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(flash, "num_sms", lambda index: 132)
     assert flash.takes_chunk(torch.device("cuda"), 8, 4, new, history + new) is taken
 
 

@@ -18,6 +18,7 @@ import torch
 
 from turnkv.attention import flash, reference
 from turnkv.attention.triton import available
+from turnkv.gpu import num_sms
 
 ENABLED = os.environ.get("TURNKV_CHUNK_KERNEL", "1") != "0"
 FORCE = False
@@ -31,10 +32,6 @@ def _kernel():
 
     return chunk_prefill
 
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def uses_kernel(device: torch.device) -> bool:
@@ -50,7 +47,7 @@ def num_splits(device: torch.device, batch_kv_heads: int, num_new: int, group: i
     kernel = _kernel()
     block_m = kernel.launch_config(dtype, 128)["block_m"]
     blocks = -(-group * num_new // block_m)
-    return kernel.choose_splits(batch_kv_heads, blocks, max_length, _num_sms(device.index or 0))
+    return kernel.choose_splits(batch_kv_heads, blocks, max_length, num_sms(device.index or 0))
 
 
 def paged_chunk(q, k_cache, v_cache, table, lengths, splits: int = 1, scale=None, window=None,

@@ -9,6 +9,7 @@ import torch
 
 from turnkv.attention import reference
 from turnkv.attention.triton import available
+from turnkv.gpu import num_sms
 
 
 @functools.cache
@@ -19,10 +20,6 @@ def _kernel():
 
     return decode
 
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def uses_kernel(device: torch.device) -> bool:
@@ -40,7 +37,7 @@ def num_splits(device: torch.device, batch_kv_heads: int, max_length: int, kv_dt
     per_sm = kernel.PROGRAMS_PER_SM.get(kv_dtype, 4)
     if selected:
         per_sm = max(per_sm, kernel.SELECTED_PROGRAMS_PER_SM)
-    return kernel.choose_splits(batch_kv_heads, max_length, _num_sms(device.index or 0), programs_per_sm=per_sm)
+    return kernel.choose_splits(batch_kv_heads, max_length, num_sms(device.index or 0), programs_per_sm=per_sm)
 
 
 def indexed_decode(q, k_cache, v_cache, table, lengths, splits: int = 1, scale=None, window=None,

@@ -31,6 +31,8 @@ import warnings
 
 import torch
 
+from turnkv.gpu import num_sms
+
 ENABLED = os.environ.get("TURNKV_FLASH_ATTN", "1") != "0"
 FORCE = False
 # A chunk over history: query tiles of TILE_ROWS rows (a KV head's group folded in) at least
@@ -57,10 +59,6 @@ def _device_ok(index: int) -> bool:
     return torch.cuda.get_device_properties(index).major in (9, 10)
 
 
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
 
 def usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether FA4 runs attention for tensors of this device, dtype and head dim."""
@@ -74,7 +72,7 @@ def takes_chunk(device: torch.device, batch_kv_heads: int, group: int, num_new: 
     its query groups of `group` heads, has work enough for FA4: tiles to fill the GPU without key
     splits, and cells enough to pay for the call's host time."""
     tiles = batch_kv_heads * -(-group * num_new // TILE_ROWS)
-    sms = _num_sms(device.index or 0) if device.type == "cuda" else 1
+    sms = num_sms(device.index or 0) if device.type == "cuda" else 1
     return tiles >= MIN_TILES_PER_SM * sms and num_new * max_length >= MIN_CELLS
 
 
@@ -83,15 +81,11 @@ def takes_fresh(num_new: int) -> bool:
     return num_new >= FRESH_MIN_ROWS
 
 
-def _first(result):
-    return result[0] if isinstance(result, tuple) else result
-
-
 def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Causal attention of a fresh chunk (the module's docstring gives the layouts)."""
     flash_attn_func = _interface()[0]
-    out = _first(flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
-                                 causal=True))
+    out, _ = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
+                             causal=True)
     return out.transpose(1, 2)
 
 
@@ -106,9 +100,9 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: 
     # [B, Hq, T, D] -> [B * H, T, G, D]: a strided view for one sequence, a copy for several.
     grouped = q.reshape(B, H, G, T, D).transpose(2, 3)
     grouped = grouped[0] if B == 1 else grouped.reshape(B * H, T, G, D)
-    out = _first(flash_attn_varlen_func(
+    out, _ = flash_attn_varlen_func(  # (out, log-sum-exp)
         grouped, k_cache[:, :, None], v_cache[:, :, None], seqused_k=lengths.reshape(B * H).to(torch.int32),
-        page_table=table.reshape(B * H, -1).to(torch.int32), softmax_scale=scale, causal=True))
+        page_table=table.reshape(B * H, -1).to(torch.int32), softmax_scale=scale, causal=True)
     # [B * H, T, G, D] -> [B, T, Hq, D]
     out = out.view(B, H, T, G, D).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
     return out.transpose(1, 2)

@@ -8,12 +8,11 @@ Design: docs/kernels.md#skinny-matmul-for-decode"""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from turnkv.gpu import num_sms
 from turnkv.model.triton import pdl
 
 # Arrival counters for split-K: one per output tile, zero between launches (the last program of a
@@ -105,10 +104,6 @@ FMA_CONFIG = dict(block_n=8, block_k=512, num_warps=4, num_stages=1, split_k=1, 
 TUNED: dict[tuple[int, int, int], dict] = {}
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
 
 def default_config(M: int, N: int, K: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Launch settings for one call; the one place where they depend on the device.
@@ -125,7 +120,7 @@ def default_config(M: int, N: int, K: int, device: torch.device, dtype: torch.dt
     if device.type != "cuda" and dtype == torch.bfloat16:
         config = dict(FMA_CONFIG)  # Triton's interpreter (tests on CPU) computes bf16 dots wrongly
     if device.type == "cuda":
-        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+        sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
         tiles = triton.cdiv(N, config["block_n"])
         if tiles < sms:
             config["split_k"] = max(1, min(triton.cdiv(2 * sms, tiles), K // (4 * config["block_k"])))
