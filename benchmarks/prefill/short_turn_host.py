@@ -5,6 +5,8 @@ take), heap frozen as the CLI freezes it. For each kept history and turn size:
 - host issue: the time until the prefill returns without waiting for the GPU (its launches);
 - GPU kernels: the sum of its kernels' times under torch.profiler, and how many kernels it ran.
 A turn whose host issue is about its wall and well above its GPU kernels waits on the host.
+Each cell runs twice in the same process: eagerly (the prefill graphs off) and replayed from the
+prefill's CUDA graphs (engine/graph_prefill.py; the first call captures, the median leaves it out).
 
     python benchmarks/prefill/short_turn_host.py --out benchmarks/prefill/results/h100_short_turn_host.json
 """
@@ -41,10 +43,12 @@ def main():
     llm = turnkv.LLM("llama-3.1-8b", dtype="bfloat16", device="cuda", max_model_len=16384, kv_memory="8GiB")
     heap.freeze()
     runner, rows = llm.runner, []
+    graphs = runner.prefill_graphs
     for history_len in map(int, args.histories.split(",")):
         history = SequenceKV(llm.pool)
         runner.prefill(history, prompt(history_len, 0))
-        for T in map(int, args.turns.split(",")):
+        for T, mode in [(T, mode) for T in map(int, args.turns.split(",")) for mode in ("eager", "graphed")]:
+            runner.prefill_graphs = graphs if mode == "graphed" else None
             turn = prompt(T, 1)
             walls = []
             for _ in range(8):
@@ -66,10 +70,10 @@ def main():
             history.truncate(history_len)
             kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
             gpu = sum((e.time_range.end - e.time_range.start) / 1e3 for e in kernels)
-            rows.append(dict(history=history_len, new_tokens=T, wall_ms=sorted(walls)[len(walls) // 2],
+            rows.append(dict(history=history_len, new_tokens=T, mode=mode, wall_ms=sorted(walls)[len(walls) // 2],
                              wall_min_ms=min(walls), host_issue_ms=issue, gpu_kernels_ms=gpu, kernels=len(kernels)))
             r = rows[-1]
-            print(f"history {history_len} turn {T}: wall {r['wall_ms']:.2f} ms (min {r['wall_min_ms']:.2f}), "
+            print(f"history {history_len} turn {T} {mode}: wall {r['wall_ms']:.2f} ms (min {r['wall_min_ms']:.2f}), "
                   f"host issue {issue:.2f} ms, GPU kernels {gpu:.2f} ms in {len(kernels)} kernels", flush=True)
         history.free()
     if args.out:

@@ -165,6 +165,23 @@ def test_more_splits_than_tiles():
     assert relative_error(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_left_padded_rows_leave_the_real_rows_as_they_were(splits):
+    """The graphed prefill's layout (engine/graph_prefill.py): a chunk of T tokens run as T + pad rows,
+    the real ones last. Row t sees entries j <= length - rows + t, so the real rows equal the chunk
+    run alone, and a padding row that sees no entry (head 0 holds only the chunk) is zeros."""
+    T, pad = 5, 11
+    q, pool, table, lengths, _, _ = make_case(1, 2, 2, 16, 4, [T, 37], T, torch.float32)
+    alone = chunk_attention(q, pool["k"], pool["v"], table, lengths, splits, config=SMALL)
+    garbage = torch.randn(1, 4, pad, 16, generator=torch.Generator().manual_seed(1)).to(q.device)
+    padded = torch.cat([garbage, q], dim=2)
+    out = chunk_attention(padded, pool["k"], pool["v"], table, lengths, splits, config=SMALL)
+    torch.testing.assert_close(out[:, :, pad:], alone, rtol=1e-6, atol=1e-6)
+    assert relative_error(alone, reference.paged_chunk(q, pool["k"], pool["v"], table, lengths)) < 1e-5
+    assert out[:, :2, :pad].eq(0).all()  # head 0's group: no entry below the chunk
+    assert out[:, 2:, pad - 2 :].abs().sum() > 0  # head 1's padding rows see some of its 32 kept
+
+
 def test_default_output_layout():
     """Without `out`, the result is a [B, Hq, T, D] view of a contiguous [B, T, Hq, D] tensor (what the
     decoder's o_proj reads)."""

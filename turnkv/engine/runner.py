@@ -9,6 +9,7 @@ from turnkv.attention import chunk
 from turnkv.attention import decode as decode_kernel
 from turnkv.engine import graph_selection
 from turnkv.engine.cuda_graphs import GraphedDecode
+from turnkv.engine.graph_prefill import GraphedPrefill
 from turnkv.engine.step import Step
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV, reserve_step
@@ -17,15 +18,17 @@ from turnkv.model.decoder import Transformer
 
 
 class ModelRunner:
-    """cuda_graphs: replay decode steps from CUDA graphs for batches up to max_batch (CUDA only)."""
+    """cuda_graphs: replay decode steps from CUDA graphs for batches up to max_batch, and short prefill
+    chunks of one sequence (engine/graph_prefill.py), on CUDA only."""
 
     def __init__(self, model: Transformer, pool: PagePool, prefill_chunk: int = 4096, max_model_len: int = 0,
                  cuda_graphs: bool = True, max_batch: int = 32):
         self.model, self.pool, self.prefill_chunk = model, pool, prefill_chunk
         self.device = pool.device
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         if cuda_graphs and self.device.type == "cuda" and decode_kernel.uses_kernel(self.device):
             self.graphs = GraphedDecode(model, pool, max_model_len or model.config.max_position_embeddings, max_batch)
+            self.prefill_graphs = GraphedPrefill(self.graphs)
 
     @property
     def graph_batch(self) -> int | None:
@@ -67,7 +70,10 @@ class ModelRunner:
             for start in range(0, ids.shape[1], self.prefill_chunk):
                 chunk = ids[:, start : start + self.prefill_chunk]
                 last_chunk = start + self.prefill_chunk >= ids.shape[1]
-                if all_logits or last_chunk:
+                graphed = self.prefill_graphs
+                if not all_logits and graphed is not None and graphed.takes(seq, chunk.shape[1], context):
+                    outputs.append(graphed.prefill(seq, token_ids[start : start + self.prefill_chunk]))
+                elif all_logits or last_chunk:
                     outputs.append(self.forward([seq], chunk, all_logits, contexts)[0])
                 else:
                     self.forward([seq], chunk, contexts=contexts)

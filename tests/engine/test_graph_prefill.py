@@ -1,0 +1,203 @@
+"""The CUDA-graph prefill of short chunks (engine/graph_prefill.py): its host side (one upload, left
+padding into row buckets, the trash page, the table copy) run without a graph on CPU against the eager
+step, turn by turn; which chunks it takes; all-or-nothing on a full pool. On a GPU, the replayed graphs
+against the engine without graphs (marked gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import turnkv
+from turnkv.engine import graph_prefill
+from turnkv.engine.cuda_graphs import GraphedDecode
+from turnkv.engine.graph_prefill import ROW_BUCKETS, GraphedPrefill
+from turnkv.kv.sequence import SequenceKV
+from turnkv.methods.step_context import StepContext
+
+
+def with_prefill_graphs(llm) -> GraphedPrefill:
+    """Install the graphs' host side on a CPU engine (the runner makes them on CUDA only)."""
+    llm.runner.graphs = GraphedDecode(llm.model, llm.pool, llm.max_model_len, max_batch=4)
+    llm.runner.prefill_graphs = GraphedPrefill(llm.runner.graphs)
+    return llm.runner.prefill_graphs
+
+
+@pytest.fixture(scope="module")
+def pair(chat_model_dir):
+    eager = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="64MiB", page_size=4)
+    graphed = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="64MiB", page_size=4)
+    with_prefill_graphs(graphed)
+    return eager, graphed
+
+
+def count_calls(monkeypatch, graphs: GraphedPrefill) -> list[int]:
+    calls = []
+    run = graphs._run_chunk
+
+    def spy(seq, token_ids, slots, before):
+        calls.append(len(token_ids))
+        return run(seq, token_ids, slots, before)
+
+    monkeypatch.setattr(graphs, "_run_chunk", spy)
+    return calls
+
+
+def test_turns_match_the_eager_step_turn_by_turn(pair, monkeypatch):
+    """Turns of 1 to 200 tokens (fresh first, histories off the page size, exact bucket sizes and one
+    past) give the eager step's logits, and the sequence then holds the same K/V and positions."""
+    eager, graphed = pair
+    calls = count_calls(monkeypatch, graphed.runner.prefill_graphs)
+    seqs = [SequenceKV(eager.pool), SequenceKV(graphed.pool)]
+    sizes = [7, 1, 16, 17, 64, 3, 129, 200]
+    try:
+        for i, n in enumerate(sizes):
+            tokens = [(11 * i + 3 * j) % 400 + 5 for j in range(n)]
+            a = eager.runner.prefill(seqs[0], tokens)
+            b = graphed.runner.prefill(seqs[1], tokens)
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"turn {i + 1} ({n} tokens)")
+            assert seqs[1].next_position == seqs[0].next_position
+            assert (seqs[1].lengths == seqs[0].lengths).all()
+        assert calls == sizes
+        for layer in range(eager.pool.num_layers):
+            ka, va, pa = seqs[0].gather(layer)
+            kb, vb, pb = seqs[1].gather(layer)
+            torch.testing.assert_close(kb, ka, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(vb, va, rtol=1e-5, atol=1e-5)
+            assert torch.equal(pb, pa)
+    finally:
+        for s in seqs:
+            s.free()
+
+
+def test_padding_rows_write_only_the_trash_page(pair):
+    """A 3-token chunk runs as 16 rows: its 13 padding rows write the trash page, and no page the
+    sequence holds changes but the three new tokens' slots."""
+    _, graphed = pair
+    pool = graphed.pool
+    seq = SequenceKV(pool)
+    try:
+        graphed.runner.prefill(seq, list(range(5, 30)))  # 25 tokens: a partial last page
+        before_k = pool.k.clone()
+        graphed.runner.prefill(seq, [40, 41, 42])
+        changed = (pool.k != before_k).any(-1)  # [L, pages, page_size]: the slots written
+        for layer in range(pool.num_layers):
+            written = set(torch.nonzero(changed[layer].flatten()).flatten().tolist())
+            new = {int(seq.table[layer, h, j // pool.page_size]) * pool.page_size + j % pool.page_size
+                   for h in range(pool.num_kv_heads) for j in range(25, 28)}
+            trash = int(graphed.runner.graphs.trash_pages[layer]) * pool.page_size
+            assert new <= written
+            assert written - new <= {trash}, f"layer {layer}: writes outside the new slots and the trash slot"
+    finally:
+        seq.free()
+
+
+def test_takes_only_chunks_the_eager_kernel_would_run(pair, monkeypatch):
+    _, graphed = pair
+    graphs = graphed.runner.prefill_graphs
+    seq = SequenceKV(graphed.pool)
+    try:
+        assert graphs.takes(seq, 1, None) and graphs.takes(seq, ROW_BUCKETS[-1], None)
+        assert not graphs.takes(seq, ROW_BUCKETS[-1] + 1, None)
+        assert not graphs.takes(seq, 0, None)
+        for hook in (dict(window=object()), dict(pattern=object()), dict(selector=object()), dict(accumulate=True)):
+            assert not graphs.takes(seq, 8, StepContext(**hook)), hook
+        assert graphs.takes(seq, 8, StepContext())
+        graphed.runner.prefill(seq, list(range(5, 25)))
+        seq.next_position = graphs.capacity - 4  # near the context limit: the graphs' tables end there
+        assert graphs.takes(seq, 4, None) and not graphs.takes(seq, 5, None)
+        seq.next_position = 20
+        # Where FlashAttention-4 would take the chunk, the eager step runs it.
+        monkeypatch.setattr(graph_prefill.flash, "usable", lambda *a: True)
+        monkeypatch.setattr(graph_prefill.flash, "takes_chunk", lambda device, bh, group, new, longest: new > 100)
+        assert graphs.takes(seq, 100, None) and not graphs.takes(seq, 101, None)
+    finally:
+        seq.free()
+
+
+def test_runner_keeps_hooked_and_all_logit_prefills_eager(pair, monkeypatch):
+    eager, graphed = pair
+    calls = count_calls(monkeypatch, graphed.runner.prefill_graphs)
+    seq = SequenceKV(graphed.pool)
+    try:
+        graphed.runner.prefill(seq, list(range(5, 15)), all_logits=True)
+        # A recipe that records an observation window (SnapKV) prefills eagerly.
+        reply = graphed.generate(list(range(5, 40)), recipe="snapkv budget=16", max_new_tokens=2, ignore_eos=True)
+        assert calls == [] and len(reply.token_ids) == 2
+        graphed.generate(list(range(5, 40)), max_new_tokens=2, ignore_eos=True)
+        assert calls == [35]
+    finally:
+        seq.free()
+
+
+def test_a_full_pool_leaves_the_sequence_and_pool_as_they_were(chat_model_dir):
+    llm = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="8MiB", page_size=4)
+    graphs = with_prefill_graphs(llm)
+    pool, L = llm.pool, llm.pool.num_layers
+    seq = SequenceKV(pool)
+    hog = pool.allocate([pool.free_pages(layer) - 20 for layer in range(L)])  # 20 pages (80 tokens) per layer left
+    try:
+        llm.runner.prefill(seq, list(range(5, 20)))
+        free = [pool.free_pages(layer) for layer in range(L)]
+        held = seq.num_pages.copy()
+        assert graphs.takes(seq, 100, None)
+        with pytest.raises(turnkv.errors.KVCacheFullError):
+            llm.runner.prefill(seq, [7] * 100)
+        assert seq.next_position == 15 and (seq.num_pages == held).all()
+        assert [pool.free_pages(layer) for layer in range(L)] == free
+        # The sequence goes on as if nothing happened.
+        fresh = SequenceKV(pool)
+        expected = llm.runner.forward([fresh], torch.tensor([list(range(5, 20)) + [9, 10]]))[0]
+        fresh.free()
+        got = llm.runner.prefill(seq, [9, 10])
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    finally:
+        seq.free()
+        for layer, pages in enumerate(hog):
+            pool.release(layer, pages)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantized_pool_matches_the_eager_step(chat_model_dir, kv_dtype):
+    eager = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="64MiB", page_size=4, kv_dtype=kv_dtype)
+    graphed = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="64MiB", page_size=4, kv_dtype=kv_dtype)
+    with_prefill_graphs(graphed)
+    seqs = [SequenceKV(eager.pool), SequenceKV(graphed.pool)]
+    try:
+        for n in (9, 21, 40):
+            tokens = list(range(6, 6 + n))
+            torch.testing.assert_close(graphed.runner.prefill(seqs[1], tokens), eager.runner.prefill(seqs[0], tokens),
+                                       rtol=1e-5, atol=1e-5)
+    finally:
+        for s in seqs:
+            s.free()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: graphs are captured and replayed")
+def test_replayed_turns_match_the_engine_without_graphs(chat_model_dir):
+    """A conversation's short turns replayed from graphs give the eager engine's logits (bf16 rounding)
+    and the same greedy replies; one graph per (rows, splits) is captured, then replayed."""
+    kwargs = dict(device="cuda", dtype="bfloat16", kv_memory="256MiB")
+    eager = turnkv.LLM(str(chat_model_dir), cuda_graphs=False, **kwargs)
+    graphed = turnkv.LLM(str(chat_model_dir), **kwargs)
+    graphs = graphed.runner.prefill_graphs
+    assert graphs is not None
+    seqs = [SequenceKV(eager.pool), SequenceKV(graphed.pool)]
+    try:
+        for i, n in enumerate([40, 5, 16, 17, 200, 3, 3]):
+            tokens = [(7 * i + j) % 300 + 5 for j in range(n)]
+            a = eager.runner.prefill(seqs[0], tokens)
+            b = graphed.runner.prefill(seqs[1], tokens)
+            torch.testing.assert_close(b, a, rtol=0.05, atol=0.05)
+            assert int(a.argmax()) == int(b.argmax())
+        assert {rows for rows, _ in graphs.graphs_by_key} == {16, 32, 64, 256}
+    finally:
+        for s in seqs:
+            s.free()
+    replies = []
+    for llm in (eager, graphed):
+        conv = llm.conversation()
+        replies.append([conv.send(text, max_new_tokens=8, ignore_eos=True).token_ids
+                        for text in ("Hello there", "And then?", "One more")])
+    assert replies[0] == replies[1]

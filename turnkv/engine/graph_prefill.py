@@ -1,0 +1,147 @@
+"""Short prefill chunks replayed from CUDA graphs: a later turn of a few hundred tokens spends most of
+its time issuing the layers' launches, which one graph replay issues at once.
+
+One graph per (rows, key splits): ROW_BUCKETS rows, the chunk's T new tokens last (left padding). The
+paged chunk kernel lets row t see entries j <= length - rows + t, so a real token sees exactly what it
+would in a chunk of its own, and a padding row sees less (nothing on a fresh sequence; the kernel gives
+it zeros). Padding rows write their K/V into the trash page GraphedDecode holds, never into a table.
+
+Per chunk the host makes one asynchronous upload from pinned memory (token ids, positions, slots,
+lengths), plus a device-to-device copy of the sequence's page table into the graphs' own. Only chunks
+the eager step would run on the paged chunk kernel come here: no recipe hooks (observation window,
+pattern, selection, accumulation), no logits past the last token, and none that FlashAttention-4 would
+take (attention/flash.py). Design: docs/architecture.md#cuda-graphs"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from turnkv.attention import chunk, flash
+from turnkv.engine.cuda_graphs import GraphedDecode
+from turnkv.kv.sequence import SequenceKV
+from turnkv.methods.step_context import StepContext
+
+ROW_BUCKETS = (16, 32, 64, 128, 256, 512)
+
+
+def plain(context: StepContext | None) -> bool:
+    """Whether a recipe's context asks nothing of a prefill step (the full cache's does not)."""
+    return context is None or (context.window is None and context.pattern is None and context.selector is None
+                               and not context.accumulate)
+
+
+class _PrefillStep:
+    """The decoder's AttentionStep over one bucket's static buffers: store K/V, then the paged chunk
+    kernel over the sequence's table (the chunk's own entries included)."""
+
+    def __init__(self, owner: GraphedPrefill, rows: int, splits: int):
+        L, H = owner.pool.num_layers, owner.pool.num_kv_heads
+        self.pool, self.splits, self.window = owner.pool, splits, owner.sliding_window
+        self.slots = owner.slots[: L * H * rows].view(L, H * rows)
+        self.positions = owner.positions[:rows].view(1, rows)
+        self.tables, self.lengths = owner.tables, owner.lengths
+
+    def attention(self, layer, q, k, v):
+        self.pool.write_heads(layer, self.slots[layer], k, v)
+        out = chunk.paged_chunk(q.transpose(1, 2), self.pool.k[layer], self.pool.v[layer], self.tables[layer],
+                                self.lengths[layer], self.splits, window=self.window,
+                                key_positions=self.pool.positions[layer], query_positions=self.positions,
+                                **self.pool.scale_kwargs(layer))
+        return out.transpose(1, 2)
+
+
+class GraphedPrefill:
+    """Beside a GraphedDecode, whose trash page, capacity and graph memory pool it shares."""
+
+    def __init__(self, decode_graphs: GraphedDecode):
+        g = decode_graphs
+        self.graphs, self.model, self.pool = g, g.model, g.pool
+        self.sliding_window = g.sliding_window
+        self.capacity = g.capacity
+        L, H, pool = self.pool.num_layers, self.pool.num_kv_heads, self.pool
+        R, P, dev = ROW_BUCKETS[-1], g.tables.shape[3], pool.device
+        self.tables = torch.zeros(L, 1, H, P, dtype=torch.int32, device=dev)
+        self.lengths = torch.zeros(L, 1, H, dtype=torch.int32, device=dev)
+        # The per-chunk upload: token ids [R], positions [R], slots [L, H, rows] (a bucket uses the
+        # first L * H * rows), lengths [L, H].
+        self.sizes = [R, R, L * H * R, L * H]
+        self.meta = torch.zeros(sum(self.sizes), dtype=torch.int64, device=dev)
+        self.input_ids, self.positions, self.slots, self.lengths64 = self.meta.split(self.sizes)
+        pinned = dev.type == "cuda"
+        self.staging = [torch.zeros(sum(self.sizes), dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self.uploaded = [torch.cuda.Event() for _ in range(2)] if pinned else None
+        self.turn = 0
+        self.layer_base = torch.arange(L, device=dev)[:, None] * pool.positions[0].numel()
+        self.last_row = {rows: torch.full((1, 1), rows - 1, device=dev) for rows in ROW_BUCKETS}
+        self.graphs_by_key: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def takes(self, seq: SequenceKV, num_new: int, context: StepContext | None) -> bool:
+        """Whether a chunk of num_new tokens appended to seq runs here rather than in an eager step."""
+        pool = self.pool
+        if not (0 < num_new <= ROW_BUCKETS[-1] and plain(context)):
+            return False
+        if pool.device.type == "cuda" and not chunk.uses_kernel(pool.device):
+            return False  # the reference path reads lengths on the host: not in a graph
+        if seq.next_position + num_new > self.capacity:
+            return False
+        longest = int(seq.lengths.max(initial=0)) + num_new
+        group = self.model.config.num_heads // pool.num_kv_heads
+        return not (not pool.quantized and flash.usable(pool.device, pool.dtype, pool.head_dim)
+                    and flash.takes_chunk(pool.device, pool.num_kv_heads, group, num_new, longest))
+
+    @torch.inference_mode()
+    def prefill(self, seq: SequenceKV, token_ids: list[int]) -> torch.Tensor:
+        """Append token_ids to seq (takes() said yes) -> fp32 logits [V] at the last one (a copy). All
+        or nothing: on an error seq is as it was."""
+        before = seq.next_position
+        slots = seq.reserve_on_host(len(token_ids))  # [L, H, T]; raises with nothing reserved
+        try:
+            return self._run_chunk(seq, token_ids, slots, before)
+        except BaseException:
+            seq.truncate(before)
+            raise
+
+    def _run_chunk(self, seq, token_ids, slots, before):
+        L, H, T = slots.shape
+        rows = next(r for r in ROW_BUCKETS if r >= T)
+        pad = rows - T
+        k = self.turn % 2
+        self.turn += 1
+        if self.uploaded is not None:
+            self.uploaded[k].synchronize()  # the copy that last read this staging buffer is done
+        ids, positions, all_slots, lengths = np.split(self.staging[k].numpy(), np.cumsum(self.sizes)[:-1])
+        ids[:pad], ids[pad:rows] = 0, token_ids
+        positions[:pad], positions[pad:rows] = before, np.arange(before, before + T)
+        bucket_slots = all_slots[: L * H * rows].reshape(L, H, rows)
+        bucket_slots[:, :, :pad] = self.graphs.trash_pages[:, None, None] * self.pool.page_size
+        bucket_slots[:, :, pad:] = slots
+        lengths[:] = seq.lengths.reshape(-1)
+        self.meta.copy_(self.staging[k], non_blocking=True)
+        if self.uploaded is not None:
+            self.uploaded[k].record()
+        width = min(int(seq.num_pages.max(initial=0)), self.tables.shape[3])
+        self.tables[:, 0, :, :width].copy_(seq.device_table()[:, :, :width])
+        group = self.model.config.num_heads // H
+        splits = chunk.num_splits(self.pool.device, H, rows, group, int(seq.lengths.max()), self.pool.dtype)
+        splits = 1 << (splits.bit_length() - 1)  # a power of two: a handful of graphs per bucket
+        if self.pool.device.type != "cuda":  # the same steps without a graph: how CPU tests check them
+            return self._run(rows, _PrefillStep(self, rows, splits))[0, 0].clone()
+        key = (rows, splits)
+        if key not in self.graphs_by_key:
+            step = _PrefillStep(self, rows, splits)
+            self.graphs_by_key[key] = self.graphs.capture(lambda: self._run(rows, step))
+        graph, logits = self.graphs_by_key[key]
+        graph.replay()
+        return logits[0, 0].clone()
+
+    def _run(self, rows: int, step: _PrefillStep) -> torch.Tensor:
+        """Inside the graph: put the uploaded metadata in place, then the decoder over the bucket."""
+        L, H = self.pool.num_layers, self.pool.num_kv_heads
+        self.lengths.view(-1).copy_(self.lengths64)
+        flat = (step.slots + self.layer_base).reshape(-1)
+        positions = step.positions.view(1, rows).expand(L * H, rows).reshape(-1)
+        self.pool.positions.view(-1).index_copy_(0, flat, positions)
+        self.pool.attention_mass.view(-1).index_fill_(0, flat, 0.0)
+        ids = self.input_ids[:rows].view(1, rows)
+        return self.model(ids, step.positions, step, logits_at=self.last_row[rows])
