@@ -111,6 +111,8 @@ def test_takes_only_chunks_the_eager_kernel_would_run(pair, monkeypatch):
         monkeypatch.setattr(graph_prefill.flash, "usable", lambda *a: True)
         monkeypatch.setattr(graph_prefill.flash, "takes_chunk", lambda device, bh, group, new, longest: new > 100)
         assert graphs.takes(seq, 100, None) and not graphs.takes(seq, 101, None)
+        monkeypatch.setattr(graph_prefill, "ENABLED", False)  # TURNKV_PREFILL_GRAPHS=0
+        assert not graphs.takes(seq, 8, None)
     finally:
         seq.free()
 

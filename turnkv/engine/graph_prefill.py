@@ -10,9 +10,14 @@ Per chunk the host makes one asynchronous upload from pinned memory (token ids, 
 lengths), plus a device-to-device copy of the sequence's page table into the graphs' own. Only chunks
 the eager step would run on the paged chunk kernel come here: no recipe hooks (observation window,
 pattern, selection, accumulation), no logits past the last token, and none that FlashAttention-4 would
-take (attention/flash.py). Design: docs/architecture.md#cuda-graphs"""
+take (attention/flash.py). Design: docs/architecture.md#cuda-graphs
+
+Switch: TURNKV_PREFILL_GRAPHS=0 in the environment (read at import) or `graph_prefill.ENABLED = False`
+runs every prefill chunk eagerly; LLM(cuda_graphs=False) turns these and the decode graphs off."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
@@ -22,6 +27,7 @@ from turnkv.engine.cuda_graphs import GraphedDecode
 from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.step_context import StepContext
 
+ENABLED = os.environ.get("TURNKV_PREFILL_GRAPHS", "1") != "0"
 ROW_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
@@ -79,7 +85,7 @@ class GraphedPrefill:
     def takes(self, seq: SequenceKV, num_new: int, context: StepContext | None) -> bool:
         """Whether a chunk of num_new tokens appended to seq runs here rather than in an eager step."""
         pool = self.pool
-        if not (0 < num_new <= ROW_BUCKETS[-1] and plain(context)):
+        if not (ENABLED and 0 < num_new <= ROW_BUCKETS[-1] and plain(context)):
             return False
         if pool.device.type == "cuda" and not chunk.uses_kernel(pool.device):
             return False  # the reference path reads lengths on the host: not in a graph
