@@ -69,7 +69,7 @@ def test_batched_rows_drive_the_recipe_as_the_engine_does(tiny, monkeypatch):
     monkeypatch.setattr(tiny.runner, "decode", spy)
     monkeypatch.setattr(Recipe, "after_decode_step", lambda self, *a, **k: hooked.append(1) or hook(self, *a, **k))
     cfg = SpeedConfig(contexts=[64], new_tokens=4, repeat=1)
-    hw = {"weight_bytes": 1, "copy_bandwidth": 1e9}
+    hw = {"weight_bytes": 1, "copy_bandwidth": 1e9, "matmul_rate": 1e12}
     row = measure(tiny, Recipe.parse("decode=quest(budget=16,dense_layers=0)"), 64, 2, cfg, hw)
     # The warm-up generation (one prompt, skip_tokens + 8 tokens: 23 steps), then the batch of two (3 steps).
     assert [len(sel) for sel in seen] == [1] * (cfg.skip_tokens + 7) + [2] * 3
@@ -84,6 +84,18 @@ def test_prefill_flops_by_hand(tiny):
     per_token = 2 * (64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128)
     attention = 2 * 4 * 4 * 16 * (3 * 10 + 3 * 4 / 2)  # 3 new tokens after 10 kept
     assert hardware.prefill_flops(c, 3, history=10) == 2 * per_token * 3 + 2 * 64 * c.vocab_size + attention
+
+
+def test_prefill_floor_is_the_longer_of_compute_and_reads(tiny):
+    """A long prompt is bound by its FLOPs, a short turn by reading the weights and the KV it attends."""
+    c = tiny.config
+    kv = 2 * 2 * 16 * 4  # K and V, 2 layers x 2 KV heads x head dim 16, fp32
+    hw = {"matmul_rate": 1e12, "copy_bandwidth": 1e12, "weight_bytes": 10**8}
+    long = hardware.prefill_floor(c, hw, kv, 4096)
+    assert long == pytest.approx(hardware.prefill_flops(c, 4096) / 1e12)
+    short = hardware.prefill_floor(c, hw, kv, 2, history=1000)
+    assert short == pytest.approx((10**8 + 1002 * kv) / 1e12)
+    assert short > hardware.prefill_flops(c, 2, history=1000) / 1e12
 
 
 def test_run_speed_measures_every_planned_figure(tiny, tmp_path):
@@ -150,7 +162,7 @@ def test_batched_rows_count_what_a_quantized_pool_reads(chat_model_dir):
 
     llm = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="32MiB", kv_dtype="int8")
     cfg = SpeedConfig(contexts=[48], batches=[2], new_tokens=4, turns=0, repeat=1)
-    hw = {"weight_bytes": 1000, "copy_bandwidth": 1e9}
+    hw = {"weight_bytes": 1000, "copy_bandwidth": 1e9, "matmul_rate": 1e12}
     row = measure(llm, Recipe(), 48, 2, cfg, hw)
     assert row["kv_read_bytes"] == 2 * (48 + 3) * 2 * 2 * (2 * 16 + 2 * 4)
     assert row["tpot_floor_s"] == pytest.approx((1000 + row["kv_read_bytes"]) / 1e9)
@@ -251,7 +263,7 @@ def test_every_timed_prefill_has_lengths_no_earlier_call_had(tiny, monkeypatch):
 
     monkeypatch.setattr(tiny.runner, "prefill", spy_prefill)
     cfg = SpeedConfig(contexts=[24], new_tokens=4, turns=2, turn_tokens=(8, 3), repeat=3, peers=())
-    rows = measure_turns(tiny, 24, cfg, {"matmul_rate": 1e12})
+    rows = measure_turns(tiny, 24, cfg, {"matmul_rate": 1e12, "copy_bandwidth": 1e11, "weight_bytes": 1})
     assert [(r["history_tokens"], r["new_tokens"]) for r in rows] == [(24, 8), (24, 3), (32, 8), (32, 3)]
     # The first turn: the 24-token history, two untimed calls and three timed ones, each over a shorter
     # history, then the 5 rolled-back tokens again; the same for 3 new tokens; then the turn kept.
@@ -275,6 +287,6 @@ def test_a_history_shorter_than_the_timed_calls_still_measures(tiny):
     from turnkv.bench.speed import measure_turns
 
     cfg = SpeedConfig(contexts=[3], new_tokens=2, turns=2, turn_tokens=4, repeat=3, peers=())
-    rows = measure_turns(tiny, 3, cfg, {"matmul_rate": 1e12})
+    rows = measure_turns(tiny, 3, cfg, {"matmul_rate": 1e12, "copy_bandwidth": 1e11, "weight_bytes": 1})
     assert [(r["history_tokens"], r["new_tokens"]) for r in rows] == [(3, 4), (7, 4)]
     assert all(r["prefill_s"] > 0 for r in rows)

@@ -60,6 +60,15 @@ def prefill_flops(config, new_tokens: int, history: int = 0) -> float:
     return linear + attention
 
 
+def prefill_floor(config, hw: dict, kv_token_bytes: float, new_tokens: int, history: int = 0) -> float:
+    """Seconds a prefill of `new_tokens` after `history` kept tokens cannot beat: its matmul FLOPs at the
+    matmul rate, or reading every weight once and the KV it attends to (kv_token_bytes per token, every
+    layer and KV head) at the copy bandwidth, whichever is longer. A short turn is bound by the reads."""
+    compute = prefill_flops(config, new_tokens, history) / hw["matmul_rate"]
+    reads = (hw["weight_bytes"] + (history + new_tokens) * kv_token_bytes) / hw["copy_bandwidth"]
+    return max(compute, reads)
+
+
 def decode_bytes(weight_bytes: int, kv_bytes: int) -> int:
     """Bytes one decode step must read: every weight once, and the KV it attends to."""
     return weight_bytes + kv_bytes

@@ -6,7 +6,7 @@ its floor, computed from the copy bandwidth and matmul rate measured in the same
 prefill has lengths no earlier call had (each repetition a token shorter): a conversation's lengths
 do not repeat, so what a kernel library builds per shape (cuDNN's plans) is paid as users pay it.
     decode floor  = (weight bytes + KV bytes the step reads) / copy bandwidth
-    prefill floor = matmul FLOPs / matmul rate
+    prefill floor = max(matmul FLOPs / matmul rate, (weight bytes + KV bytes attended) / copy bandwidth)
 """
 
 from __future__ import annotations
@@ -47,6 +47,11 @@ class SpeedConfig:
 def _prompt(ctx: int, vocab: int, seed: int) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, min(vocab, 32000), (ctx,), generator=gen).tolist()
+
+
+def _kv_token_bytes(llm) -> int:
+    """K and V bytes of one token over every layer and KV head (a quantized pool's scales included)."""
+    return llm.pool.token_bytes * llm.config.num_layers * llm.config.num_kv_heads
 
 
 def _peak_reset(device):
@@ -97,7 +102,7 @@ def measure(llm, recipe, ctx: int, batch: int, cfg: SpeedConfig, hw: dict) -> di
            "peak_gb": _peak_gb(llm.device)}
     if batch == 1:
         ttft = statistics.median(r[0].ttft_s for r in runs)
-        prefill_floor = hardware.prefill_flops(llm.config, ctx) / hw["matmul_rate"]
+        prefill_floor = hardware.prefill_floor(llm.config, hw, _kv_token_bytes(llm), ctx)
         row |= {"ttft_s": ttft, "ttft_floor_s": prefill_floor, "ttft_of_floor": prefill_floor / ttft}
     return row
 
@@ -126,7 +131,7 @@ def measure_turns(llm, ctx: int, cfg: SpeedConfig, hw: dict) -> list[dict]:
                                             warmup=2, after=lambda: seq.truncate(max(0, history - next(shorter))))
                 llm.runner.prefill(seq, held[seq.next_position : history])
                 rows.append({"turn": k + 2, "history_tokens": history, "new_tokens": size, "prefill_s": kept,
-                             "floor_s": hardware.prefill_flops(llm.config, size, history) / hw["matmul_rate"]})
+                             "floor_s": hardware.prefill_floor(llm.config, hw, _kv_token_bytes(llm), size, history)})
             turn = _prompt(cfg.turn_tokens[0], llm.config.vocab_size, cfg.seed + 100 + k)
             llm.runner.prefill(seq, turn)
             held += turn

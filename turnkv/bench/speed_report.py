@@ -28,7 +28,8 @@ def markdown(result: dict, command: str) -> str:
         f"Command: `{command}`", "",
         f"Measured in this run: copy bandwidth {hw['copy_bandwidth'] / 1e12:.2f} TB/s, "
         f"matmul {hw['matmul_rate'] / 1e12:.1f} TFLOP/s, weights {hw['weight_bytes'] / 1e9:.2f} GB. "
-        "Floors: decode = (weights + KV read) / bandwidth; prefill = FLOPs / matmul rate. "
+        "Floors: decode = (weights + KV read) / bandwidth; prefill = the longer of FLOPs / matmul rate "
+        "and (weights + KV attended) / bandwidth. "
         "'of floor' = floor / measured (1.00 = at the floor).", "",
         "| engine | recipe | context | batch | TTFT ms | of floor | ms/token | of floor | tokens/s | KV GB | peak GB |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
