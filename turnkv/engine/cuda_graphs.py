@@ -190,7 +190,8 @@ class GraphedDecode:
         """Fill (cell, page) pairs for the table columns each row gained since the last step, and put in
         self.rewrites the cells of heads whose table drop_pages shifted (`_upload_rewrites` sends them).
         A row that changed sequence, whose sequence released pages (keep, truncate) or grew by more
-        than a page in some head (a prefill) gets its whole table copied right away."""
+        than a page in some head (a prefill) gets its whole table copied right away, from the
+        sequence's device table."""
         L, H, P = self.pool.num_layers, self.pool.num_kv_heads, self.tables.shape[3]
         B_max = self.tables.shape[1]
         n = 0
@@ -202,7 +203,7 @@ class GraphedDecode:
                 changes = table_changes(seq, row[2], row[3])
             if changes is None:
                 width = min(int(seq.num_pages.max(initial=0)), P)
-                self.tables[:, b, :, :width].copy_(torch.from_numpy(seq.table[:, :, :width]))
+                self.tables[:, b, :, :width].copy_(seq.device_table()[:, :, :width])  # device to device
                 self.rows[b] = (seq, seq.shrinks, seq.num_pages.copy(), seq.table_edits.copy())
                 continue
             (layer, head, col), (e_layer, e_head, lo, hi) = changes
