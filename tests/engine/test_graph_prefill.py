@@ -123,13 +123,39 @@ def test_runner_keeps_hooked_and_all_logit_prefills_eager(pair, monkeypatch):
     seq = SequenceKV(graphed.pool)
     try:
         graphed.runner.prefill(seq, list(range(5, 15)), all_logits=True)
-        # A recipe that records an observation window (SnapKV) prefills eagerly.
-        reply = graphed.generate(list(range(5, 40)), recipe="snapkv budget=16", max_new_tokens=2, ignore_eos=True)
-        assert calls == [] and len(reply.token_ids) == 2
+        # Windows the graphs' buffer cannot fill: longer than WINDOW_ROWS, or with moments.
+        for recipe in ("evict=snapkv(window=100) budget=16", "expected-attention budget=16", "h2o budget=16"):
+            reply = graphed.generate(list(range(5, 40)), recipe=recipe, max_new_tokens=2, ignore_eos=True)
+            assert len(reply.token_ids) == 2
+        assert calls == []
         graphed.generate(list(range(5, 40)), max_new_tokens=2, ignore_eos=True)
         assert calls == [35]
     finally:
         seq.free()
+
+
+@pytest.mark.parametrize("recipe", ["snapkv budget=24", "ada-snapkv budget=24",
+                                    "evict=snapkv(compat=kvpress) budget=24"])
+def test_eviction_windows_filled_after_the_replay_match_the_eager_step(pair, monkeypatch, recipe):
+    """An eviction recipe's observation window (32 or 64 queries) is filled from the graphs' buffer:
+    over turns of 5 to 70 tokens, every turn's reply, kept lengths and window equal the eager step's."""
+    eager, graphed = pair
+    calls = count_calls(monkeypatch, graphed.runner.prefill_graphs)
+    convs = [llm.conversation(recipe=recipe) for llm in pair]
+    try:
+        for i, text in enumerate(["Hi", "Tell me about the sea and its many colours, please, in detail." * 5,
+                                  "Ok", "And the mountains?"]):
+            a, b = (c.send(text, max_new_tokens=6, ignore_eos=True) for c in convs)
+            assert b.token_ids == a.token_ids, f"turn {i + 1}"
+            assert (convs[1].kv.lengths == convs[0].kv.lengths).all(), f"turn {i + 1}"
+            wa, wb = convs[0].method_state.window, convs[1].method_state.window
+            for layer in range(eager.pool.num_layers):
+                torch.testing.assert_close(wb.queries[layer], wa.queries[layer], rtol=1e-5, atol=1e-5)
+                assert torch.equal(wb.positions[layer].cpu(), wa.positions[layer].cpu())
+        assert len(calls) == 4
+    finally:
+        for c in convs:
+            c.close()
 
 
 def test_a_full_pool_leaves_the_sequence_and_pool_as_they_were(chat_model_dir):
@@ -203,3 +229,30 @@ def test_replayed_turns_match_the_engine_without_graphs(chat_model_dir):
         replies.append([conv.send(text, max_new_tokens=8, ignore_eos=True).token_ids
                         for text in ("Hello there", "And then?", "One more")])
     assert replies[0] == replies[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: graphs are captured and replayed")
+@pytest.mark.parametrize("recipe", ["ada-snapkv budget=48", "evict=snapkv(compat=kvpress) budget=48"])
+def test_replayed_eviction_turns_match_the_engine_without_graphs(chat_model_dir, recipe):
+    """An eviction recipe's turns replayed from graphs (fp32, so that rounding picks no other token):
+    the eager engine's replies, kept lengths and observation windows, turn by turn."""
+    kwargs = dict(device="cuda", dtype="float32", kv_memory="256MiB")
+    engines = [turnkv.LLM(str(chat_model_dir), cuda_graphs=False, **kwargs), turnkv.LLM(str(chat_model_dir), **kwargs)]
+    convs = [llm.conversation(recipe=recipe) for llm in engines]
+    calls = []
+    graphs = engines[1].runner.prefill_graphs
+    run = graphs._run_chunk
+    graphs._run_chunk = lambda *a: calls.append(1) or run(*a)
+    try:
+        for i, text in enumerate(["Hello there", "Tell me about the sea, please, in some detail." * 4, "Ok", "More?"]):
+            a, b = (c.send(text, max_new_tokens=8, ignore_eos=True) for c in convs)
+            assert b.token_ids == a.token_ids, f"turn {i + 1}"
+            assert (convs[1].kv.lengths == convs[0].kv.lengths).all()
+            wa, wb = convs[0].method_state.window, convs[1].method_state.window
+            for layer in range(engines[0].pool.num_layers):
+                torch.testing.assert_close(wb.queries[layer], wa.queries[layer], rtol=1e-3, atol=1e-3)
+        assert len(calls) == 4
+    finally:
+        for c in convs:
+            c.close()

@@ -7,10 +7,12 @@ would in a chunk of its own, and a padding row sees less (nothing on a fresh seq
 it zeros). Padding rows write their K/V into the trash page GraphedDecode holds, never into a table.
 
 Per chunk the host makes one asynchronous upload from pinned memory (token ids, positions, slots,
-lengths), plus a device-to-device copy of the sequence's page table into the graphs' own. Only chunks
-the eager step would run on the paged chunk kernel come here: no recipe hooks (observation window,
-pattern, selection, accumulation), no logits past the last token, and none that FlashAttention-4 would
-take (attention/flash.py). Design: docs/architecture.md#cuda-graphs
+lengths), plus a device-to-device copy of the sequence's page table into the graphs' own. Every layer
+keeps its last WINDOW_ROWS queries in a static buffer, which an eviction recipe's observation window
+(a plain QueryWindow of at most WINDOW_ROWS queries, without moments) takes after the replay. Only
+chunks the eager step would run on the paged chunk kernel come here: no other recipe hooks (prefill
+pattern, decode selection, accumulation), no logits past the last token, and none that
+FlashAttention-4 would take (attention/flash.py). Design: docs/architecture.md#cuda-graphs
 
 Switch: TURNKV_PREFILL_GRAPHS=0 in the environment (read at import) or `graph_prefill.ENABLED = False`
 runs every prefill chunk eagerly; LLM(cuda_graphs=False) turns these and the decode graphs off."""
@@ -26,20 +28,27 @@ from turnkv.attention import chunk, flash
 from turnkv.engine.cuda_graphs import GraphedDecode
 from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.step_context import StepContext
+from turnkv.methods.window import QueryWindow
 
 ENABLED = os.environ.get("TURNKV_PREFILL_GRAPHS", "1") != "0"
 ROW_BUCKETS = (16, 32, 64, 128, 256, 512)
+WINDOW_ROWS = 64  # queries per layer kept for an observation window (SnapKV's 32, kvpress's 64)
 
 
-def plain(context: StepContext | None) -> bool:
-    """Whether a recipe's context asks nothing of a prefill step (the full cache's does not)."""
-    return context is None or (context.window is None and context.pattern is None and context.selector is None
-                               and not context.accumulate)
+def replayable(context: StepContext | None) -> bool:
+    """Whether a recipe's context asks nothing of a prefill step that a graph cannot do: the full
+    cache's asks nothing; an eviction scorer's window of the last queries is filled after the replay."""
+    if context is None:
+        return True
+    window = context.window
+    return (context.pattern is None and context.selector is None and not context.accumulate
+            and (window is None or (type(window) is QueryWindow and window.size <= WINDOW_ROWS
+                                    and window.moments is None)))
 
 
 class _PrefillStep:
-    """The decoder's AttentionStep over one bucket's static buffers: store K/V, then the paged chunk
-    kernel over the sequence's table (the chunk's own entries included)."""
+    """The decoder's AttentionStep over one bucket's static buffers: store K/V and the last queries,
+    then the paged chunk kernel over the sequence's table (the chunk's own entries included)."""
 
     def __init__(self, owner: GraphedPrefill, rows: int, splits: int):
         L, H = owner.pool.num_layers, owner.pool.num_kv_heads
@@ -47,9 +56,12 @@ class _PrefillStep:
         self.slots = owner.slots[: L * H * rows].view(L, H * rows)
         self.positions = owner.positions[:rows].view(1, rows)
         self.tables, self.lengths = owner.tables, owner.lengths
+        self.kept = min(rows, WINDOW_ROWS)
+        self.queries = owner.queries[:, WINDOW_ROWS - self.kept :]
 
     def attention(self, layer, q, k, v):
         self.pool.write_heads(layer, self.slots[layer], k, v)
+        self.queries[layer].copy_(q[0, -self.kept :])
         out = chunk.paged_chunk(q.transpose(1, 2), self.pool.k[layer], self.pool.v[layer], self.tables[layer],
                                 self.lengths[layer], self.splits, window=self.window,
                                 key_positions=self.pool.positions[layer], query_positions=self.positions,
@@ -80,12 +92,15 @@ class GraphedPrefill:
         self.turn = 0
         self.layer_base = torch.arange(L, device=dev)[:, None] * pool.positions[0].numel()
         self.last_row = {rows: torch.full((1, 1), rows - 1, device=dev) for rows in ROW_BUCKETS}
+        # Post-RoPE queries of each layer's last WINDOW_ROWS rows (the bucket's last rows, right-aligned).
+        Hq, D = g.model.config.num_heads, pool.head_dim
+        self.queries = torch.zeros(L, WINDOW_ROWS, Hq, D, dtype=pool.dtype, device=dev)
         self.graphs_by_key: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def takes(self, seq: SequenceKV, num_new: int, context: StepContext | None) -> bool:
         """Whether a chunk of num_new tokens appended to seq runs here rather than in an eager step."""
         pool = self.pool
-        if not (ENABLED and 0 < num_new <= ROW_BUCKETS[-1] and plain(context)):
+        if not (ENABLED and 0 < num_new <= ROW_BUCKETS[-1] and replayable(context)):
             return False
         if pool.device.type == "cuda" and not chunk.uses_kernel(pool.device):
             return False  # the reference path reads lengths on the host: not in a graph
@@ -97,16 +112,23 @@ class GraphedPrefill:
                     and flash.takes_chunk(pool.device, pool.num_kv_heads, group, num_new, longest))
 
     @torch.inference_mode()
-    def prefill(self, seq: SequenceKV, token_ids: list[int]) -> torch.Tensor:
-        """Append token_ids to seq (takes() said yes) -> fp32 logits [V] at the last one (a copy). All
-        or nothing: on an error seq is as it was."""
+    def prefill(self, seq: SequenceKV, token_ids: list[int], context: StepContext | None = None) -> torch.Tensor:
+        """Append token_ids to seq (takes() said yes) -> fp32 logits [V] at the last one (a copy), and
+        hand context's observation window the chunk's last queries. All or nothing: on an error seq is
+        as it was and the window has recorded nothing."""
         before = seq.next_position
         slots = seq.reserve_on_host(len(token_ids))  # [L, H, T]; raises with nothing reserved
         try:
-            return self._run_chunk(seq, token_ids, slots, before)
+            logits = self._run_chunk(seq, token_ids, slots, before)
         except BaseException:
             seq.truncate(before)
             raise
+        window = None if context is None else context.window
+        if window is not None:
+            T = len(token_ids)
+            n = min(T, window.size)
+            window.record_all(self.queries[:, WINDOW_ROWS - n :], torch.arange(before + T - n, before + T))
+        return logits
 
     def _run_chunk(self, seq, token_ids, slots, before):
         L, H, T = slots.shape

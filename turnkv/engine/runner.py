@@ -72,7 +72,7 @@ class ModelRunner:
                 last_chunk = start + self.prefill_chunk >= ids.shape[1]
                 graphed = self.prefill_graphs
                 if not all_logits and graphed is not None and graphed.takes(seq, chunk.shape[1], context):
-                    outputs.append(graphed.prefill(seq, token_ids[start : start + self.prefill_chunk]))
+                    outputs.append(graphed.prefill(seq, token_ids[start : start + self.prefill_chunk], context))
                 elif all_logits or last_chunk:
                     outputs.append(self.forward([seq], chunk, all_logits, contexts)[0])
                 else:
