@@ -1,7 +1,7 @@
 """Short prefill chunks replayed from CUDA graphs: a later turn of a few hundred tokens spends most of
 its time issuing the layers' launches, which one graph replay issues at once.
 
-One graph per (rows, key splits): ROW_BUCKETS rows, the chunk's T new tokens last (left padding). The
+One graph per bucket of ROW_BUCKETS rows, captured on first use, the chunk's T new tokens last (left padding). The
 paged chunk kernel lets row t see entries j <= length - rows + t, so a real token sees exactly what it
 would in a chunk of its own, and a padding row sees less (nothing on a fresh sequence; the kernel gives
 it zeros). Padding rows write their K/V into the trash page GraphedDecode holds, never into a table.
@@ -95,7 +95,7 @@ class GraphedPrefill:
         # Post-RoPE queries of each layer's last WINDOW_ROWS rows (the bucket's last rows, right-aligned).
         Hq, D = g.model.config.num_heads, pool.head_dim
         self.queries = torch.zeros(L, WINDOW_ROWS, Hq, D, dtype=pool.dtype, device=dev)
-        self.graphs_by_key: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs_by_rows: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def takes(self, seq: SequenceKV, num_new: int, context: StepContext | None) -> bool:
         """Whether a chunk of num_new tokens appended to seq runs here rather than in an eager step."""
@@ -150,18 +150,21 @@ class GraphedPrefill:
             self.uploaded[k].record()
         width = min(int(seq.num_pages.max(initial=0)), self.tables.shape[3])
         self.tables[:, 0, :, :width].copy_(seq.device_table()[:, :, :width])
-        group = self.model.config.num_heads // H
-        splits = chunk.num_splits(self.pool.device, H, rows, group, int(seq.lengths.max()), self.pool.dtype)
-        splits = 1 << (splits.bit_length() - 1)  # a power of two: a handful of graphs per bucket
         if self.pool.device.type != "cuda":  # the same steps without a graph: how CPU tests check them
-            return self._run(rows, _PrefillStep(self, rows, splits))[0, 0].clone()
-        key = (rows, splits)
-        if key not in self.graphs_by_key:
-            step = _PrefillStep(self, rows, splits)
-            self.graphs_by_key[key] = self.graphs.capture(lambda: self._run(rows, step))
-        graph, logits = self.graphs_by_key[key]
+            return self._run(rows, _PrefillStep(self, rows, self.splits(rows)))[0, 0].clone()
+        if rows not in self.graphs_by_rows:
+            step = _PrefillStep(self, rows, self.splits(rows))
+            self.graphs_by_rows[rows] = self.graphs.capture(lambda: self._run(rows, step))
+        graph, logits = self.graphs_by_rows[rows]
         graph.replay()
         return logits[0, 0].clone()
+
+    def splits(self, rows: int) -> int:
+        """The key splits of a bucket's graph: as the eager step would choose them for the longest
+        history, the context limit. A shorter history spreads over as many splits in shorter pieces
+        (splits past its keys are empty), which keeps the SMs as busy."""
+        group = self.model.config.num_heads // self.pool.num_kv_heads
+        return chunk.num_splits(self.pool.device, self.pool.num_kv_heads, rows, group, self.capacity, self.pool.dtype)
 
     def _run(self, rows: int, step: _PrefillStep) -> torch.Tensor:
         """Inside the graph: put the uploaded metadata in place, then the decoder over the bucket."""
