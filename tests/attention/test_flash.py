@@ -42,9 +42,16 @@ class StandIn:
         return torch.stack([_attend(q[b], k[b], v[b], softmax_scale, causal) for b in range(q.shape[0])]), None
 
     def flash_attn_varlen_func(self, q, k, v, seqused_k=None, page_table=None, softmax_scale=None, causal=False):
-        # q [N, T, Hq, D]; k, v [pages, page_size, Hk, D]; entry n holds seqused_k[n] keys, key j at
-        # page page_table[n, j // page_size], offset j % page_size.
-        assert seqused_k.dtype == page_table.dtype == torch.int32 and page_table.stride(-1) == 1
+        # q [N, T, Hq, D]; entry n holds seqused_k[n] keys. Paged: k, v [pages, page_size, Hk, D], key j
+        # at page page_table[n, j // page_size], offset j % page_size. Dense: k, v [N, S, Hk, D], key j
+        # at k[n, j].
+        assert seqused_k.dtype == torch.int32 and seqused_k.shape == (q.shape[0],)
+        if page_table is None:
+            assert k.shape[0] == q.shape[0] and k.shape[1] >= int(seqused_k.max())
+            self.calls.append(("gathered", tuple(q.shape)))
+            return torch.stack([_attend(q[n], k[n, : int(seqused_k[n])], v[n, : int(seqused_k[n])], softmax_scale,
+                                        causal) for n in range(q.shape[0])]), None
+        assert page_table.dtype == torch.int32 and page_table.stride(-1) == 1
         self.calls.append(("paged", tuple(q.shape)))
         page = k.shape[1]
         outs = []
@@ -95,6 +102,43 @@ def test_paged_equals_the_reference_for_uneven_heads_and_batches(stand_in, lengt
     assert relative_error(got, want) < 1e-5
     assert got.transpose(1, 2).is_contiguous()
     assert stand_in.calls == [("paged", (B * H, T, G, D))]
+
+
+@pytest.mark.parametrize("lengths,T", [([[23, 23]], 5), ([[40, 17, 33]], 1), ([[19, 30], [25, 8]], 8)])
+def test_gathered_equals_the_reference_for_uneven_heads_and_batches(stand_in, lengths, T):
+    """The pages gathered into one contiguous run per head first (shorter heads padded with whatever
+    their table holds past their pages, which seqused_k leaves out): the reference's attention."""
+    gen = torch.Generator().manual_seed(4)
+    B, H, G, D = len(lengths), len(lengths[0]), 2, 16
+    k, v, table = paged_pool(lengths, 4, D, gen)
+    q = torch.randn(B, T, H * G, D, generator=gen).transpose(1, 2)
+    lens = torch.tensor(lengths)
+    got = flash.gathered(q, k, v, table, lens, scale=0.3)
+    want = reference.paged_chunk(q, k, v, table, lens, scale=0.3)
+    assert relative_error(got, want) < 1e-5
+    assert got.transpose(1, 2).is_contiguous()
+    assert stand_in.calls == [("gathered", (B * H, T, G, D))]
+
+
+def test_long_chunks_read_the_history_gathered(monkeypatch, stand_in):
+    """A step hands FA4 chunks from GATHER_MIN_ROWS new tokens gathered, shorter ones paged."""
+    from turnkv.engine.step import Step
+    from turnkv.kv.pool import PagePool
+    from turnkv.kv.sequence import SequenceKV
+
+    monkeypatch.setattr(flash, "usable", lambda device, dtype, head_dim: True)
+    monkeypatch.setattr(flash, "takes_chunk", lambda *args: True)
+    monkeypatch.setattr(flash, "GATHER_MIN_ROWS", 4)
+    pool = PagePool(1, 2, 16, 32, page_size=4, dtype=torch.float32)
+    seq = SequenceKV(pool)
+    seq.reserve(9)
+    for T, kind in ((3, "paged"), (4, "gathered")):
+        slots = seq.reserve(T)
+        positions = torch.arange(seq.next_position - T, seq.next_position)[None]
+        step = Step(pool, [seq], [slots], positions)
+        q, kv = torch.randn(1, T, 4, 16), torch.randn(1, T, 2, 16)
+        step.attention(0, q, kv, kv)
+        assert stand_in.calls[-1][0] == kind
 
 
 @pytest.mark.parametrize("B,T,G", [(1, 7, 4), (2, 5, 1)])
@@ -153,6 +197,12 @@ def test_later_chunks_through_flash_match_transformers(tmp_path, monkeypatch, st
     ours, ref, c = two_turn_logits(tmp_path, "llama", "cpu")
     kinds = [kind for kind, _ in stand_in.calls]
     assert kinds == ["dense"] * c.num_layers + ["paged"] * 4 * c.num_layers
+    assert relative_error(ours, ref) < 1e-4
+    # The same with every later chunk's history gathered.
+    stand_in.calls.clear()
+    monkeypatch.setattr(flash, "GATHER_MIN_ROWS", 1)
+    ours, ref, c = two_turn_logits(tmp_path / "gathered", "llama", "cpu")
+    assert [kind for kind, _ in stand_in.calls] == ["dense"] * c.num_layers + ["gathered"] * 4 * c.num_layers
     assert relative_error(ours, ref) < 1e-4
 
 
@@ -227,6 +277,22 @@ def test_real_paged_matches_the_reference_bf16(lengths, T):
     got = flash.paged(q, k, v, table, lens)
     want = reference.paged_chunk(q.float(), k.float(), v.float(), table, lens)
     assert got.dtype == torch.bfloat16 and relative_error(got, want) < 2e-2
+
+
+@pytest.mark.gpu
+@REAL
+@pytest.mark.parametrize("lengths,T", [([[4000 + 1024] * 8], 1024), ([[3000 + 131 * h for h in range(8)]] * 2, 1500)])
+def test_real_gathered_matches_the_reference_bf16(lengths, T):
+    gen = torch.Generator().manual_seed(5)
+    k, v, table = (t.cuda() for t in paged_pool(lengths, 16, 128, gen))
+    k, v = k.bfloat16(), v.bfloat16()
+    B = len(lengths)
+    q = torch.randn(B, T, 32, 128, generator=gen).cuda().bfloat16().transpose(1, 2)
+    lens = torch.tensor(lengths).cuda()
+    got = flash.gathered(q, k, v, table, lens)
+    want = reference.paged_chunk(q.float(), k.float(), v.float(), table, lens)
+    assert got.dtype == torch.bfloat16 and relative_error(got, want) < 2e-2
+    assert relative_error(got, flash.paged(q, k, v, table, lens)) < 1e-3  # the same kernel, loads apart
 
 
 @pytest.mark.gpu

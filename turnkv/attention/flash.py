@@ -10,6 +10,7 @@ Contracts (the same as the paths they stand in for):
   every head's last T entries are the chunk, causal from the bottom right; heads may hold different
   numbers of entries. Each (sequence, KV head) is one FA4 batch entry with its own page table and
   length, its query group as its heads.
+- gathered(...): paged()'s contract, the heads' pages copied into contiguous runs first.
 
 Switch: used on CUDA devices of compute capability 9.x and 10.x, in fp16 / bf16, for head dims FA4
 takes, when flash_attn.cute imports. TURNKV_FLASH_ATTN=0 in the environment (read at import) or
@@ -19,7 +20,8 @@ its disk cache of compiled kernels (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1, un
 sets it), as Triton keeps its own: only the first process on a machine pays the compile.
 
 Which chunks it takes: each FA4 call costs about 0.2 ms of host time and has no key splits on Hopper,
-so only chunks with work enough (takes_chunk, takes_fresh); the rest stay on the paged Triton kernel
+so only chunks with work enough (takes_chunk, takes_fresh; long ones gathered, takes_gathered); the rest
+stay on the paged Triton kernel
 and torch's SDPA (benchmarks/prefill/README.md has the measurements behind the thresholds).
 """
 
@@ -42,6 +44,10 @@ MIN_TILES_PER_SM = 0.7
 MIN_CELLS = 1 << 24
 # A fresh chunk: at least this many new tokens.
 FRESH_MIN_ROWS = 4096
+# A chunk over history of at least this many new tokens reads its heads' pages gathered into contiguous
+# runs (gathered) rather than in place (paged): FA4's dense loads outrun its 16-token paged ones by more
+# than the copy costs.
+GATHER_MIN_ROWS = 1024
 
 
 @functools.cache
@@ -76,6 +82,11 @@ def takes_chunk(device: torch.device, batch_kv_heads: int, group: int, num_new: 
     return tiles >= MIN_TILES_PER_SM * sms and num_new * max_length >= MIN_CELLS
 
 
+def takes_gathered(num_new: int) -> bool:
+    """Whether a chunk of num_new tokens that takes_chunk gives FA4 reads its history gathered."""
+    return num_new >= GATHER_MIN_ROWS
+
+
 def takes_fresh(num_new: int) -> bool:
     """Whether a fresh chunk of num_new tokens has work enough for FA4."""
     return num_new >= FRESH_MIN_ROWS
@@ -104,6 +115,28 @@ def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: 
         grouped, k_cache[:, :, None], v_cache[:, :, None], seqused_k=lengths.reshape(B * H).to(torch.int32),
         page_table=table.reshape(B * H, -1).to(torch.int32), softmax_scale=scale, causal=True)
     # [B * H, T, G, D] -> [B, T, Hq, D]
+    out = out.view(B, H, T, G, D).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
+    return out.transpose(1, 2)
+
+
+def gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+             lengths: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """paged()'s contract, with every head's pages first gathered into one contiguous run: FA4 then
+    loads K/V as dense tiles (its TMA path), which its 16-token paged loads do not. The copy reads and
+    writes the kept K/V once, so it pays for long chunks only (takes_gathered)."""
+    flash_attn_varlen_func = _interface()[1]
+    B, Hq, T, D = q.shape
+    H = table.shape[1]
+    G = Hq // H
+    page = k_cache.shape[1]
+    pages = -(-int(lengths.max()) // page)
+    index = table[:, :, :pages].reshape(-1)
+    keys = k_cache.index_select(0, index).view(B * H, pages * page, 1, D)
+    values = v_cache.index_select(0, index).view(B * H, pages * page, 1, D)
+    grouped = q.reshape(B, H, G, T, D).transpose(2, 3)
+    grouped = grouped[0] if B == 1 else grouped.reshape(B * H, T, G, D)
+    out, _ = flash_attn_varlen_func(grouped, keys, values, seqused_k=lengths.reshape(B * H).to(torch.int32),
+                                    softmax_scale=scale, causal=True)
     out = out.view(B, H, T, G, D).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
     return out.transpose(1, 2)
 
