@@ -92,7 +92,7 @@ def test_padding_rows_write_only_the_trash_page(pair):
         seq.free()
 
 
-def test_takes_only_chunks_the_eager_kernel_would_run(pair, monkeypatch):
+def test_takes_chunks_without_other_hooks_up_to_the_largest_bucket(pair, monkeypatch):
     _, graphed = pair
     graphs = graphed.runner.prefill_graphs
     seq = SequenceKV(graphed.pool)
@@ -107,10 +107,6 @@ def test_takes_only_chunks_the_eager_kernel_would_run(pair, monkeypatch):
         seq.next_position = graphs.capacity - 4  # near the context limit: the graphs' tables end there
         assert graphs.takes(seq, 4, None) and not graphs.takes(seq, 5, None)
         seq.next_position = 20
-        # Where FlashAttention-4 would take the chunk, the eager step runs it.
-        monkeypatch.setattr(graph_prefill.flash, "usable", lambda *a: True)
-        monkeypatch.setattr(graph_prefill.flash, "takes_chunk", lambda device, bh, group, new, longest: new > 100)
-        assert graphs.takes(seq, 100, None) and not graphs.takes(seq, 101, None)
         monkeypatch.setattr(graph_prefill, "ENABLED", False)  # TURNKV_PREFILL_GRAPHS=0
         assert not graphs.takes(seq, 8, None)
     finally:
@@ -158,6 +154,39 @@ def test_eviction_windows_filled_after_the_replay_match_the_eager_step(pair, mon
             c.close()
 
 
+def test_buckets_flash_attention_takes_read_the_pages_through_it(pair, monkeypatch):
+    """Where FA4 takes a bucket's rows over the history, the graph attends through flash.paged (a
+    stand-in following FA4's contract here), left padding included: the eager step's logits; the
+    stand-in saw one call per layer with the bucket's rows. A quantized pool or a window keeps the
+    paged kernel."""
+    from tests.attention.test_flash import StandIn
+
+    eager, graphed = pair
+    graphs = graphed.runner.prefill_graphs
+    fake = StandIn()
+    monkeypatch.setattr(graph_prefill.flash, "_interface", lambda: (fake.flash_attn_func, fake.flash_attn_varlen_func))
+    monkeypatch.setattr(graph_prefill.flash, "usable", lambda *a: True)
+    monkeypatch.setattr(graph_prefill.flash, "takes_chunk", lambda device, bh, group, rows, longest: rows >= 64)
+    assert graphs.uses_flash(64, 100) and not graphs.uses_flash(32, 100)
+    seqs = [SequenceKV(eager.pool), SequenceKV(graphed.pool)]
+    try:
+        for n in (90, 20, 40):  # 90 as 128 rows and 40 as 64 through the stand-in, 20 as 32 on the kernel
+            tokens = list(range(9, 9 + n))
+            b = graphed.runner.prefill(seqs[1], tokens)
+            with monkeypatch.context() as m:
+                m.setattr(graph_prefill.flash, "usable", lambda *a: False)  # the eager engine's own paths
+                a = eager.runner.prefill(seqs[0], tokens)
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        L, H = graphed.pool.num_layers, graphed.pool.num_kv_heads
+        G, D = graphed.config.num_heads // H, graphed.pool.head_dim
+        assert fake.calls == [("paged", (H, 128, G, D))] * L + [("paged", (H, 64, G, D))] * L
+        monkeypatch.setattr(graphs, "sliding_window", 8)
+        assert not graphs.uses_flash(64, 100)
+    finally:
+        for s in seqs:
+            s.free()
+
+
 def test_a_full_pool_leaves_the_sequence_and_pool_as_they_were(chat_model_dir):
     llm = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="8MiB", page_size=4)
     graphs = with_prefill_graphs(llm)
@@ -189,7 +218,11 @@ def test_a_full_pool_leaves_the_sequence_and_pool_as_they_were(chat_model_dir):
 def test_quantized_pool_matches_the_eager_step(chat_model_dir, kv_dtype):
     eager = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="64MiB", page_size=4, kv_dtype=kv_dtype)
     graphed = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="64MiB", page_size=4, kv_dtype=kv_dtype)
-    with_prefill_graphs(graphed)
+    graphs = with_prefill_graphs(graphed)
+    with pytest.MonkeyPatch.context() as m:  # FA4 reads a pool of the compute dtype only
+        m.setattr(graph_prefill.flash, "usable", lambda *a: True)
+        m.setattr(graph_prefill.flash, "takes_chunk", lambda *a: True)
+        assert not graphs.uses_flash(64, 100)
     seqs = [SequenceKV(eager.pool), SequenceKV(graphed.pool)]
     try:
         for n in (9, 21, 40):
@@ -219,7 +252,7 @@ def test_replayed_turns_match_the_engine_without_graphs(chat_model_dir):
             b = graphed.runner.prefill(seqs[1], tokens)
             torch.testing.assert_close(b, a, rtol=0.05, atol=0.05)
             assert int(a.argmax()) == int(b.argmax())
-        assert set(graphs.graphs_by_rows) == {16, 32, 64, 256}  # one graph per bucket, whatever the history
+        assert set(graphs.graphs_by_key) == {(16, False), (32, False), (64, False), (256, False)}
     finally:
         for s in seqs:
             s.free()

@@ -1,18 +1,20 @@
 """Short prefill chunks replayed from CUDA graphs: a later turn of a few hundred tokens spends most of
 its time issuing the layers' launches, which one graph replay issues at once.
 
-One graph per bucket of ROW_BUCKETS rows, captured on first use, the chunk's T new tokens last (left padding). The
-paged chunk kernel lets row t see entries j <= length - rows + t, so a real token sees exactly what it
-would in a chunk of its own, and a padding row sees less (nothing on a fresh sequence; the kernel gives
-it zeros). Padding rows write their K/V into the trash page GraphedDecode holds, never into a table.
+One graph per bucket of ROW_BUCKETS rows, captured on first use, the chunk's T new tokens last (left
+padding). The attention is causal from the bottom right: row t sees entries j <= length - rows + t,
+so a real token sees exactly what it would in a chunk of its own, and a padding row sees less (nothing
+on a fresh sequence; the paged kernel gives it zeros). Padding rows write their K/V into the trash page
+GraphedDecode holds, never into a table. Where FlashAttention-4 takes a bucket's rows over the history
+(attention/flash.py takes_chunk, for the rows the graph runs; its histories are long, so every padding
+row sees some), the bucket has a second graph that reads the pages through FA4.
 
 Per chunk the host makes one asynchronous upload from pinned memory (token ids, positions, slots,
 lengths), plus a device-to-device copy of the sequence's page table into the graphs' own. Every layer
 keeps its last WINDOW_ROWS queries in a static buffer, which an eviction recipe's observation window
-(a plain QueryWindow of at most WINDOW_ROWS queries, without moments) takes after the replay. Only
-chunks the eager step would run on the paged chunk kernel come here: no other recipe hooks (prefill
-pattern, decode selection, accumulation), no logits past the last token, and none that
-FlashAttention-4 would take (attention/flash.py). Design: docs/architecture.md#cuda-graphs
+(a plain QueryWindow of at most WINDOW_ROWS queries, without moments) takes after the replay. Chunks
+with other recipe hooks (prefill pattern, decode selection, accumulation) or that want every token's
+logits stay eager. Design: docs/architecture.md#cuda-graphs
 
 Switch: TURNKV_PREFILL_GRAPHS=0 in the environment (read at import) or `graph_prefill.ENABLED = False`
 runs every prefill chunk eagerly; LLM(cuda_graphs=False) turns these and the decode graphs off."""
@@ -20,6 +22,7 @@ runs every prefill chunk eagerly; LLM(cuda_graphs=False) turns these and the dec
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 import torch
@@ -50,9 +53,10 @@ class _PrefillStep:
     """The decoder's AttentionStep over one bucket's static buffers: store K/V and the last queries,
     then the paged chunk kernel over the sequence's table (the chunk's own entries included)."""
 
-    def __init__(self, owner: GraphedPrefill, rows: int, splits: int):
+    def __init__(self, owner: GraphedPrefill, rows: int, splits: int, flash_attention: bool = False):
         L, H = owner.pool.num_layers, owner.pool.num_kv_heads
         self.pool, self.splits, self.window = owner.pool, splits, owner.sliding_window
+        self.flash = flash_attention
         self.slots = owner.slots[: L * H * rows].view(L, H * rows)
         self.positions = owner.positions[:rows].view(1, rows)
         self.tables, self.lengths = owner.tables, owner.lengths
@@ -62,6 +66,9 @@ class _PrefillStep:
     def attention(self, layer, q, k, v):
         self.pool.write_heads(layer, self.slots[layer], k, v)
         self.queries[layer].copy_(q[0, -self.kept :])
+        if self.flash:
+            return flash.paged(q.transpose(1, 2), self.pool.k[layer], self.pool.v[layer], self.tables[layer],
+                               self.lengths[layer]).transpose(1, 2)
         out = chunk.paged_chunk(q.transpose(1, 2), self.pool.k[layer], self.pool.v[layer], self.tables[layer],
                                 self.lengths[layer], self.splits, window=self.window,
                                 key_positions=self.pool.positions[layer], query_positions=self.positions,
@@ -95,7 +102,9 @@ class GraphedPrefill:
         # Post-RoPE queries of each layer's last WINDOW_ROWS rows (the bucket's last rows, right-aligned).
         Hq, D = g.model.config.num_heads, pool.head_dim
         self.queries = torch.zeros(L, WINDOW_ROWS, Hq, D, dtype=pool.dtype, device=dev)
-        self.graphs_by_rows: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (rows, through FA4) -> (graph, its logits)
+        self.graphs_by_key: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.flash_ok = True  # False once FA4 failed to be captured
 
     def takes(self, seq: SequenceKV, num_new: int, context: StepContext | None) -> bool:
         """Whether a chunk of num_new tokens appended to seq runs here rather than in an eager step."""
@@ -104,12 +113,16 @@ class GraphedPrefill:
             return False
         if pool.device.type == "cuda" and not chunk.uses_kernel(pool.device):
             return False  # the reference path reads lengths on the host: not in a graph
-        if seq.next_position + num_new > self.capacity:
-            return False
-        longest = int(seq.lengths.max(initial=0)) + num_new
+        return seq.next_position + num_new <= self.capacity
+
+    def uses_flash(self, rows: int, longest: int) -> bool:
+        """Whether a bucket of `rows` over heads of at most `longest` entries attends through FA4: it is
+        installed, the pool holds the compute dtype, no sliding window, and the rows have work enough."""
+        pool = self.pool
         group = self.model.config.num_heads // pool.num_kv_heads
-        return not (not pool.quantized and flash.usable(pool.device, pool.dtype, pool.head_dim)
-                    and flash.takes_chunk(pool.device, pool.num_kv_heads, group, num_new, longest))
+        return (self.flash_ok and self.sliding_window is None and not pool.quantized
+                and flash.usable(pool.device, pool.dtype, pool.head_dim)
+                and flash.takes_chunk(pool.device, pool.num_kv_heads, group, rows, longest))
 
     @torch.inference_mode()
     def prefill(self, seq: SequenceKV, token_ids: list[int], context: StepContext | None = None) -> torch.Tensor:
@@ -150,14 +163,27 @@ class GraphedPrefill:
             self.uploaded[k].record()
         width = min(int(seq.num_pages.max(initial=0)), self.tables.shape[3])
         self.tables[:, 0, :, :width].copy_(seq.device_table()[:, :, :width])
+        key = (rows, self.uses_flash(rows, int(seq.lengths.max())))
         if self.pool.device.type != "cuda":  # the same steps without a graph: how CPU tests check them
-            return self._run(rows, _PrefillStep(self, rows, self.splits(rows)))[0, 0].clone()
-        if rows not in self.graphs_by_rows:
-            step = _PrefillStep(self, rows, self.splits(rows))
-            self.graphs_by_rows[rows] = self.graphs.capture(lambda: self._run(rows, step))
-        graph, logits = self.graphs_by_rows[rows]
+            return self._run(rows, _PrefillStep(self, rows, self.splits(rows), key[1]))[0, 0].clone()
+        if key not in self.graphs_by_key:
+            self.graphs_by_key[key] = self._capture(*key)
+        graph, logits = self.graphs_by_key[key]
         graph.replay()
         return logits[0, 0].clone()
+
+    def _capture(self, rows: int, flash_attention: bool):
+        step = _PrefillStep(self, rows, self.splits(rows), flash_attention)
+        try:
+            return self.graphs.capture(lambda: self._run(rows, step))
+        except Exception as error:  # noqa: BLE001 - an optional package that cannot be captured
+            if not flash_attention:
+                raise
+            self.flash_ok = False
+            warnings.warn(f"FlashAttention-4 could not be captured in a CUDA graph; short prefill chunks use the "
+                          f"paged kernel: {error!r}", stacklevel=3)
+            step = _PrefillStep(self, rows, self.splits(rows))
+            return self.graphs.capture(lambda: self._run(rows, step))
 
     def splits(self, rows: int) -> int:
         """The key splits of a bucket's graph: as the eager step would choose them for the longest
