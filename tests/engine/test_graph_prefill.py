@@ -289,3 +289,39 @@ def test_replayed_eviction_turns_match_the_engine_without_graphs(chat_model_dir,
     finally:
         for c in convs:
             c.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: graphs are captured and replayed")
+def test_replayed_turns_through_real_flash_attention_match_the_eager_engine(tmp_path, monkeypatch):
+    """With flash-attn-4 installed: a model of head dim 128 whose short turns replay from graphs that
+    attend through FA4 (takes_chunk lowered so that this small shape qualifies; left-padded rows) gives
+    the eager engine's logits on its own kernels, bf16 rounding apart."""
+    from tests.conftest import save_tiny
+    from turnkv.attention import flash
+
+    if not flash.usable(torch.device("cuda"), torch.bfloat16, 128):
+        pytest.skip("needs flash-attn-4 on a Hopper or Blackwell GPU")
+    save_tiny(tmp_path, "llama", hidden_size=1024, intermediate_size=2048, num_attention_heads=8,
+              num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=4096)
+    kwargs = dict(device="cuda", dtype="bfloat16", kv_memory="256MiB", tokenizer=None)
+    eager = turnkv.LLM(str(tmp_path), cuda_graphs=False, **kwargs)
+    graphed = turnkv.LLM(str(tmp_path), **kwargs)
+    monkeypatch.setattr(flash, "takes_chunk", lambda device, bh, group, rows, longest: rows >= 128 and longest > 1000)
+    graphs = graphed.runner.prefill_graphs
+    seqs = [SequenceKV(eager.pool), SequenceKV(graphed.pool)]
+    try:
+        history = torch.randint(5, 300, (1500,), generator=torch.Generator().manual_seed(0)).tolist()
+        for llm, seq in zip((eager, graphed), seqs):
+            llm.runner.prefill(seq, history)
+        for n in (100, 250, 30):
+            tokens = torch.randint(5, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+            with monkeypatch.context() as m:
+                m.setattr(flash, "ENABLED", False)
+                a = eager.runner.prefill(seqs[0], tokens)
+            b = graphed.runner.prefill(seqs[1], tokens)
+            assert ((a - b).norm() / a.norm()).item() < 2e-2, n
+        assert set(graphs.graphs_by_key) == {(128, True), (256, True), (32, False)}
+    finally:
+        for s in seqs:
+            s.free()
