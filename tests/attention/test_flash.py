@@ -87,37 +87,23 @@ def paged_pool(lengths, page, D, gen):
     return k, v, table
 
 
+@pytest.mark.parametrize("attend", ["paged", "gathered"])
 @pytest.mark.parametrize("lengths,T", [([[23, 23]], 5), ([[40, 17, 33]], 1), ([[19, 30], [25, 8]], 8)])
-def test_paged_equals_the_reference_for_uneven_heads_and_batches(stand_in, lengths, T):
+def test_paged_and_gathered_equal_the_reference_for_uneven_heads_and_batches(stand_in, attend, lengths, T):
     """Heads of different lengths, partial last pages, one or several sequences: the reference's
     attention, as a [B, Hq, T, D] view of a [B, T, Hq, D] tensor; one FA4 batch entry per (sequence,
-    KV head), its query group as heads."""
+    KV head), its query group as heads. Gathered: each head's pages copied into one run first (shorter
+    heads padded with whatever their table holds past their pages, which seqused_k leaves out)."""
     gen = torch.Generator().manual_seed(0)
     B, H, G, D = len(lengths), len(lengths[0]), 2, 16
     k, v, table = paged_pool(lengths, 4, D, gen)
     q = torch.randn(B, T, H * G, D, generator=gen).transpose(1, 2)
     lens = torch.tensor(lengths)
-    got = flash.paged(q, k, v, table, lens, scale=0.3)
+    got = getattr(flash, attend)(q, k, v, table, lens, scale=0.3)
     want = reference.paged_chunk(q, k, v, table, lens, scale=0.3)
     assert relative_error(got, want) < 1e-5
     assert got.transpose(1, 2).is_contiguous()
-    assert stand_in.calls == [("paged", (B * H, T, G, D))]
-
-
-@pytest.mark.parametrize("lengths,T", [([[23, 23]], 5), ([[40, 17, 33]], 1), ([[19, 30], [25, 8]], 8)])
-def test_gathered_equals_the_reference_for_uneven_heads_and_batches(stand_in, lengths, T):
-    """The pages gathered into one contiguous run per head first (shorter heads padded with whatever
-    their table holds past their pages, which seqused_k leaves out): the reference's attention."""
-    gen = torch.Generator().manual_seed(4)
-    B, H, G, D = len(lengths), len(lengths[0]), 2, 16
-    k, v, table = paged_pool(lengths, 4, D, gen)
-    q = torch.randn(B, T, H * G, D, generator=gen).transpose(1, 2)
-    lens = torch.tensor(lengths)
-    got = flash.gathered(q, k, v, table, lens, scale=0.3)
-    want = reference.paged_chunk(q, k, v, table, lens, scale=0.3)
-    assert relative_error(got, want) < 1e-5
-    assert got.transpose(1, 2).is_contiguous()
-    assert stand_in.calls == [("gathered", (B * H, T, G, D))]
+    assert stand_in.calls == [(attend, (B * H, T, G, D))]
 
 
 def test_long_chunks_read_the_history_gathered(monkeypatch, stand_in):
@@ -266,33 +252,21 @@ REAL = pytest.mark.skipif(not (torch.cuda.is_available() and importlib.util.find
 
 @pytest.mark.gpu
 @REAL
-@pytest.mark.parametrize("lengths,T", [([[4000 + 512] * 8], 512), ([[3000 + 131 * h for h in range(8)]] * 2, 300)])
-def test_real_paged_matches_the_reference_bf16(lengths, T):
+@pytest.mark.parametrize("attend", ["paged", "gathered"])
+@pytest.mark.parametrize("lengths,T", [([[4000 + 1024] * 8], 1024), ([[3000 + 131 * h for h in range(8)]] * 2, 300)])
+def test_real_paged_and_gathered_match_the_reference_bf16(attend, lengths, T):
+    """Even heads, and two sequences of uneven heads with partial last pages; the gathered runs give
+    what the in-place pages give (the same kernel, its loads apart)."""
     gen = torch.Generator().manual_seed(2)
     k, v, table = (t.cuda() for t in paged_pool(lengths, 16, 128, gen))
     k, v = k.bfloat16(), v.bfloat16()
     B = len(lengths)
     q = torch.randn(B, T, 32, 128, generator=gen).cuda().bfloat16().transpose(1, 2)
     lens = torch.tensor(lengths).cuda()
-    got = flash.paged(q, k, v, table, lens)
+    got = getattr(flash, attend)(q, k, v, table, lens)
     want = reference.paged_chunk(q.float(), k.float(), v.float(), table, lens)
     assert got.dtype == torch.bfloat16 and relative_error(got, want) < 2e-2
-
-
-@pytest.mark.gpu
-@REAL
-@pytest.mark.parametrize("lengths,T", [([[4000 + 1024] * 8], 1024), ([[3000 + 131 * h for h in range(8)]] * 2, 1500)])
-def test_real_gathered_matches_the_reference_bf16(lengths, T):
-    gen = torch.Generator().manual_seed(5)
-    k, v, table = (t.cuda() for t in paged_pool(lengths, 16, 128, gen))
-    k, v = k.bfloat16(), v.bfloat16()
-    B = len(lengths)
-    q = torch.randn(B, T, 32, 128, generator=gen).cuda().bfloat16().transpose(1, 2)
-    lens = torch.tensor(lengths).cuda()
-    got = flash.gathered(q, k, v, table, lens)
-    want = reference.paged_chunk(q.float(), k.float(), v.float(), table, lens)
-    assert got.dtype == torch.bfloat16 and relative_error(got, want) < 2e-2
-    assert relative_error(got, flash.paged(q, k, v, table, lens)) < 1e-3  # the same kernel, loads apart
+    assert relative_error(got, flash.paged(q, k, v, table, lens)) < 1e-3
 
 
 @pytest.mark.gpu
