@@ -51,7 +51,8 @@ def replayable(context: StepContext | None) -> bool:
 
 class _PrefillStep:
     """The decoder's AttentionStep over one bucket's static buffers: store K/V and the last queries,
-    then the paged chunk kernel over the sequence's table (the chunk's own entries included)."""
+    then attend over the sequence's table (the chunk's own entries included) with the paged chunk
+    kernel, or with FA4 (flash_attention)."""
 
     def __init__(self, owner: GraphedPrefill, rows: int, splits: int, flash_attention: bool = False):
         L, H = owner.pool.num_layers, owner.pool.num_kv_heads
