@@ -11,7 +11,7 @@ chat: setup
 # (tests/docs/), so they install the ray and docs extras.
 test:
 	EXTRAS=test,ray,docs bash scripts/setup.sh
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -n 2
 
 # The GPU lane: run on a CUDA machine (see docs/contributing.md, the GPU lane). It uses the machine's own torch.
 test-gpu:
