@@ -33,7 +33,6 @@ def _kernel():
     return chunk_prefill
 
 
-
 def uses_kernel(device: torch.device) -> bool:
     """Whether later chunks on `device` take the kernel (switched on, CUDA or forced, Triton present)."""
     return ENABLED and (device.type == "cuda" or FORCE) and _kernel() is not None

@@ -21,7 +21,6 @@ def _kernel():
     return decode
 
 
-
 def uses_kernel(device: torch.device) -> bool:
     return device.type == "cuda" and _kernel() is not None
 

@@ -10,7 +10,7 @@ Contracts (the same as the paths they stand in for):
   every head's last T entries are the chunk, causal from the bottom right; heads may hold different
   numbers of entries. Each (sequence, KV head) is one FA4 batch entry with its own page table and
   length, its query group as its heads.
-- gathered(...): paged()'s contract, the heads' pages copied into contiguous runs first.
+- gathered(..., max_length): paged()'s contract, the heads' pages copied into contiguous runs first.
 
 Switch: used on CUDA devices of compute capability 9.x and 10.x, in fp16 / bf16, for head dims FA4
 takes, when flash_attn.cute imports. TURNKV_FLASH_ATTN=0 in the environment (read at import) or
@@ -21,8 +21,8 @@ sets it), as Triton keeps its own: only the first process on a machine pays the 
 
 Which chunks it takes: each FA4 call costs about 0.2 ms of host time and has no key splits on Hopper,
 so only chunks with work enough (takes_chunk, takes_fresh; long ones gathered, takes_gathered); the rest
-stay on the paged Triton kernel
-and torch's SDPA (benchmarks/prefill/README.md has the measurements behind the thresholds).
+stay on the paged Triton kernel and torch's SDPA (benchmarks/prefill/README.md has the measurements
+behind the thresholds).
 """
 
 from __future__ import annotations
@@ -65,7 +65,6 @@ def _device_ok(index: int) -> bool:
     return torch.cuda.get_device_properties(index).major in (9, 10)
 
 
-
 def usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether FA4 runs attention for tensors of this device, dtype and head dim."""
     on_device = FORCE or (device.type == "cuda" and _device_ok(device.index or 0))
@@ -100,45 +99,49 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | Non
     return out.transpose(1, 2)
 
 
+def _grouped(q: torch.Tensor, H: int) -> torch.Tensor:
+    """q [B, Hq, T, D] -> [B * H, T, G, D], one FA4 batch entry per (sequence, KV head), its query group
+    as heads: a strided view for one sequence, a copy for several."""
+    B, Hq, T, D = q.shape
+    grouped = q.reshape(B, H, Hq // H, T, D).transpose(2, 3)
+    return grouped[0] if B == 1 else grouped.reshape(B * H, T, Hq // H, D)
+
+
+def _ungrouped(out: torch.Tensor, B: int) -> torch.Tensor:
+    """FA4's out [B * H, T, G, D] -> [B, Hq, T, D], a view of a [B, T, Hq, D] tensor."""
+    BH, T, G, D = out.shape
+    H = BH // B
+    return out.view(B, H, T, G, D).permute(0, 2, 1, 3, 4).reshape(B, T, H * G, D).transpose(1, 2)
+
+
 def paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
           lengths: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """q [B, Hq, T, D] over one layer's pool k_cache, v_cache [pages, PAGE, D] through table [B, H, P]
     and lengths [B, H] -> [B, Hq, T, D], a view of a [B, T, Hq, D] tensor."""
     flash_attn_varlen_func = _interface()[1]
-    B, Hq, T, D = q.shape
-    H = table.shape[1]
-    G = Hq // H
-    # [B, Hq, T, D] -> [B * H, T, G, D]: a strided view for one sequence, a copy for several.
-    grouped = q.reshape(B, H, G, T, D).transpose(2, 3)
-    grouped = grouped[0] if B == 1 else grouped.reshape(B * H, T, G, D)
+    B, H = table.shape[:2]
     out, _ = flash_attn_varlen_func(  # (out, log-sum-exp)
-        grouped, k_cache[:, :, None], v_cache[:, :, None], seqused_k=lengths.reshape(B * H).to(torch.int32),
+        _grouped(q, H), k_cache[:, :, None], v_cache[:, :, None], seqused_k=lengths.reshape(B * H).to(torch.int32),
         page_table=table.reshape(B * H, -1).to(torch.int32), softmax_scale=scale, causal=True)
-    # [B * H, T, G, D] -> [B, T, Hq, D]
-    out = out.view(B, H, T, G, D).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
-    return out.transpose(1, 2)
+    return _ungrouped(out, B)
 
 
 def gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-             lengths: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+             lengths: torch.Tensor, max_length: int, scale: float | None = None) -> torch.Tensor:
     """paged()'s contract, with every head's pages first gathered into one contiguous run: FA4 then
-    loads K/V as dense tiles (its TMA path), which its 16-token paged loads do not. The copy reads and
-    writes the kept K/V once, so it pays for long chunks only (takes_gathered)."""
+    loads K/V as dense tiles (its TMA path), which its 16-token paged loads do not. max_length: the
+    longest head's entries, known on the host (no device read). The copy reads and writes the kept
+    K/V once, so it pays for long chunks only (takes_gathered)."""
     flash_attn_varlen_func = _interface()[1]
-    B, Hq, T, D = q.shape
-    H = table.shape[1]
-    G = Hq // H
-    page = k_cache.shape[1]
-    pages = -(-int(lengths.max()) // page)
+    B, H = table.shape[:2]
+    D, page = k_cache.shape[-1], k_cache.shape[1]
+    pages = -(-max_length // page)
     index = table[:, :, :pages].reshape(-1)
     keys = k_cache.index_select(0, index).view(B * H, pages * page, 1, D)
     values = v_cache.index_select(0, index).view(B * H, pages * page, 1, D)
-    grouped = q.reshape(B, H, G, T, D).transpose(2, 3)
-    grouped = grouped[0] if B == 1 else grouped.reshape(B * H, T, G, D)
-    out, _ = flash_attn_varlen_func(grouped, keys, values, seqused_k=lengths.reshape(B * H).to(torch.int32),
+    out, _ = flash_attn_varlen_func(_grouped(q, H), keys, values, seqused_k=lengths.reshape(B * H).to(torch.int32),
                                     softmax_scale=scale, causal=True)
-    out = out.view(B, H, T, G, D).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
-    return out.transpose(1, 2)
+    return _ungrouped(out, B)
 
 
 def warm_up(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,

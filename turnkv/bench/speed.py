@@ -49,11 +49,6 @@ def _prompt(ctx: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, min(vocab, 32000), (ctx,), generator=gen).tolist()
 
 
-def _kv_token_bytes(llm) -> int:
-    """K and V bytes of one token over every layer and KV head (a quantized pool's scales included)."""
-    return llm.pool.token_bytes * llm.config.num_layers * llm.config.num_kv_heads
-
-
 def _peak_reset(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -102,7 +97,7 @@ def measure(llm, recipe, ctx: int, batch: int, cfg: SpeedConfig, hw: dict) -> di
            "peak_gb": _peak_gb(llm.device)}
     if batch == 1:
         ttft = statistics.median(r[0].ttft_s for r in runs)
-        prefill_floor = hardware.prefill_floor(llm.config, hw, _kv_token_bytes(llm), ctx)
+        prefill_floor = hardware.prefill_floor(llm.config, hw, llm.kv_bytes_per_token(), ctx)
         row |= {"ttft_s": ttft, "ttft_floor_s": prefill_floor, "ttft_of_floor": prefill_floor / ttft}
     return row
 
@@ -130,8 +125,9 @@ def measure_turns(llm, ctx: int, cfg: SpeedConfig, hw: dict) -> list[dict]:
                 kept = hardware.median_time(lambda: llm.runner.prefill(seq, new), llm.device, repeat=cfg.repeat,
                                             warmup=2, after=lambda: seq.truncate(max(0, history - next(shorter))))
                 llm.runner.prefill(seq, held[seq.next_position : history])
+                floor = hardware.prefill_floor(llm.config, hw, llm.kv_bytes_per_token(), size, history)
                 rows.append({"turn": k + 2, "history_tokens": history, "new_tokens": size, "prefill_s": kept,
-                             "floor_s": hardware.prefill_floor(llm.config, hw, _kv_token_bytes(llm), size, history)})
+                             "floor_s": floor})
             turn = _prompt(cfg.turn_tokens[0], llm.config.vocab_size, cfg.seed + 100 + k)
             llm.runner.prefill(seq, turn)
             held += turn

@@ -169,8 +169,12 @@ class Step:
             if self._flash_args is None:
                 self._flash_args = (self.tables.to(torch.int32), self.lengths.to(torch.int32))
             tables, lengths = self._flash_args
-            attend = flash.gathered if flash.takes_gathered(T) else flash.paged
-            return attend(q, self.pool.k[layer], self.pool.v[layer], tables[layer], lengths[layer]).transpose(1, 2)
+            k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+            if flash.takes_gathered(T):
+                out = flash.gathered(q, k_cache, v_cache, tables[layer], lengths[layer], self.max_len[layer])
+            else:
+                out = flash.paged(q, k_cache, v_cache, tables[layer], lengths[layer])
+            return out.transpose(1, 2)
         if self.chunk_kernel and self._splits_history(layer, T):
             return self._split_attention(layer, q, k, v).transpose(1, 2)
         if self.chunk_kernel:

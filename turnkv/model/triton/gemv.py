@@ -104,7 +104,6 @@ FMA_CONFIG = dict(block_n=8, block_k=512, num_warps=4, num_stages=1, split_k=1, 
 TUNED: dict[tuple[int, int, int], dict] = {}
 
 
-
 def default_config(M: int, N: int, K: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Launch settings for one call; the one place where they depend on the device.
 
