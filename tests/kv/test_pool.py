@@ -207,3 +207,47 @@ def test_allocate_pops_each_layers_free_stack_and_fails_whole():
     with pytest.raises(KVCacheFullError, match="layer 1 needs 10 pages and has 9 free"):
         pool.allocate([1, 10, 1])
     assert [pool.free_pages(layer) for layer in range(3)] == [7, 9, 7]  # nothing taken
+
+
+def test_release_of_pages_from_several_layers_at_once_matches_one_layer_at_a_time():
+    batched, single = PagePool(3, 2, 4, 6, 4), PagePool(3, 2, 4, 6, 4)
+    for pool in (batched, single):
+        pool.allocate([3, 2, 4])
+        pool.share(2, [1])  # a page with two holders: released once, it stays in use
+    layers, pages = np.array([0, 0, 2, 2, 2]), np.array([2, 0, 1, 3, 0])
+    batched.release(layers, pages)
+    for layer in (0, 2):
+        single.release(layer, pages[layers == layer])
+    assert (batched.refs == single.refs).all() and batched.refs[2, 1] == 1
+    assert [batched.free_pages(layer) for layer in range(3)] == [5, 4, 4] == [single.free_pages(x) for x in range(3)]
+    assert [p.tolist() for p in batched.allocate([2, 0, 2])] == [p.tolist() for p in single.allocate([2, 0, 2])]
+    with pytest.raises(ValueError, match="layer 1: releasing pages that are not in use"):
+        batched.release(np.array([0, 1]), np.array([1, 5]))
+    assert batched.refs[0, 1] == 1  # refused whole: nothing released
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn])
+def test_copy_pages_across_layers_in_one_call_matches_one_layer_at_a_time(kv_dtype):
+    def filled():
+        pool = PagePool(3, 2, D, 6, 4, dtype=torch.float32, kv_dtype=kv_dtype)
+        g = torch.Generator().manual_seed(3)
+        for layer in range(3):
+            pool.write(layer, torch.arange(24), torch.randn(24, D, generator=g), torch.randn(24, D, generator=g))
+            pool.positions[layer] = torch.arange(24).view(6, 4) * (layer + 1)
+            pool.attention_mass[layer] = torch.rand(6, 4, generator=g)
+        return pool
+
+    batched, single = filled(), filled()
+    layers, src, dst = np.array([0, 2, 2]), np.array([1, 0, 4]), np.array([5, 3, 1])
+    batched.copy_pages(layers, src, dst)
+    for layer, s, d in zip(layers, src, dst):
+        single.copy_pages(int(layer), [s], [d])
+    for name in ("k", "v", "k_scale", "v_scale", "positions", "attention_mass"):
+        a, b = getattr(batched, name), getattr(single, name)
+        if a is not None:
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), name
+    assert torch.equal(batched.positions[2, 3], batched.positions[2, 0]) and batched.positions[2, 0, 1] == 3
+    fresh = filled()
+    assert torch.equal(batched.positions[1], fresh.positions[1])  # layer 1 untouched
+    assert torch.equal(batched.attention_mass[1], fresh.attention_mass[1])

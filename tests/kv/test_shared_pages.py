@@ -158,3 +158,26 @@ def test_releasing_a_page_nobody_holds_is_refused():
     pool = _pool()
     with pytest.raises(ValueError):
         pool.release(0, [3])
+
+
+def test_an_append_copies_every_layers_shared_partial_pages_in_one_batch(monkeypatch):
+    pool = _pool()
+    a = SequenceKV(pool)
+    _append(a, 6, 0)
+    b = SequenceKV(pool)
+    b.share_from(a)
+    before = _rows(a)
+    calls = []
+    copy = pool.copy_pages
+    monkeypatch.setattr(pool, "copy_pages", lambda *args: (calls.append(args), copy(*args)))
+    shrinks, moves = b.shrinks, b.moves.copy()
+    _append(b, 1, 1)
+    assert len(calls) == 1 and sorted(np.asarray(calls[0][0]).tolist()) == [0] * H + [1] * H  # every layer's, once
+    assert (b.table[:, :, 1] != a.table[:, :, 1]).all()
+    assert (pool.refs[np.arange(L)[:, None], a.table[:, :, 1]] == 1).all()  # a's pages are a's alone again
+    assert (b.moves == moves + 1).all() and b.shrinks == shrinks + 1  # one move per head, one change
+    assert _same(_rows(a), before)
+    for layer in range(L):
+        kb, vb, pb = b.gather(layer)
+        assert torch.equal(kb[:, :6], before[layer][0]) and torch.equal(vb[:, :6], before[layer][1])
+        assert pb[0].tolist() == list(range(7))

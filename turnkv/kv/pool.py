@@ -151,36 +151,45 @@ class PagePool:
         self.refs[layers, pages] = 1
         return pages
 
-    def release(self, layer: int, pages) -> None:
-        """One holder lets go of `pages` (distinct ids, each held); a page nobody holds any more goes
-        back to the free stack."""
+    def release(self, layer, pages) -> None:
+        """One holder lets go of `pages` (distinct ids per layer, each held) of `layer` (one layer, or
+        each page's); a page nobody holds any more goes back to its layer's free stack."""
         pages = np.asarray(pages, dtype=np.int64).reshape(-1)
         if not len(pages):
             return
-        refs = self.refs[layer]
-        if (refs[pages] < 1).any():
-            raise ValueError(f"layer {layer}: releasing pages that are not in use")
-        refs[pages] -= 1
-        freed = pages[refs[pages] == 0]
-        top = self._top[layer]
-        self._stack[layer, top : top + len(freed)] = freed[::-1]
-        self._top[layer] = top + len(freed)
+        layers = np.broadcast_to(np.asarray(layer, dtype=np.int64), pages.shape)
+        bad = self.refs[layers, pages] < 1
+        if bad.any():
+            raise ValueError(f"layer {int(layers[bad][0])}: releasing pages that are not in use")
+        self.refs[layers, pages] -= 1
+        gone = self.refs[layers, pages] == 0
+        for one in np.unique(layers[gone]):
+            freed = pages[gone & (layers == one)]
+            top = self._top[one]
+            self._stack[one, top : top + len(freed)] = freed[::-1]
+            self._top[one] = top + len(freed)
 
-    def share(self, layer: int, pages) -> None:
-        """One more holder takes `pages` (distinct ids, each in use)."""
+    def share(self, layer, pages) -> None:
+        """One more holder takes `pages` (distinct ids per layer, each in use) of `layer` (one layer,
+        or each page's)."""
         pages = np.asarray(pages, dtype=np.int64).reshape(-1)
-        if len(pages) and (self.refs[layer, pages] < 1).any():
-            raise ValueError(f"layer {layer}: sharing pages that are not in use")
-        self.refs[layer, pages] += 1
+        layers = np.broadcast_to(np.asarray(layer, dtype=np.int64), pages.shape)
+        bad = self.refs[layers, pages] < 1
+        if bad.any():
+            raise ValueError(f"layer {int(layers[bad][0])}: sharing pages that are not in use")
+        self.refs[layers, pages] += 1
 
-    def copy_pages(self, layer: int, src, dst) -> None:
-        """Copy whole pages src -> dst [n] of a layer: K, V, their scales, positions and attention mass."""
-        src = torch.as_tensor(np.asarray(src, dtype=np.int64), device=self.device)
-        dst = torch.as_tensor(np.asarray(dst, dtype=np.int64), device=self.device)
+    def copy_pages(self, layer, src, dst) -> None:
+        """Copy whole pages src -> dst [n] of `layer` (one layer, or each page's [n]): K, V, their
+        scales, positions and attention mass, in one copy per store whatever the layers."""
+        src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+        base = np.asarray(layer, dtype=np.int64) * self.num_pages  # pages flattened over (layer, page)
+        index = torch.as_tensor(np.stack(np.broadcast_arrays(base + src, base + dst)), device=self.device)
         for store in (self.k, self.v, self.k_scale, self.v_scale, self.positions, self.attention_mass):
             if store is not None:
-                raw = quant.raw(store[layer]) if store is self.k or store is self.v else store[layer]
-                raw.index_copy_(0, dst, raw.index_select(0, src))
+                raw = quant.raw(store) if store is self.k or store is self.v else store
+                flat = raw.view(-1, *raw.shape[2:])
+                flat.index_copy_(0, index[1], flat.index_select(0, index[0]))
 
     # ---- K/V data ---------------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

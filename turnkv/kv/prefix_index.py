@@ -165,11 +165,10 @@ class PrefixIndex:
 
     def _count(self, entry: PrefixEntry, step: int) -> None:
         """Add (+1) or take (-1) `entry`'s hold on its pages in the per-page counts."""
-        for layer, pages in enumerate(entry.kv.held_pages()):
-            holds = self._holds[layer]
-            before = int((holds[pages] > 0).sum())
-            holds[pages] += step
-            self._distinct += int((holds[pages] > 0).sum()) - before
+        held = entry.kv.held_by_layer()  # (layers, pages): distinct pairs
+        before = int((self._holds[held] > 0).sum())
+        self._holds[held] += step
+        self._distinct += int((self._holds[held] > 0).sum()) - before
 
     @staticmethod
     def _place(root: _Node, tokens: tuple[int, ...], entry: PrefixEntry) -> None:

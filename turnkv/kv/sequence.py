@@ -72,17 +72,19 @@ class SequenceKV(Compaction):
 
     def held_pages(self) -> list[np.ndarray]:
         """Per layer, the page ids this sequence holds (every head's)."""
-        cols = np.arange(self.table.shape[2])
-        return [self.table[layer][cols[None, :] < self.num_pages[layer][:, None]] for layer in range(len(self.table))]
+        layers, pages = self.held_by_layer()
+        return np.split(pages, np.searchsorted(layers, np.arange(1, len(self.table))))
+
+    def held_by_layer(self) -> tuple[np.ndarray, np.ndarray]:
+        """(layers [n], pages [n]): every page this sequence holds with its layer, in layer order."""
+        mask = np.arange(self.table.shape[2])[None, None, :] < self.num_pages[:, :, None]
+        return np.nonzero(mask)[0], self.table[mask]
 
     def sharing(self) -> tuple[int, int]:
         """(own bytes, shared share): bytes of the pages only this sequence holds, and its share of the
         pages it holds with others (a page's bytes over its number of holders)."""
-        own, share = 0, 0.0
-        for layer, pages in enumerate(self.held_pages()):
-            refs = self.pool.refs[layer, pages]
-            own += int((refs == 1).sum())
-            share += float((1.0 / refs[refs > 1]).sum())
+        refs = self.pool.refs[self.held_by_layer()]
+        own, share = int((refs == 1).sum()), float((1.0 / refs[refs > 1]).sum())
         return own * self.pool.page_bytes, int(round(share * self.pool.page_bytes))
 
     def share_from(self, other: SequenceKV) -> None:
@@ -90,30 +92,33 @@ class SequenceKV(Compaction):
         table, every page one holder more. Whichever writes into a shared page first copies it."""
         if self.next_position or self.num_pages.any():
             raise ValueError("share_from needs an empty sequence")
-        for layer, pages in enumerate(other.held_pages()):
-            self.pool.share(layer, pages)
+        self.pool.share(*other.held_by_layer())
         self.table = other.table.copy()
         self.lengths, self.num_pages = other.lengths.copy(), other.num_pages.copy()
         self.next_position = other.next_position
         self._table_device, self._dirty_from = None, 0
         self.moves += 1  # written behind the page statistics' back, as a restore is
 
-    def _privatize(self, layer: int, heads: np.ndarray, cols: np.ndarray) -> None:
+    def _privatize(self, layer, heads: np.ndarray, cols: np.ndarray) -> None:
         """Give (layer, heads[i]) a private copy of its page at table column cols[i] where that page is
-        shared; pages only this sequence holds stay."""
-        pages = self.table[layer, heads, cols]
-        shared = self.pool.refs[layer, pages] > 1
+        shared; pages only this sequence holds stay. `layer`: one layer, or each entry's [n] (every
+        layer's pages then copy in one batch)."""
+        heads, cols = np.asarray(heads, dtype=np.int64), np.asarray(cols, dtype=np.int64)
+        layers = np.broadcast_to(np.asarray(layer, dtype=np.int64), heads.shape)
+        pages = self.table[layers, heads, cols]
+        shared = self.pool.refs[layers, pages] > 1
         if not shared.any():
             return
-        heads, cols, old = heads[shared], cols[shared], pages[shared]
-        counts = [0] * self.pool.num_layers
-        counts[layer] = len(old)
-        new = self.pool.allocate(counts)[layer]
-        self.pool.copy_pages(layer, old, new)
-        self.table[layer, heads, cols] = new
-        self.pool.release(layer, old)
-        self.moves[layer, np.unique(heads)] += 1
-        self.ordered_moves[layer, np.unique(heads)] += 1
+        order = np.argsort(layers[shared], kind="stable")  # allocate_flat hands pages out in layer order
+        layers, heads, cols, old = (a[shared][order] for a in (layers, heads, cols, pages))
+        new = self.pool.allocate_flat(np.bincount(layers, minlength=self.pool.num_layers))
+        self.pool.copy_pages(layers, old, new)
+        self.table[layers, heads, cols] = new
+        self.pool.release(layers, old)
+        L, H = self.moves.shape
+        touched = np.unique(layers * H + heads)  # each (layer, head) counts one move, however many pages
+        self.moves.reshape(-1)[touched] += 1
+        self.ordered_moves.reshape(-1)[touched] += 1
         self.shrinks += 1
         self._dirty_from = min(self._dirty_from, int(cols.min()))
 
@@ -170,9 +175,9 @@ class SequenceKV(Compaction):
             if partial.any():
                 last = np.take_along_axis(self.table, np.maximum(self.num_pages - 1, 0)[:, :, None], 2)[:, :, 0]
                 partial &= self.pool.refs[np.arange(len(last))[:, None], last] > 1
-                for layer in np.flatnonzero(partial.any(axis=1)):
-                    heads = np.flatnonzero(partial[layer])
-                    self._privatize(int(layer), heads, self.num_pages[layer, heads] - 1)
+                if partial.any():  # every layer's shared last pages, copied in one batch
+                    layers, heads = np.nonzero(partial)
+                    self._privatize(layers, heads, self.num_pages[layers, heads] - 1)
         needed_pages = -(-(self.lengths + num_tokens) // ps) - self.num_pages
         self._place_pages(needed_pages, self.pool.allocate_flat(needed_pages.sum(axis=1)))
 
