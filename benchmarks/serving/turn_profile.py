@@ -95,8 +95,8 @@ def profile_report(turn: int, prof, cprof, reply, cuda: bool) -> list[str]:
            ""]
     if cuda:
         graph = sum(e.name == "cudaGraphLaunch" for e in launches)
-        out += [f"- GPU kernels: {len(kernels)}, {sum(e.device_time for e in kernels) / 1000:.1f} ms in all; "
-                f"launches from the host: {len(launches)} ({graph} graph replays)", ""]
+        out += [(f"- GPU kernels: {len(kernels)}, {sum(e.device_time for e in kernels) / 1000:.1f} ms in all; "
+                 f"launches from the host: {len(launches)} ({graph} graph replays)"), ""]
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60)
     s = io.StringIO()
     pstats.Stats(cprof, stream=s).sort_stats("tottime").print_stats(25)

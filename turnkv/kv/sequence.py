@@ -115,10 +115,9 @@ class SequenceKV(Compaction):
         self.pool.copy_pages(layers, old, new)
         self.table[layers, heads, cols] = new
         self.pool.release(layers, old)
-        L, H = self.moves.shape
-        touched = np.unique(layers * H + heads)  # each (layer, head) counts one move, however many pages
-        self.moves.reshape(-1)[touched] += 1
-        self.ordered_moves.reshape(-1)[touched] += 1
+        touched = tuple(np.unique(np.stack([layers, heads]), axis=1))  # one move per (layer, head), however many pages
+        self.moves[touched] += 1
+        self.ordered_moves[touched] += 1
         self.shrinks += 1
         self._dirty_from = min(self._dirty_from, int(cols.min()))
 
