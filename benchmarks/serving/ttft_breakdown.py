@@ -67,7 +67,8 @@ def timed(owner, name: str, phase: str, before=None) -> None:
 def instrument(sync_probe: bool, device: str | None) -> None:
     import torch
 
-    from turnkv.serve import app, chat, scheduler
+    from turnkv.engine import prefix, runner, turn
+    from turnkv.serve import app, chat, scheduler, store
     from turnkv.serve.job import Job
 
     sync = (lambda: torch.cuda.synchronize()) if sync_probe and device == "cuda" else None
@@ -78,8 +79,14 @@ def instrument(sync_probe: bool, device: str | None) -> None:
     timed(Job, "encode", "encode")
     timed(Job, "ready", "ready (begin turn)")
     timed(Job, "prefill", "prefill", before=sync)
+    timed(turn.TurnRun, "prefill", "  turn prefill (forward + recipe hooks)")
+    timed(runner.ModelRunner, "prefill", "    forward")
+    timed(turn.TurnRun, "take", "  take the first token")
     timed(scheduler.Scheduler, "_first_token", "first token event")
     timed(Job, "finish", "finish")
+    timed(turn.TurnRun, "finish", "  turn finish")
+    timed(prefix, "_insert", "    prefix index insert")
+    timed(store.ConversationStore, "release", "  store release")
     original = app.Stream.push
 
     def push(self, kind, payload):

@@ -77,8 +77,9 @@ class SequenceKV(Compaction):
 
     def held_by_layer(self) -> tuple[np.ndarray, np.ndarray]:
         """(layers [n], pages [n]): every page this sequence holds with its layer, in layer order."""
-        mask = np.arange(self.table.shape[2])[None, None, :] < self.num_pages[:, :, None]
-        return np.nonzero(mask)[0], self.table[mask]
+        width = int(self.num_pages.max(initial=0))  # the table has room for more: look at the used columns
+        mask = np.arange(width)[None, None, :] < self.num_pages[:, :, None]
+        return np.nonzero(mask)[0], self.table[:, :, :width][mask]
 
     def sharing(self) -> tuple[int, int]:
         """(own bytes, shared share): bytes of the pages only this sequence holds, and its share of the
