@@ -173,11 +173,12 @@ class PagePool:
         """One more holder takes `pages` (distinct ids per layer, each in use) of `layer` (one layer,
         or each page's)."""
         pages = np.asarray(pages, dtype=np.int64).reshape(-1)
-        layers = np.broadcast_to(np.asarray(layer, dtype=np.int64), pages.shape)
-        bad = self.refs[layers, pages] < 1
-        if bad.any():
-            raise ValueError(f"layer {int(layers[bad][0])}: sharing pages that are not in use")
-        self.refs[layers, pages] += 1
+        flat, refs = np.asarray(layer, dtype=np.int64) * self.num_pages + pages, self.refs.reshape(-1)
+        counts = refs[flat]
+        if (counts < 1).any():
+            raise ValueError(f"layer {int(np.broadcast_to(layer, pages.shape)[counts < 1][0])}: sharing pages "
+                             f"that are not in use")
+        refs[flat] = counts + 1
 
     def copy_pages(self, layer, src, dst) -> None:
         """Copy whole pages src -> dst [n] of `layer` (one layer, or each page's [n]): K, V, their

@@ -34,6 +34,7 @@ class PrefixEntry:
     extra: dict
     last_used: int = 0
     hits: int = 0
+    flat_pages: np.ndarray | None = None  # its pages as layer * pool.num_pages + page (they never change)
 
     @property
     def nbytes(self) -> int:
@@ -115,7 +116,9 @@ class PrefixIndex:
             return None
         held = SequenceKV(self.pool)
         held.share_from(seq)
-        entry = PrefixEntry(namespace, tokens, held, extra, next(self._clock))
+        layers, pages = held.held_by_layer()
+        entry = PrefixEntry(namespace, tokens, held, extra, next(self._clock),
+                            flat_pages=layers * self.pool.num_pages + pages)
         self._place(self._roots.setdefault(namespace, _Node()), tokens, entry)
         self._entries[(namespace, tokens)] = entry
         self._count(entry, +1)
@@ -165,10 +168,12 @@ class PrefixIndex:
 
     def _count(self, entry: PrefixEntry, step: int) -> None:
         """Add (+1) or take (-1) `entry`'s hold on its pages in the per-page counts."""
-        held = entry.kv.held_by_layer()  # (layers, pages): distinct pairs
-        before = int((self._holds[held] > 0).sum())
-        self._holds[held] += step
-        self._distinct += int((self._holds[held] > 0).sum()) - before
+        holds = self._holds.reshape(-1)  # a view, indexed by flat page ids
+        counts = holds[entry.flat_pages]
+        before = np.count_nonzero(counts)
+        counts += step
+        holds[entry.flat_pages] = counts
+        self._distinct += np.count_nonzero(counts) - before
 
     @staticmethod
     def _place(root: _Node, tokens: tuple[int, ...], entry: PrefixEntry) -> None:
@@ -181,10 +186,11 @@ class PrefixIndex:
             if child is None:
                 node.children[tokens[at]] = _Node(tokens[at:], entry=entry)
                 return
-            common = 0
             limit = min(len(child.edge), len(tokens) - at)
-            while common < limit and child.edge[common] == tokens[at + common]:
-                common += 1
+            if child.edge[:limit] == tokens[at : at + limit]:
+                common = limit
+            else:  # where they part: the first position that differs
+                common = int(np.flatnonzero(np.asarray(child.edge[:limit]) != np.asarray(tokens[at : at + limit]))[0])
             if common < len(child.edge):  # split the edge where it parts from tokens
                 mid = _Node(child.edge[:common], {child.edge[common]: child})
                 child.edge = child.edge[common:]
