@@ -201,7 +201,8 @@ def main() -> None:
     names = []
     for row in rows:
         names += [n for n in row if n not in names]
-    names.sort(key=lambda n: statistics.median(r[n][0] for r in rows[1:] if n in r) if len(rows) > 1 else 0)
+    names = [n for n in names if any(n in r for r in rows[1:])]  # phases of later turns (not turn 1's alone)
+    names.sort(key=lambda n: statistics.median(r[n][0] for r in rows[1:] if n in r))
     lines = [f"# TTFT through turnkv serve, phase by phase: {args.history}-token document, {args.turns} turns",
              "", f"Command: `python {' '.join(sys.argv)}`", "",
              "Each phase's start after the client sent the request and its length, ms, median over turns 2 on.", "",
