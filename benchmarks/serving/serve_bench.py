@@ -182,18 +182,23 @@ def report(args, results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def conversation_args(p: argparse.ArgumentParser, turns: int) -> None:
+    """The engine and the conversation shape, as the serving benchmarks share them."""
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--kv-memory", default=None)
     p.add_argument("--recipe", default=None)
     p.add_argument("--tokenizer", default=None, help="tokenizer folder or GGUF (default: the embedded SmolLM2's)")
-    p.add_argument("--conversations", type=int, default=8)
-    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--turns", type=int, default=turns)
     p.add_argument("--history", type=int, default=2048, help="tokens of the document in turn 1")
     p.add_argument("--max-tokens", type=int, default=16)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    conversation_args(p, turns=4)
+    p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--modes", default="reuse,no_reuse")
     p.add_argument("--out", default=None, help="path stem for .json and .md results")

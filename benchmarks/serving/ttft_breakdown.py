@@ -31,7 +31,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_bench import QUESTIONS, free_port, history_text  # noqa: E402
+from serve_bench import QUESTIONS, conversation_args, free_port, history_text  # noqa: E402
 
 EVENTS: list[tuple[str, float, float]] = []  # (phase, start, end), perf_counter seconds
 
@@ -176,15 +176,7 @@ def library_ttft(args, document: str, replies: list[str]) -> list[float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--device", default=None)
-    p.add_argument("--recipe", default=None)
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--kv-memory", default=None, help="each engine's KV pool (two engines share the device)")
-    p.add_argument("--history", type=int, default=2048)
-    p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--max-tokens", type=int, default=16)
+    conversation_args(p, turns=6)  # --kv-memory: each engine's pool (the server's and conv.send's share the device)
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--sync-probe", action="store_true")
     p.add_argument("--no-library", action="store_true", help="skip the conv.send comparison")

@@ -26,22 +26,14 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_bench import QUESTIONS, history_text  # noqa: E402
+from serve_bench import QUESTIONS, conversation_args, history_text  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--device", default=None)
-    p.add_argument("--recipe", default=None)
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--kv-memory", default=None)
-    p.add_argument("--history", type=int, default=2048)
-    p.add_argument("--turns", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=16)
+    conversation_args(p, turns=8)
     p.add_argument("--profiled", type=int, default=2, help="the last N turns run under the profilers")
-    p.add_argument("--out", default=None, help="path stem for the .md report and the .json trace")
+    p.add_argument("--out", default=None, help="path stem for the .md report")
     args = p.parse_args()
 
     from turnkv import heap
