@@ -33,12 +33,17 @@ def batches(turns: list[TurnRun], max_batch: int = 32) -> list[list[TurnRun]]:
 
 def forward(llm, batch: list[TurnRun]) -> torch.Tensor:
     """Run: one decode step of `batch`, each fed its last token -> logits [B, V]."""
+    for turn in batch:
+        turn.settle()
     tokens = llm._token_tensor([t.gen.token_ids[-1] for t in batch])
     return llm.runner.decode([t.seq for t in batch], tokens, [t.context for t in batch])
 
 
 def step(llm, turns: list[TurnRun], max_batch: int = 32) -> list[tuple[TurnRun, str]]:
     """One decode step of every unfinished turn; returns (turn, text made final) per turn."""
+    for turn in turns:
+        if not turn.done:
+            turn.settle()  # its after-prompt hook, if its prefill deferred it: before its first step
     out = []
     for batch in batches(turns, max_batch):
         logits = forward(llm, batch)
@@ -52,6 +57,8 @@ def decode(llm, turns: list[TurnRun]) -> Iterator[tuple[int, str]]:
     active = [t for t in turns if not t.done]
     if not active:
         return
+    for turn in active:
+        turn.settle()
     if _can_run_ahead(llm, active):
         yield from _ahead(llm, turns)
         return

@@ -5,6 +5,7 @@ the quality benchmark's lockstep runner, `turnkv bench speed`) runs a turn throu
     turn.begin()                       # restore the state, roll back what may not be reused
     logits = turn.prefill(size)        # the prompt, in slices; the recipe's hooks at its boundaries
     turn.take(logits)                  # the first token
+    turn.settle()                      # the after-prompt hook, where prefill(defer_prompt_hook=True) left it
     decode_loop.step / decode_loop.decode over turns   # each step: after_step(logits row)
     reply = turn.finish()              # the recipe's turn end, the history, the tiers
     turn.abandon()                     # or: undo whatever the turn wrote
@@ -69,6 +70,7 @@ class TurnRun:
         self.prefix_at = 0  # absolute end of a prefix still to prefill and close (0: none)
         self.rollback_to = 0  # where an undo takes the KV back to
         self.watch = None  # called as watch(turn, index, token, logits) before a token is accepted
+        self.prompt_hook_due = False  # the prompt is in and its after-prompt hook waits for settle()
 
     # ---- the turn's parts ------------------------------------------------------------------------
     @property
@@ -112,10 +114,12 @@ class TurnRun:
                 self.cached, self.prompt = attached, self.prompt[attached:]
         return self
 
-    def prefill(self, size: int | None = None) -> torch.Tensor | None:
+    def prefill(self, size: int | None = None, defer_prompt_hook: bool = False) -> torch.Tensor | None:
         """Prefill the next `size` prompt tokens (None: all that is left). The recipe compresses the
-        context where it ends, and runs its after-prompt hook once the prompt is in. Returns the
-        logits [V] after the last prompt token once it is in, else None."""
+        context where it ends, and runs its after-prompt hook once the prompt is in; with
+        defer_prompt_hook, that hook waits for settle(), so the first token can be sampled and sent
+        first (the logits do not depend on it). Returns the logits [V] after the last prompt token
+        once it is in, else None."""
         runner, kv = self.conv.llm.runner, self.conv.kv
         budget = self.prefill_left if size is None else size
         logits = None
@@ -127,8 +131,20 @@ class TurnRun:
             budget -= len(chunk)
         if self.prefill_left:
             return None
-        self.recipe.after_prompt(kv, self.state, self.segment_end, self.inv_freq, self.number)
+        self._prompt_in(defer_prompt_hook)
         return logits
+
+    def _prompt_in(self, defer: bool) -> None:
+        self.prompt_hook_due = True
+        if not defer:
+            self.settle()
+
+    def settle(self) -> None:
+        """Run the recipe's after-prompt hook if a prefill deferred it. Every decode step and
+        finish() call it first, so the hook always runs before the turn's first decode forward."""
+        if self.prompt_hook_due:
+            self.recipe.after_prompt(self.conv.kv, self.state, self.segment_end, self.inv_freq, self.number)
+            self.prompt_hook_due = False
 
     def next_chunk(self, size: int) -> list[int]:
         """The prompt tokens one forward of at most `size` tokens prefills next: it stops where a
@@ -142,7 +158,7 @@ class TurnRun:
             stop = min(stop, prefix_at)
         return self.prompt[self.prefilled : min(stop, self.prefilled + size)]
 
-    def chunk_prefilled(self, n: int, logits: torch.Tensor) -> torch.Tensor | None:
+    def chunk_prefilled(self, n: int, logits: torch.Tensor, defer_prompt_hook: bool = False) -> torch.Tensor | None:
         """A forward the caller ran (a mixed step, engine/mixed.py) wrote next_chunk()'s `n` tokens and
         their recipe observations, as prefill() would have; `logits` [V] are at its last token. Runs the
         hooks prefill() runs at that point; returns `logits` once the prompt is in, else None."""
@@ -150,7 +166,7 @@ class TurnRun:
         self._advance(n)
         if self.prefill_left:
             return None
-        self.recipe.after_prompt(self.conv.kv, self.state, self.segment_end, self.inv_freq, self.number)
+        self._prompt_in(defer_prompt_hook)
         return logits
 
     @property
@@ -177,7 +193,7 @@ class TurnRun:
         prefill() would have (a copy of the same forward): the turn goes on from there."""
         self.started = True
         self.prefilled = len(self.prompt)
-        self.recipe.after_prompt(self.conv.kv, self.state, self.segment_end, self.inv_freq, self.number)
+        self._prompt_in(defer=False)
 
     def take(self, logits: torch.Tensor) -> str:
         """Sample (or force) the next token from logits [V] and accept it; returns the text it made final."""
@@ -198,6 +214,7 @@ class TurnRun:
     def finish(self) -> Reply:
         """The recipe's turn-end hook, the reply, and the conversation's history (chat turns)."""
         conv = self.conv
+        self.settle()  # a turn whose first token ended it
         self.recipe.at_turn_end(conv.kv, self.state, self.inv_freq, self.number)
         reply = self.gen.reply(prompt_tokens=len(self.prompt), cached_tokens=self.cached)
         if self.inputs.messages is not None:
@@ -227,4 +244,5 @@ class TurnRun:
         twin.number, twin.prompt, twin.cached = self.number, self.prompt, self.cached
         twin.prefilled, twin.segment_end, twin.started = self.prefilled, self.segment_end, True
         twin.prefix_at, twin.rollback_to = self.prefix_at, self.rollback_to
+        twin.prompt_hook_due = self.prompt_hook_due
         return twin

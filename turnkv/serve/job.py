@@ -146,7 +146,7 @@ class Job:
     def prefill(self, size: int) -> tuple[str, bool]:
         """Prefill the next `size` prompt tokens; after the last slice, sample the first token.
         Returns (text made final, done)."""
-        logits = self.turn.prefill(size)
+        logits = self.turn.prefill(size, defer_prompt_hook=True)  # the scheduler settles after the first token
         if logits is None:
             return "", False
         return self.turn.take(logits), self.turn.done

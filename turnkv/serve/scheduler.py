@@ -331,6 +331,11 @@ class Scheduler:
         job.last_token_at = now
         job.sink("start", None)
         job.emit(piece)
+        try:  # the recipe's after-prompt hook (a compression), once the first token is on its way
+            self._with_room(job.turn.settle)
+        except Exception as e:
+            self._fail(job, e)
+            return
         if done:
             self._finish(job)
         else:
@@ -395,7 +400,7 @@ class Scheduler:
                       f"slices of {[part.width for _, part in slices]} tokens, then {len(ends)} prompt(s) ended")
         for (job, part), rows in zip(slices, logits[len(batches):]):
             try:
-                last = job.turn.chunk_prefilled(part.width, rows[0])
+                last = job.turn.chunk_prefilled(part.width, rows[0], defer_prompt_hook=True)
                 piece = None if last is None else job.turn.take(last)
             except Exception as e:
                 self.prefilling.remove(job)
