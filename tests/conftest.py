@@ -108,3 +108,28 @@ def chat_llm(chat_model_dir):
     import turnkv
 
     return turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="64MiB")
+
+
+@pytest.fixture
+def prompt_hook_events(monkeypatch):
+    """The order of first tokens sampled and after-prompt hooks, across the engine (a test appends
+    its own events, such as decode forwards), for tests/engine/test_prompt_hook_order.py and
+    tests/serve/test_first_token_order.py."""
+    from turnkv.engine.generation import Generation
+    from turnkv.methods.recipe import Recipe
+
+    out = []
+    hook, accept = Recipe.after_prompt, Generation.accept
+
+    def spy_hook(self, kv, *args):
+        out.append("hook")
+        return hook(self, kv, *args)
+
+    def spy_accept(self, token, *args, **kwargs):
+        if not self.token_ids:
+            out.append("first token")
+        return accept(self, token, *args, **kwargs)
+
+    monkeypatch.setattr(Recipe, "after_prompt", spy_hook)
+    monkeypatch.setattr(Generation, "accept", spy_accept)
+    return out
