@@ -115,8 +115,7 @@ class PrefixIndex:
         if seq.bytes() > self.max_bytes:
             return None
         held = SequenceKV(self.pool)
-        held.share_from(seq)
-        layers, pages = held.held_by_layer()
+        layers, pages = held.share_from(seq)
         entry = PrefixEntry(namespace, tokens, held, extra, next(self._clock),
                             flat_pages=layers * self.pool.num_pages + pages)
         self._place(self._roots.setdefault(namespace, _Node()), tokens, entry)

@@ -88,17 +88,20 @@ class SequenceKV(Compaction):
         own, share = int((refs == 1).sum()), float((1.0 / refs[refs > 1]).sum())
         return own * self.pool.page_bytes, int(round(share * self.pool.page_bytes))
 
-    def share_from(self, other: SequenceKV) -> None:
+    def share_from(self, other: SequenceKV) -> tuple[np.ndarray, np.ndarray]:
         """Hold the same pages as `other` (this sequence must be empty): the same tokens, positions and
-        table, every page one holder more. Whichever writes into a shared page first copies it."""
+        table, every page one holder more. Whichever writes into a shared page first copies it.
+        Returns held_by_layer() of both."""
         if self.next_position or self.num_pages.any():
             raise ValueError("share_from needs an empty sequence")
-        self.pool.share(*other.held_by_layer())
+        held = other.held_by_layer()
+        self.pool.share(*held)
         self.table = other.table.copy()
         self.lengths, self.num_pages = other.lengths.copy(), other.num_pages.copy()
         self.next_position = other.next_position
         self._table_device, self._dirty_from = None, 0
         self.moves += 1  # written behind the page statistics' back, as a restore is
+        return held
 
     def _privatize(self, layer, heads: np.ndarray, cols: np.ndarray) -> None:
         """Give (layer, heads[i]) a private copy of its page at table column cols[i] where that page is
