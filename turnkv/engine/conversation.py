@@ -182,11 +182,11 @@ class Conversation:
     def _run(self, turn: TurnRun) -> Iterator[str]:
         turn.begin()  # restores the state: counts in TTFT
         try:
-            # The first token goes out before the recipe's after-prompt hook (a compression) runs.
+            # The first token goes out before the recipe's after-prompt hook (a compression), which
+            # decode() or finish() runs first.
             piece = turn.take(turn.prefill(defer_prompt_hook=True))
             if piece:
                 yield piece
-            turn.settle()
             for _, piece in decode_loop.decode(self.llm, [turn]):
                 if piece:
                     yield piece

@@ -32,9 +32,8 @@ def batches(turns: list[TurnRun], max_batch: int = 32) -> list[list[TurnRun]]:
 
 
 def forward(llm, batch: list[TurnRun]) -> torch.Tensor:
-    """Run: one decode step of `batch`, each fed its last token -> logits [B, V]."""
-    for turn in batch:
-        turn.settle()
+    """Run: one decode step of `batch`, each fed its last token -> logits [B, V]. The turns are settled
+    (step() and decode() settle them; the server settles each after its first token)."""
     tokens = llm._token_tensor([t.gen.token_ids[-1] for t in batch])
     return llm.runner.decode([t.seq for t in batch], tokens, [t.context for t in batch])
 

@@ -140,8 +140,9 @@ class TurnRun:
             self.settle()
 
     def settle(self) -> None:
-        """Run the recipe's after-prompt hook if a prefill deferred it. Every decode step and
-        finish() call it first, so the hook always runs before the turn's first decode forward."""
+        """Run the recipe's after-prompt hook if a prefill deferred it. decode_loop.step/decode and
+        finish() call it first (the server's scheduler right after the first token), so the hook
+        always runs before the turn's first decode forward."""
         if self.prompt_hook_due:
             self.recipe.after_prompt(self.conv.kv, self.state, self.segment_end, self.inv_freq, self.number)
             self.prompt_hook_due = False
