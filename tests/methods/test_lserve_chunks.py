@@ -27,11 +27,12 @@ def test_chunks_take_the_engine_causal_path(chat_llm, chat_model_dir, pattern_fi
     """A chunk whose streaming heads hold sink + one run within prefill_local (a later turn over the
     trimmed ring) is plain causal attention over the kept keys: the engine runs it without calling
     attend, with the replies and the per-turn density the pattern path gives. A chunk that reaches
-    past the window (the long first turn) goes through attend, or with the paged chunk kernel
-    (CUDA; here Triton's interpreter) through the kernel with a window per head and the sink."""
+    past the window (the long first turn) runs its whole heads on the dense paths and its streaming
+    heads on the windowed block decomposition (attention/streaming.py), or with the paged chunk
+    kernel (CUDA; here Triton's interpreter) through the kernel with a window per head and the sink."""
     import importlib.util
 
-    from turnkv.attention import chunk
+    from turnkv.attention import chunk, streaming
 
     if kernel and importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
@@ -42,11 +43,20 @@ def test_chunks_take_the_engine_causal_path(chat_llm, chat_model_dir, pattern_fi
         llm = turnkv.LLM(str(chat_model_dir), device="cuda", dtype=torch.float32, kv_memory="64MiB")
     sink, local, prefill_local = 4, 8, 48
     recipe = f"prefill=streaming_heads(pattern={pattern_file},sink={sink},local={local},prefill_local={prefill_local})"
+    windowed_calls = []
+    real_windowed = streaming.windowed_chunk
+
+    def windowed(q, *args, **kw):
+        windowed_calls.append(q.shape[2])
+        return real_windowed(q, *args, **kw)
+
     real_attend = StreamingHeadsPrefill.attend
 
     def run(plain: bool):
         calls = []
         monkeypatch.setattr(chunk, "FORCE", kernel)
+        monkeypatch.setattr(streaming, "windowed_chunk", windowed)
+
         def attend(self, layer, keys, **kw):
             calls.append((layer, keys.q_pos[0, 0].item(), keys.q.shape[2]))
             return real_attend(self, layer, keys, **kw)
@@ -77,20 +87,18 @@ def test_chunks_take_the_engine_causal_path(chat_llm, chat_model_dir, pattern_fi
     # short prompt over the trimmed ring does not.
     first_end, (last_start, last_end) = plain[0][1], plain[2][:2]
     assert first_end - sink > prefill_local and last_end - last_start < prefill_local - local - llm.pool.page_size
-    if kernel:  # every chunk after the first (fresh) one took the kernel, windowed or not
-        assert plain_calls == []
-    else:
-        assert any(position < first_end for _, position, _ in plain_calls)
-        assert not any(position >= last_start for _, position, _ in plain_calls)
+    # No chunk of the engine's run called attend: with the kernel every chunk after the system prompt
+    # took it, windowed or not; without, the first turn's (longer than the window) split its heads.
+    assert plain_calls == [] and (kernel or windowed_calls)
     assert any(position >= last_start for _, position, _ in pattern_calls)
-    if kernel:  # a chunk longer than WINDOWED_CHUNK_ROWS that needs windows goes through attend
+    if kernel:  # a chunk longer than WINDOWED_CHUNK_ROWS that needs windows splits its heads too
         from turnkv.engine import step as step_module
 
         monkeypatch.setattr(step_module, "WINDOWED_CHUNK_ROWS", 64)
+        windowed_calls.clear()
         limited, _, limited_calls = run(True)
         assert [r[2] for r in limited] == [r[2] for r in plain]
-        ((position, rows),) = {(position, rows) for _, position, rows in limited_calls}  # the first turn's
-        assert position + rows == first_end and rows > 64
+        assert limited_calls == [] and max(windowed_calls) > 64
 
 
 def attend_counts(method, seq, T: int):

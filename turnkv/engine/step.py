@@ -3,19 +3,33 @@ and the attention it runs over what the conversations keep."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
-from turnkv.attention import chunk, decode, flash, lines, reference
+from turnkv.attention import chunk, decode, flash, lines, reference, streaming
 from turnkv.engine import selection
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
-from turnkv.methods.protocols import WriteWatcher
+from turnkv.methods.protocols import NO_WINDOW, WriteWatcher
 from turnkv.methods.step_context import PLAIN, StepContext
 
 
 # The longest chunk whose per-head windows the paged chunk kernel applies (docs/benchmarks.md).
 WINDOWED_CHUNK_ROWS = 4096
+
+
+class _Heads(NamedTuple):
+    """Some KV heads of one layer: their columns and indices (None: every head), page tables [B, n, P] (None in a
+    fresh step), lengths [B, n] on the device, the longest length and whether lengths differ (host)."""
+
+    index: slice | None
+    host: np.ndarray | None
+    tables: torch.Tensor | None
+    lengths: torch.Tensor
+    max_len: int
+    padded: bool
 
 
 class Step:
@@ -83,18 +97,26 @@ class Step:
         # up to WINDOWED_CHUNK_ROWS (longer ones run faster on the pattern's own kernels: flash
         # attention for whole heads, the line kernel for windowed ones).
         self.head_windows, self.sink = None, 0
+        # split_heads: the pattern's windowed heads and its whole heads run apart, the whole heads on the
+        # dense paths below and the windowed ones on attention/streaming.py's block decomposition (a
+        # chunk the windowed chunk kernel does not take: fresh, longer than WINDOWED_CHUNK_ROWS, or off
+        # the kernel's devices).
+        self.split_heads, self._windows_np = False, None
         if self.pattern is not None and sliding_window is None and not accumulate:
-            windowed = self.chunk_kernel and num_new <= WINDOWED_CHUNK_ROWS
-            windows = self.pattern.chunk_windows(seqs, num_new, windowed=windowed)
+            windows = self.pattern.chunk_windows(seqs, num_new, windowed=True)
             if windows is not None:
                 self.pattern, self.sink = None, windows.sink
                 if windows.windows is not None:  # [L, H]
-                    self.head_windows = torch.from_numpy(windows.windows).to(pool.device, torch.int32)
+                    self._windows_np = np.asarray(windows.windows)
+                    self.head_windows = torch.from_numpy(self._windows_np).to(pool.device, torch.int32)
+                    self.split_heads = not (self.chunk_kernel and num_new <= WINDOWED_CHUNK_ROWS)
+        self._lengths_np = lengths
         # Later chunks with work enough go to FlashAttention-4 where it is installed (attention/flash.py):
         # heads without window or sink, a pool in the compute dtype. It reads int32 tables and lengths,
         # converted at the first layer that takes it.
         self.flash_history = (num_new > 1 and not self.fresh and not accumulate and self.pattern is None
-                              and self.head_windows is None and self.sink == 0 and sliding_window is None
+                              and (self.head_windows is None or self.split_heads)
+                              and (self.sink == 0 or self.split_heads) and sliding_window is None
                               and not pool.quantized and flash.usable(pool.device, pool.dtype, pool.head_dim))
         self._flash_args = None
         if self.pattern is not None:
@@ -152,74 +174,137 @@ class Step:
                     splits, window=self.sliding_window, key_positions=self.pool.positions[layer].view(-1, 1),
                     query_positions=self.query_positions[:, 0], **self.pool.scale_kwargs(layer, slots=True))
                 return out[:, None]
+        if self.split_heads:
+            return self._split_heads_attention(layer, q, k, v)
+        return self._dense_attention(layer, q, k, v, self._heads(layer)).transpose(1, 2)
+
+    def _heads(self, layer: int, head: int | None = None) -> _Heads:
+        """The layer's page tables and lengths for one KV head (None: all of them), as views."""
+        if head is None:
+            return _Heads(None, None, None if self.fresh else self.tables[layer], self.lengths[layer],
+                          self.max_len[layer], self.padded[layer])
+        index = slice(head, head + 1)
+        lengths = self._lengths_np[layer][:, index]
+        return _Heads(index, np.array([head]), None if self.fresh else self.tables[layer][:, index],
+                      self.lengths[layer][:, index], int(lengths.max()), bool(lengths.min() != lengths.max()))
+
+    def _dense_attention(self, layer: int, q, k, v, heads: _Heads) -> torch.Tensor:
+        """q [B, Hq, T, D] of the KV heads `heads` over everything they keep -> [B, Hq, T, D]; k, v
+        [B, T, H, D] are the chunk's own keys and values of those heads."""
+        B, Hq, T, D = q.shape
+        H = k.shape[2]
         if self.fresh:
             # The new tokens as the store holds them (a quantized pool's round trip), as every other
             # path reads them: attention does not depend on whether a chunk had history.
             k, v = self.pool.round_trip(k), self.pool.round_trip(v)
-            out = chunk.fresh_causal(q, k.transpose(1, 2), v.transpose(1, 2))
-            return out.transpose(1, 2)
+            return chunk.fresh_causal(q, k.transpose(1, 2), v.transpose(1, 2))
         if self.indexed:
             out = decode.indexed_decode(
-                q[:, :, 0], self.pool.k[layer], self.pool.v[layer], self.tables[layer], self.lengths[layer],
+                q[:, :, 0], self.pool.k[layer], self.pool.v[layer], heads.tables, heads.lengths,
                 self.splits, window=self.sliding_window, key_positions=self.pool.positions[layer],
                 query_positions=self.query_positions[:, 0], **self.pool.scale_kwargs(layer))
-            return out[:, None]
-        if self.flash_history and flash.takes_chunk(q.device, B * self.pool.num_kv_heads, Hq // self.pool.num_kv_heads,
-                                                    T, self.max_len[layer]):
+            return out[:, :, None]
+        if self.flash_history and flash.takes_chunk(q.device, B * H, Hq // H, T, heads.max_len):
             if self._flash_args is None:
                 self._flash_args = (self.tables.to(torch.int32), self.lengths.to(torch.int32))
             tables, lengths = self._flash_args
+            tables, lengths = tables[layer], lengths[layer]
+            if heads.index is not None:
+                tables, lengths = tables[:, heads.index], lengths[:, heads.index]
             k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
             if flash.takes_gathered(T):
-                out = flash.gathered(q, k_cache, v_cache, tables[layer], lengths[layer], self.max_len[layer])
-            else:
-                out = flash.paged(q, k_cache, v_cache, tables[layer], lengths[layer])
-            return out.transpose(1, 2)
-        if self.chunk_kernel and self._splits_history(layer, T):
-            return self._split_attention(layer, q, k, v).transpose(1, 2)
+                return flash.gathered(q, k_cache, v_cache, tables, lengths, heads.max_len)
+            return flash.paged(q, k_cache, v_cache, tables, lengths)
+        if self.chunk_kernel and self._splits_history(heads, T):
+            return self._split_attention(layer, q, k, v, heads)
         if self.chunk_kernel:
-            splits = chunk.num_splits(q.device, B * self.pool.num_kv_heads, T, Hq // self.pool.num_kv_heads,
-                                      self.max_len[layer], q.dtype)
-            window = self.sliding_window if self.head_windows is None else self.head_windows[layer]
-            out = chunk.paged_chunk(
-                q, self.pool.k[layer], self.pool.v[layer], self.tables[layer], self.lengths[layer], splits,
+            splits = chunk.num_splits(q.device, B * H, T, Hq // H, heads.max_len, q.dtype)
+            window = self.sliding_window
+            if self.head_windows is not None and not self.split_heads:
+                window = self.head_windows[layer]
+            return chunk.paged_chunk(
+                q, self.pool.k[layer], self.pool.v[layer], heads.tables, heads.lengths, splits,
                 window=window, key_positions=self.pool.positions[layer], query_positions=self.query_positions,
-                sink=self.sink, **self.pool.scale_kwargs(layer))
-            return out.transpose(1, 2)
-        S = self.max_len[layer]
-        keys = self.pool.gather(layer, self.tables[layer], S, "k")
-        values = self.pool.gather(layer, self.tables[layer], S, "v")
-        if not self.padded[layer] and self.sliding_window is None and not self.accumulate:
+                sink=0 if self.split_heads else self.sink, **self.pool.scale_kwargs(layer))
+        S = heads.max_len
+        keys = self.pool.gather(layer, heads.tables, S, "k")
+        values = self.pool.gather(layer, heads.tables, S, "v")
+        if not heads.padded and self.sliding_window is None and not self.accumulate:
             # Every head holds S tokens, the new ones last: causal from the bottom right, which
             # flash attention runs without a mask tensor.
-            return reference.causal_suffix(q, keys, values).transpose(1, 2)
+            return reference.causal_suffix(q, keys, values)
         mask = None
-        if self.padded[layer]:
-            mask = reference.causal_mask(self.lengths[layer], T, S)
+        if heads.padded:
+            mask = reference.causal_mask(heads.lengths, T, S)
         elif T > 1:  # every head holds S tokens: one causal mask serves them all
-            mask = reference.causal_mask(self.lengths[layer][:, :1], T, S)
+            mask = reference.causal_mask(heads.lengths[:, :1], T, S)
         if self.sliding_window is not None:
-            key_pos = reference.gather_pages(self.pool.positions[layer], self.tables[layer], S)
+            key_pos = reference.gather_pages(self.pool.positions[layer], heads.tables, S)
             in_window = key_pos[:, :, None, :] > self.query_positions[:, None, :, None] - self.sliding_window
             mask = in_window if mask is None else mask & in_window
         if self.accumulate:
             self._accumulate_attention(layer, q, keys, mask)
-        return reference.attention(q, keys, values, mask).transpose(1, 2)
+        return reference.attention(q, keys, values, mask)
 
-    def _splits_history(self, layer: int, num_new: int) -> bool:
+    def _split_heads_attention(self, layer: int, q, k, v) -> torch.Tensor:
+        """Whole heads on the dense paths, windowed heads (a window and the sink) on the streaming
+        block decomposition: q [B, Hq, T, D], k, v [B, T, H, D] -> [B, T, Hq, D]. One KV head (its
+        query group) per call, on views: every call has the shapes of one head whatever the layer's
+        split, so cuDNN builds one execution plan per chunk length, as for the dense heads of `full`."""
+        B, Hq, T, D = q.shape
+        H = k.shape[2]
+        G = Hq // H
+        out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
+        per_head = out.view(B, T, H, G, D)
+        q_heads = q.view(B, H, G, T, D)
+        for h, window in enumerate(self._windows_np[layer].tolist()):
+            view = self._heads(layer, h)
+            q_h, k_h, v_h = q_heads[:, h], k[:, :, h : h + 1], v[:, :, h : h + 1]
+            if window >= NO_WINDOW:
+                part = self._dense_attention(layer, q_h, k_h, v_h, view)
+            else:
+                part = self._windowed_attention(layer, q_h, k_h, v_h, view, window)
+            per_head[:, :, h] = part.transpose(1, 2)
+        return out
+
+    def _windowed_attention(self, layer: int, q, k, v, heads: _Heads, window: int) -> torch.Tensor:
+        """q [B, Hq, T, D] of heads that see their sink and `window` positions back, over their kept
+        history and the chunk's own k, v [B, T, H, D] -> [B, Hq, T, D] (attention/streaming.py)."""
+        T = q.shape[2]
+        k_new = self.pool.round_trip(k).transpose(1, 2)
+        v_new = self.pool.round_trip(v).transpose(1, 2)
+        history, layout = None, None
+        S = heads.max_len - T
+        if not self.fresh and S > 0:
+            keys = self.pool.gather(layer, heads.tables, S, "k")
+            values = self.pool.gather(layer, heads.tables, S, "v")
+            positions = reference.gather_pages(self.pool.positions[layer], heads.tables, S)
+            valid = torch.arange(S, device=q.device) < (heads.lengths - T)[..., None]
+            history = (keys, values, positions, valid)
+            # The windows came from heads in their kept form (chunk_windows): each holds its first
+            # min(sink, kept) positions, then a run ending right before the chunk. Where every head
+            # keeps as many, that is the history's layout.
+            kept = self._lengths_np[layer][:, heads.host] - T
+            if (kept == S).all():
+                layout = (min(self.sink, S), S - min(self.sink, S))
+        first = min(kv.next_position for kv in self.seqs) - T
+        return streaming.windowed_chunk(q, k_new, v_new, self.query_positions, window, self.sink, history,
+                                        first_position=first, layout=layout)
+
+    def _splits_history(self, heads: _Heads, num_new: int) -> bool:
         """A long chunk whose heads all hold the same history, with no window: chunk.split_history."""
-        return (not self.padded[layer] and self.sliding_window is None and self.head_windows is None
-                and chunk.uses_split(self.pool.device, self.pool.dtype, num_new, self.max_len[layer] - num_new))
+        return (not heads.padded and self.sliding_window is None and (self.head_windows is None or self.split_heads)
+                and chunk.uses_split(self.pool.device, self.pool.dtype, num_new, heads.max_len - num_new))
 
-    def _split_attention(self, layer, q, k, v):
+    def _split_attention(self, layer: int, q, k, v, heads: _Heads):
         """q [B, Hq, T, D] over the history gathered from the pool and the chunk's own K/V k, v [B, T, H, D]
-        (as the store holds them: a quantized pool's round trip)."""
-        history = self.max_len[layer] - q.shape[2]
-        k_hist = self.pool.gather(layer, self.tables[layer], history, "k")
-        v_hist = self.pool.gather(layer, self.tables[layer], history, "v")
+        (as the store holds them: a quantized pool's round trip) -> [B, Hq, T, D]."""
+        history = heads.max_len - q.shape[2]
+        k_hist = self.pool.gather(layer, heads.tables, history, "k")
+        v_hist = self.pool.gather(layer, heads.tables, history, "v")
         k_new, v_new = self.pool.round_trip(k).transpose(1, 2), self.pool.round_trip(v).transpose(1, 2)
         B, Hq, T, D = q.shape
-        out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)  # returned transposed back
+        out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)
         return chunk.split_history(q, k_hist, v_hist, k_new, v_new, out=out)
 
     def _pattern_attention(self, layer, q, k, v):

@@ -182,6 +182,8 @@ class TurnRun:
 
     def _advance(self, n: int) -> None:
         self.prefilled += n
+        if self.prefill_left:
+            self.recipe.after_slice(self.conv.kv)
         if self.prefilled == self._prefix_at:
             self.recipe.after_prefix(self.conv.kv, self.state, self.prefix_at, self.inv_freq, self.number)
             if self.cached == 0:

@@ -101,6 +101,9 @@ class SequenceKV(Compaction):
         self.next_position = other.next_position
         self._table_device, self._dirty_from = None, 0
         self.moves += 1  # written behind the page statistics' back, as a restore is
+        # The same positions in the same order as `other`'s: what its heads' moves may have reordered,
+        # this sequence's may have too, and no more.
+        self.ordered_moves = self.moves - (other.moves - other.ordered_moves)
         return held
 
     def _privatize(self, layer, heads: np.ndarray, cols: np.ndarray) -> None:

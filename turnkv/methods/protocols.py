@@ -66,6 +66,9 @@ class Prefill(ABC):
         return None
 
 
+NO_WINDOW = 1 << 30  # a ChunkWindows window past any position: the head sees every kept key
+
+
 @dataclass
 class ChunkWindows:
     """A prefill chunk as causal attention over the kept keys within windows (Prefill.chunk_windows).
@@ -110,16 +113,17 @@ class ChunkWindows:
 
 class StaticSparsity(ABC):
     """A prefill pattern that also decides what some KV heads keep in the store (streaming heads:
-    sink + a local window). The recipe calls `trim` after every prefill and decode step, and a decode
-    selection leaves the flagged heads out of its selection (DecodeSelection.exclude_static)."""
+    sink + a local window). The recipe calls `trim` after every prefill slice and decode step, and a
+    decode selection leaves the flagged heads out of its selection (DecodeSelection.exclude_static)."""
 
     @abstractmethod
     def flags(self, num_layers: int, num_kv_heads: int) -> np.ndarray:
         """[L, H] bool: True for a head that keeps and reads only its static window."""
 
     @abstractmethod
-    def trim(self, kv: SequenceKV) -> None:
-        """Drop the tokens the flagged heads no longer keep; their pages go back to the pool."""
+    def trim(self, kv: SequenceKV, prompt_open: bool = False) -> None:
+        """Drop the tokens the flagged heads no longer keep; their pages go back to the pool.
+        prompt_open: more of the turn's prompt is still to be prefilled (keep what its rows see)."""
 
 
 # ---- eviction: scorer, allocator, turn policy -------------------------------------------------------

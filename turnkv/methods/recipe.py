@@ -293,9 +293,14 @@ class Recipe:
         whose `trim` keeps their sink + local), or None."""
         return self.prefill if isinstance(self.prefill, StaticSparsity) else None
 
-    def _trim(self, kv) -> None:
+    def _trim(self, kv, prompt_open: bool = False) -> None:
         if self.static_sparsity is not None:
-            self.static_sparsity.trim(kv)
+            self.static_sparsity.trim(kv, prompt_open)
+
+    def after_slice(self, kv) -> None:
+        """A prefill slice is in and more of the prompt follows: the static heads drop what the rest
+        of the prompt no longer sees."""
+        self._trim(kv, prompt_open=True)
 
     @property
     def compresses_after_prompt(self) -> bool:

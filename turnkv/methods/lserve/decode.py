@@ -126,7 +126,19 @@ class PagedSelection(DecodeSelection, WriteWatcher):
     def written(self, layer: int, seq, slots: torch.Tensor, k: torch.Tensor) -> None:
         summaries = summaries_for(seq.pool, self.selector.config.logical_page)
         summaries.update(layer, slots, k)
+        if slots.shape[0] == int(seq.lengths[layer].sum()):
+            # Every token the layer holds was written here (a fresh sequence's first chunk): the update
+            # made its statistics exact, with nothing to rebuild.
+            self._mark_synced(layer, seq)
+            return
         self._sync(layer, seq, summaries)  # after the update: a rebuild reads the new keys too
+
+    def _mark_synced(self, layer: int, seq) -> None:
+        if self._synced_seq is not seq:
+            self._synced_seq, self._synced_moves = seq, seq.moves.copy()
+            self._synced_ok[:] = False
+        self._synced_moves[layer] = seq.moves[layer]
+        self._synced_ok[layer] = True
 
     def _sync(self, layer: int, seq, summaries: PageSummaries) -> bool:
         """Rebuild the statistics of the selecting heads whose tokens moved since they were last exact

@@ -3,11 +3,13 @@
 Per (layer, KV head) a HeadPattern says which heads stream. This component is the recipe's prefill
 axis `streaming_heads` and also owns what streaming heads keep: in prefill they attend to keys
 < sink or within `prefill_local` of the row; in the store each is its sink plus a ring of whole pages,
-trimmed after every prefill and decode step (`trim`, host-only: it edits page tables and returns
-pages to the pool) to sink + the last `local` .. `local + page_size - 1` tokens. Heads something else
+trimmed after every prefill slice and decode step (`trim`, host-only: it edits page tables and returns
+pages to the pool) to sink + the last `local` .. `local + page_size - 1` tokens (`prefill_local` ..
+while more of the prompt is to come, so a prompt prefilled in slices attends as in one pass). Heads something else
 moved (eviction, a restore; not a rollback, which only cuts the newest tokens) are checked once and
-trimmed exactly. Prefill chunks run on the engine's paged causal path with a window per head
-(`chunk_windows`) where the heads are in ring form. The design, its parameters and
+trimmed exactly. Prefill chunks run on the engine's paths with a window per head (`chunk_windows`)
+where the heads are in ring form: the windowed chunk kernel for short chunks, else the dense heads on
+the dense paths and the streaming heads on attention/streaming.py's block decomposition. The design, its parameters and
 measurements: docs/methods/lserve.md.
 
 Patterns: `pattern=None` thresholds the calibrated SmolLM2 gates (DEFAULT_PATTERN) at `ratio`;
@@ -32,7 +34,7 @@ from turnkv.errors import InvalidRequestError
 from turnkv.methods.lserve.pattern import DUO_FILE, HeadPattern, PatternFileError, load_duo_attention
 from turnkv.methods.prefill.a_shape import a_shape_lines, a_shape_mask
 from turnkv.methods.prefill.pattern_hook import clock, fixed_pattern
-from turnkv.methods.protocols import ChunkWindows, Prefill, StaticSparsity
+from turnkv.methods.protocols import NO_WINDOW, ChunkWindows, Prefill, StaticSparsity
 from turnkv.methods.registry import build, register
 from turnkv.methods.terms import parse_term
 from turnkv.paths import user_path
@@ -218,26 +220,29 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
         return self.flags(self._num_layers, num_kv_heads)[layer]
 
     # ---- the store --------------------------------------------------------------------------------
-    def trim(self, kv) -> None:
-        """Drop the streaming heads' ring pages that lie wholly beyond the last `local` tokens.
+    def trim(self, kv, prompt_open: bool = False) -> None:
+        """Drop the streaming heads' ring pages that lie wholly beyond the last `local` tokens (with
+        prompt_open, the last `prefill_local`: what the prompt's next rows see, so a prompt prefilled
+        in slices attends as one pass would).
 
         Host work only while every streaming head is sink + ring (a head's ring then holds
         kv.lengths - sink tokens ending at kv.next_position): which heads drop how many pages follows
         from kv.lengths alone, and nothing is read from the device."""
+        local = self.prefill_local if prompt_open else self.local
         L, H = kv.lengths.shape
         streaming = self.flags(L, H)
         N, ps = kv.next_position, kv.pool.page_size
-        if N <= self.sink + self.local:
+        if N <= self.sink + local:
             return  # no head holds a position in [sink, N - local): nothing can go
         known = self._rings.get(kv)
         dirty = streaming & (_reorders(kv) != (0 if known is None else known))
         ring = np.ones((L, H), dtype=bool)
         if dirty.any():
-            ring[dirty] = self._check(kv, dirty)[dirty]
+            ring[dirty] = self._check(kv, dirty, local)[dirty]
         tail = kv.lengths - self.sink
-        drop = streaming & ring & (tail >= self.local + ps)
+        drop = streaming & ring & (tail >= local + ps)
         if drop.any():
-            pages = (tail - self.local) // ps
+            pages = (tail - local) // ps
             if self.sink % ps == 0:
                 layers, heads = np.nonzero(drop)
                 kv.drop_pages(layers, heads, self.sink // ps, pages[layers, heads])
@@ -251,7 +256,7 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
             known[streaming & ~ring] = -1  # checked again at every trim
             self._rings[kv] = known
 
-    def _check(self, kv, heads: np.ndarray) -> np.ndarray:
+    def _check(self, kv, heads: np.ndarray, local: int) -> np.ndarray:
         """Read the positions of the layers where `heads` [L, H] are marked (one device read for all of
         them) and say per head whether it is sink + ring: positions [0, sink) then a run ending at
         next_position - 1. Heads that are not are trimmed exactly here: positions in
@@ -268,7 +273,7 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
             valid = j < n
             expected = torch.where(j < self.sink, j, N - n + j)
             ok = ((pos == expected) | ~valid).all(dim=1) & (n[:, 0] >= min(self.sink, N))
-            gone = valid & (pos >= self.sink) & (pos < N - self.local)
+            gone = valid & (pos >= self.sink) & (pos < N - local)
             positions.append((valid, gone))
             checks.append(torch.stack([ok, gone.any(dim=1)]))
         ok = np.zeros((L, H), dtype=bool)
@@ -315,5 +320,3 @@ def _ring_windows(seqs, T: int, streaming: np.ndarray, sink: int, local: int, wi
     computed[flags] = (in_sink + run_seen).sum(axis=1)
     return ChunkWindows(np.where(streaming, local, NO_WINDOW), sink, computed, causal)
 
-
-NO_WINDOW = 1 << 30  # a window past any position
