@@ -43,6 +43,7 @@ QUALITY = "benchmarks/quality/results/smollm2-hour/summary.json"
 LOOPSERVE_QUALITY = "benchmarks/quality/results/loopserve-smollm2/summary.json"
 EVICTION = "benchmarks/quality/results/eviction_multiturn.json"
 KV_QUANT_FIDELITY = "benchmarks/quality/results/kv_quant_fidelity.json"
+LINE_ATTENTION = "benchmarks/kernels/results/h100_line_attention.json"
 STREAMING = "benchmarks/prefill/results/h100-llama-3.1-8b-streaming/speed.json"
 COMBINED = "benchmarks/prefill/results/h100-llama-3.1-8b-combined/speed.json"
 
@@ -139,6 +140,33 @@ def gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
+def by_position(recipe: str) -> str:
+    """A quality-run recipe's agreement with the question at the begin / middle / end."""
+    return " / ".join(f2(quality(QUALITY, recipe, p)["agreement"]) for p in ("begin", "middle", "end"))
+
+
+def line_attention_ms(context: int = 131072, family: str = "local", target: float = 0.1) -> float:
+    """The line kernel's time for a whole prompt of `context` tokens at `target` density."""
+    for case in load(LINE_ATTENTION)["cases"]:
+        if (case["context"], case["history"]) == (context, 0):
+            for row in case["densities"]:
+                if (row["family"], row["target"]) == (family, target):
+                    return row["kernel_ms"]
+    raise KeyError(f"{LINE_ATTENTION}: no {family} row at {target} for {context}")
+
+
+def krul_table() -> str:
+    """docs/methods/krul.md's table: a 32K conversation's returning turn per strategy and shape."""
+    lines = ["| shape | recompute | load | krul (`ir_threshold=0`) | krul, plan forced (`fallback=never`) |",
+             "|---|---|---|---|---|"]
+    for shape, path in [("Llama-3.1-8B (GQA)", STATE_GQA), ("Llama-2-7B (MHA)", STATE_MHA)]:
+        krul = next(r for r in load(path)["rows"] if (r["strategy"], r["history"]) == ("krul", SHORT))
+        how = f"stored by `{krul['fallback']}`" if krul.get("fallback") else f"{krul['stored_share']:.2f} of the KV stored"
+        lines.append(f"| {shape} | {restore_ttft_ms(path, 'recompute'):.0f} ms | {restore_ttft_ms(path, 'load'):.1f} ms | "
+                     f"{restore_ttft_ms(path, 'krul'):.1f} ms, {how} | {restore_ttft_ms(path, 'krul_split'):.1f} ms |")
+    return "\n\n" + "\n".join(lines) + "\n\n"
+
+
 def decode_table() -> str:
     """The headline decode table of docs/benchmarks.md."""
     full_long = tpot_ms("full", LONG)
@@ -209,6 +237,8 @@ FIGURES: dict[str, Figure] = {
     "krul.mha.recompute_ms": (STATE_MHA, lambda: f0(restore_ttft_ms(STATE_MHA, "recompute"))),
     "krul.mha.x_load": (STATE_MHA, lambda: times(
         restore_ttft_ms(STATE_MHA, "load") / restore_ttft_ms(STATE_MHA, "krul"))),
+    "krul.table": (STATE_MHA, krul_table),
+    "krul.gqa.forced_over_load": (STATE_GQA, lambda: f"{restore_ttft_ms(STATE_GQA, 'krul_split') / restore_ttft_ms(STATE_GQA, 'load') - 1:.0%}"),
     "krul.gqa.ms": (STATE_GQA, lambda: f1(restore_ttft_ms(STATE_GQA, "krul"))),
     "krul.gqa.load_ms": (STATE_GQA, lambda: f1(restore_ttft_ms(STATE_GQA, "load"))),
     # Quality on CPU, SmolLM2-135M.
@@ -222,6 +252,10 @@ FIGURES: dict[str, Figure] = {
     "quality.snapkv.middle.agreement": (LOOPSERVE_QUALITY, lambda: f2(
         quality(LOOPSERVE_QUALITY, "snapkv", "middle")["agreement"])),
     "quality.snapkv.middle.kl": (LOOPSERVE_QUALITY, lambda: f"{quality(LOOPSERVE_QUALITY, 'snapkv', 'middle')['kl']:.3f}"),
+    "quality.lserve512.kv_ratio": (QUALITY, lambda: f2(statistics.mean(
+        quality(QUALITY, "lserve@512", p)["kv_ratio"] for p in ("begin", "middle", "end")))),
+    "quality.snapkv_flowkv.0.2.by_position": (QUALITY, lambda: by_position("snapkv@flowkv@0.2")),
+    "quality.snapkv_recompress.0.2.by_position": (QUALITY, lambda: by_position("snapkv@recompress@0.2")),
     "eviction.ada.0.1.kl": (EVICTION, lambda: f"{eviction_kl('ada-snapkv', 0.1):.3f}"),
     "eviction.snapkv.0.1.kl": (EVICTION, lambda: f"{eviction_kl('snapkv', 0.1):.3f}"),
     "eviction.ada_over_snapkv.0.1.x": (EVICTION, lambda: times(eviction_kl("ada-snapkv", 0.1) / eviction_kl("snapkv", 0.1), 1)),
@@ -232,8 +266,15 @@ FIGURES: dict[str, Figure] = {
     "kv_int8.kl": (KV_QUANT_FIDELITY, lambda: f"{next(r for r in load(KV_QUANT_FIDELITY)['rows'] if r['setting'] == 'int8 KV')['kl']:.4f}"),
     # Sparse prefill at 128K, H100.
     "prefill.streaming.128k.x": (STREAMING, lambda: times(prefill_speedup(STREAMING, "prefill=streaming_heads(pattern=random)"))),
+    "prefill.streaming.128k.kv_share": (STREAMING, lambda: f2(
+        speed_row(STREAMING, "prefill=streaming_heads(pattern=random)", LONG)["kv_bytes"]
+        / speed_row(STREAMING, "full", LONG)["kv_bytes"])),
     "prefill.combined.128k.x": (COMBINED, lambda: times(
         prefill_speedup(COMBINED, "prefill=streaming_heads(pattern=random,dense=a_shape(local=6144))"))),
+    # LoopServe's line kernels at 128K, H100.
+    "kernels.line_selection.128k.ms": (LINE_ATTENTION, lambda: f1(load(LINE_ATTENTION)["selection"]["total_ms"])),
+    "kernels.line_attention.128k.ms": (LINE_ATTENTION, lambda: f1(line_attention_ms())),
+    "kernels.line_selection.128k.share": (LINE_ATTENTION, lambda: f"{load(LINE_ATTENTION)['selection']['total_ms'] / line_attention_ms():.1%}"),
 }
 
 
