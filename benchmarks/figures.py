@@ -231,6 +231,11 @@ FIGURES: dict[str, Figure] = {
     "serve_h200.later_mean.x": (SERVE_H200, lambda: times(
         load(SERVE_H200)["results"]["no_reuse"]["ttft_later_mean_s"]
         / load(SERVE_H200)["results"]["reuse"]["ttft_later_mean_s"], 1)),
+    "serve_h200.reuse.later_mean_s": (SERVE_H200, lambda: f2(load(SERVE_H200)["results"]["reuse"]["ttft_later_mean_s"])),
+    "serve_h200.no_reuse.later_mean_s": (SERVE_H200, lambda: f1(load(SERVE_H200)["results"]["no_reuse"]["ttft_later_mean_s"])),
+    "serve_h200.later_p50.x": (SERVE_H200, lambda: times(
+        load(SERVE_H200)["results"]["no_reuse"]["ttft_later_p50_s"]
+        / load(SERVE_H200)["results"]["reuse"]["ttft_later_p50_s"], 1)),
     # Krul: a 32K conversation's returning turn from the CPU tier, through conv.send, H100.
     "krul.mha.ms": (STATE_MHA, lambda: f0(restore_ttft_ms(STATE_MHA, "krul"))),
     "krul.mha.load_ms": (STATE_MHA, lambda: f0(restore_ttft_ms(STATE_MHA, "load"))),

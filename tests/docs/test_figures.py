@@ -1,7 +1,7 @@
 """The README's and the docs' headline figures come from the committed JSON (benchmarks/figures.py):
 every quoted figure equals what its JSON gives, every quote names a known figure, and the pages' headline
-places (the README, the "Headline" section of the benchmarks page, each method page's "Measured"
-section) quote no measured number outside a figure."""
+places (the README, the recipe guide, the "Headline" section of the benchmarks page, the "Measured" sections of the
+method pages and of the serving page) quote no measured number outside a figure."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_a_figure_follows_its_json(monkeypatch):
 def _headline_text(page: Path) -> str:
     """The page's headline places, without code blocks."""
     text = page.read_text()
-    if page.name == "README.md":
+    if page in (REPO / "README.md", REPO / "docs/recipes.md"):
         part = text
     elif page == REPO / "docs/benchmarks.md":
         part = text.split("## Headline", 1)[1].split("\n## ", 1)[0]
@@ -76,7 +76,8 @@ def _headline_text(page: Path) -> str:
     return FENCED.sub("", part)
 
 
-HEADLINE_PAGES = [REPO / "README.md", REPO / "docs/benchmarks.md", *sorted((REPO / "docs/methods").glob("*.md"))]
+HEADLINE_PAGES = [REPO / "README.md", REPO / "docs/recipes.md", REPO / "docs/benchmarks.md", REPO / "docs/serving.md",
+                  *sorted((REPO / "docs/methods").glob("*.md"))]
 
 
 @pytest.mark.parametrize("page", HEADLINE_PAGES, ids=_rel)
