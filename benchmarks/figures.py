@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
-# The pages that quote figures: the README and every page of the site.
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+# The pages that quote figures: the README, every page of the site and the benchmark folders' READMEs.
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), *sorted((REPO / "benchmarks").glob("*/README.md"))]
 QUOTE = re.compile(r"<!--fig ([\w.-]+)-->(.*?)<!--/fig-->", re.DOTALL)
 
 DECODE = "benchmarks/decode/results/h100-llama-3.1-8b-engine-path-eb30d5a/speed.json"
@@ -37,6 +37,7 @@ PREFIX = "benchmarks/prefix/results/h100_prefix_32k.json"
 CAPACITY_ADA = "benchmarks/serving/results/capacity_h100_ada-snapkv_7312e7d/results.json"
 CAPACITY_FULL = "benchmarks/serving/results/capacity_h100_full_7312e7d/results.json"
 SERVE_H200 = "benchmarks/serving/results/serve_gpu_h200.json"
+SERVE_CPU = "benchmarks/serving/results/serve_cpu.json"
 STATE_GQA = "benchmarks/state/results/h100_state_restore_engine_path.json"
 STATE_MHA = "benchmarks/state/results/h100_state_restore_mha_engine_path.json"
 QUALITY = "benchmarks/quality/results/smollm2-hour/summary.json"
@@ -236,6 +237,8 @@ FIGURES: dict[str, Figure] = {
     "serve_h200.later_p50.x": (SERVE_H200, lambda: times(
         load(SERVE_H200)["results"]["no_reuse"]["ttft_later_p50_s"]
         / load(SERVE_H200)["results"]["reuse"]["ttft_later_p50_s"], 1)),
+    "serve_cpu.reuse.later_mean_s": (SERVE_CPU, lambda: f2(load(SERVE_CPU)["results"]["reuse"]["ttft_later_mean_s"])),
+    "serve_cpu.no_reuse.later_mean_s": (SERVE_CPU, lambda: f1(load(SERVE_CPU)["results"]["no_reuse"]["ttft_later_mean_s"])),
     # Krul: a 32K conversation's returning turn from the CPU tier, through conv.send, H100.
     "krul.mha.ms": (STATE_MHA, lambda: f0(restore_ttft_ms(STATE_MHA, "krul"))),
     "krul.mha.load_ms": (STATE_MHA, lambda: f0(restore_ttft_ms(STATE_MHA, "load"))),
