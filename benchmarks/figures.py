@@ -27,7 +27,8 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parents[1]
 # The pages that quote figures: the README, every page of the site and the benchmark folders' READMEs.
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), *sorted((REPO / "benchmarks").glob("*/README.md"))]
-QUOTE = re.compile(r"<!--fig ([\w.-]+)-->(.*?)<!--/fig-->", re.DOTALL)
+# A figure's name is dotted lower case: topic.what[.detail].
+QUOTE = re.compile(r"<!--fig ([a-z0-9_]+(?:\.[a-z0-9_-]+)+)-->(.*?)<!--/fig-->", re.DOTALL)
 
 DECODE = "benchmarks/decode/results/h100-llama-3.1-8b-engine-path-eb30d5a/speed.json"
 BATCH16 = "benchmarks/decode/results/h100-llama-3.1-8b-batch16/speed.json"

@@ -34,6 +34,14 @@ def test_every_quoted_figure_agrees_with_its_json(page):
         f"{name}: the page says {quoted.strip()!r}, the JSON gives {computed.strip()!r}" for name, quoted, computed in wrong)
 
 
+@pytest.mark.parametrize("page", figures.PAGES, ids=_rel)
+def test_every_figure_marker_is_a_whole_quote(page):
+    # A marker the pattern does not take (a misspelt name, a missing end) would be left unchecked.
+    text = re.sub(r"`[^`\n]*`", "", page.read_text())  # code spans may show the syntax
+    assert text.count("<!--fig ") == len(figures.QUOTE.findall(text)), f"{_rel(page)}: a malformed figure quote"
+    assert text.count("<!--/fig-->") == len(figures.QUOTE.findall(text)), f"{_rel(page)}: a malformed figure quote"
+
+
 def test_every_figure_reads_an_existing_file_and_gives_a_value():
     for name, (path, _) in figures.FIGURES.items():
         assert (REPO / path).is_file(), f"{name} reads {path}, which does not exist"
