@@ -116,6 +116,16 @@ def kv_quant_ms(kv: str, batch: int, context: int) -> float:
     raise KeyError(f"{KV_QUANT}: no {kv} row at {batch} x {context}")
 
 
+def serve(path: str, mode: str, key: str) -> float:
+    """One figure of a serve_bench.py run: `mode` is "reuse" or "no_reuse"."""
+    return load(path)["results"][mode][key]
+
+
+def kv_quant_kl(setting: str) -> float:
+    """Mean KL to fp32 KV of one setting of the quantized-KV fidelity run."""
+    return next(row["kl"] for row in load(KV_QUANT_FIDELITY)["rows"] if row["setting"] == setting)
+
+
 def prefill_speedup(path: str, recipe: str) -> float:
     return speed_row(path, "full", LONG)["ttft_s"] / speed_row(path, recipe, LONG)["ttft_s"]
 
@@ -128,6 +138,14 @@ def f2(x: float) -> str:
 
 def f1(x: float) -> str:
     return f"{x:.1f}"
+
+
+def f3(x: float) -> str:
+    return f"{x:.3f}"
+
+
+def percent(x: float, digits: int) -> str:
+    return f"{x:.{digits}%}"
 
 
 def f0(x: float) -> str:
@@ -163,9 +181,11 @@ def krul_table() -> str:
              "|---|---|---|---|---|"]
     for shape, path in [("Llama-3.1-8B (GQA)", STATE_GQA), ("Llama-2-7B (MHA)", STATE_MHA)]:
         krul = next(r for r in load(path)["rows"] if (r["strategy"], r["history"]) == ("krul", SHORT))
-        how = f"stored by `{krul['fallback']}`" if krul.get("fallback") else f"{krul['stored_share']:.2f} of the KV stored"
-        lines.append(f"| {shape} | {restore_ttft_ms(path, 'recompute'):.0f} ms | {restore_ttft_ms(path, 'load'):.1f} ms | "
-                     f"{restore_ttft_ms(path, 'krul'):.1f} ms, {how} | {restore_ttft_ms(path, 'krul_split'):.1f} ms |")
+        how = (f"stored by `{krul['fallback']}`" if krul.get("fallback")
+               else f"{krul['stored_share']:.2f} of the KV stored")
+        ms = {strategy: restore_ttft_ms(path, strategy) for strategy in ("recompute", "load", "krul", "krul_split")}
+        lines.append(f"| {shape} | {ms['recompute']:.0f} ms | {ms['load']:.1f} ms | {ms['krul']:.1f} ms, {how} | "
+                     f"{ms['krul_split']:.1f} ms |")
     return "\n\n" + "\n".join(lines) + "\n\n"
 
 
@@ -177,8 +197,9 @@ def decode_table() -> str:
     for name, recipe in [("full", "full"), ("lserve-random", LSERVE), ("loopserve-d", "loopserve-d"),
                          ("ada-snapkv, keep 0.1", ADA)]:
         long = speed_row(DECODE, recipe, LONG)
-        lines.append(f"| {name} | {tpot_ms(recipe, SHORT):.2f} | {long['tpot_s'] * 1e3:.2f} | "
-                     f"{full_long / (long['tpot_s'] * 1e3):.2f} | {long['tpot_of_floor']:.2f} | {gb(long['kv_bytes'])} |")
+        long_ms = long["tpot_s"] * 1e3
+        lines.append(f"| {name} | {tpot_ms(recipe, SHORT):.2f} | {long_ms:.2f} | {full_long / long_ms:.2f} | "
+                     f"{long['tpot_of_floor']:.2f} | {gb(long['kv_bytes'])} |")
     return "\n\n" + "\n".join(lines) + "\n\n"
 
 
@@ -231,15 +252,13 @@ FIGURES: dict[str, Figure] = {
         capacity(CAPACITY_ADA)["itl_during_prefill_p99_s"] / capacity(CAPACITY_ADA)["itl_during_prefill_p50_s"])),
     # Serving with reuse against prefilling every request, H200, 32 conversations x 16K.
     "serve_h200.later_mean.x": (SERVE_H200, lambda: times(
-        load(SERVE_H200)["results"]["no_reuse"]["ttft_later_mean_s"]
-        / load(SERVE_H200)["results"]["reuse"]["ttft_later_mean_s"], 1)),
-    "serve_h200.reuse.later_mean_s": (SERVE_H200, lambda: f2(load(SERVE_H200)["results"]["reuse"]["ttft_later_mean_s"])),
-    "serve_h200.no_reuse.later_mean_s": (SERVE_H200, lambda: f1(load(SERVE_H200)["results"]["no_reuse"]["ttft_later_mean_s"])),
+        serve(SERVE_H200, "no_reuse", "ttft_later_mean_s") / serve(SERVE_H200, "reuse", "ttft_later_mean_s"), 1)),
+    "serve_h200.reuse.later_mean_s": (SERVE_H200, lambda: f2(serve(SERVE_H200, "reuse", "ttft_later_mean_s"))),
+    "serve_h200.no_reuse.later_mean_s": (SERVE_H200, lambda: f1(serve(SERVE_H200, "no_reuse", "ttft_later_mean_s"))),
     "serve_h200.later_p50.x": (SERVE_H200, lambda: times(
-        load(SERVE_H200)["results"]["no_reuse"]["ttft_later_p50_s"]
-        / load(SERVE_H200)["results"]["reuse"]["ttft_later_p50_s"], 1)),
-    "serve_cpu.reuse.later_mean_s": (SERVE_CPU, lambda: f2(load(SERVE_CPU)["results"]["reuse"]["ttft_later_mean_s"])),
-    "serve_cpu.no_reuse.later_mean_s": (SERVE_CPU, lambda: f1(load(SERVE_CPU)["results"]["no_reuse"]["ttft_later_mean_s"])),
+        serve(SERVE_H200, "no_reuse", "ttft_later_p50_s") / serve(SERVE_H200, "reuse", "ttft_later_p50_s"), 1)),
+    "serve_cpu.reuse.later_mean_s": (SERVE_CPU, lambda: f2(serve(SERVE_CPU, "reuse", "ttft_later_mean_s"))),
+    "serve_cpu.no_reuse.later_mean_s": (SERVE_CPU, lambda: f1(serve(SERVE_CPU, "no_reuse", "ttft_later_mean_s"))),
     # Krul: a 32K conversation's returning turn from the CPU tier, through conv.send, H100.
     "krul.mha.ms": (STATE_MHA, lambda: f0(restore_ttft_ms(STATE_MHA, "krul"))),
     "krul.mha.load_ms": (STATE_MHA, lambda: f0(restore_ttft_ms(STATE_MHA, "load"))),
@@ -247,7 +266,8 @@ FIGURES: dict[str, Figure] = {
     "krul.mha.x_load": (STATE_MHA, lambda: times(
         restore_ttft_ms(STATE_MHA, "load") / restore_ttft_ms(STATE_MHA, "krul"))),
     "krul.table": (STATE_MHA, krul_table),
-    "krul.gqa.forced_over_load": (STATE_GQA, lambda: f"{restore_ttft_ms(STATE_GQA, 'krul_split') / restore_ttft_ms(STATE_GQA, 'load') - 1:.0%}"),
+    "krul.gqa.forced_over_load": (STATE_GQA, lambda: percent(
+        restore_ttft_ms(STATE_GQA, "krul_split") / restore_ttft_ms(STATE_GQA, "load") - 1, 0)),
     "krul.gqa.ms": (STATE_GQA, lambda: f1(restore_ttft_ms(STATE_GQA, "krul"))),
     "krul.gqa.load_ms": (STATE_GQA, lambda: f1(restore_ttft_ms(STATE_GQA, "load"))),
     # Quality on CPU, SmolLM2-135M.
@@ -257,24 +277,27 @@ FIGURES: dict[str, Figure] = {
         max(quality(QUALITY, "lserve@512", p)["agreement"] for p in ("begin", "middle", "end")))),
     "quality.loopserve_p.middle.agreement": (LOOPSERVE_QUALITY, lambda: f2(
         quality(LOOPSERVE_QUALITY, "loopserve-p", "middle")["agreement"])),
-    "quality.loopserve_p.middle.kl": (LOOPSERVE_QUALITY, lambda: f"{quality(LOOPSERVE_QUALITY, 'loopserve-p', 'middle')['kl']:.3f}"),
+    "quality.loopserve_p.middle.kl": (LOOPSERVE_QUALITY, lambda: f3(
+        quality(LOOPSERVE_QUALITY, "loopserve-p", "middle")["kl"])),
     "quality.snapkv.middle.agreement": (LOOPSERVE_QUALITY, lambda: f2(
         quality(LOOPSERVE_QUALITY, "snapkv", "middle")["agreement"])),
-    "quality.snapkv.middle.kl": (LOOPSERVE_QUALITY, lambda: f"{quality(LOOPSERVE_QUALITY, 'snapkv', 'middle')['kl']:.3f}"),
+    "quality.snapkv.middle.kl": (LOOPSERVE_QUALITY, lambda: f3(quality(LOOPSERVE_QUALITY, "snapkv", "middle")["kl"])),
     "quality.lserve512.kv_ratio": (QUALITY, lambda: f2(statistics.mean(
         quality(QUALITY, "lserve@512", p)["kv_ratio"] for p in ("begin", "middle", "end")))),
     "quality.snapkv_flowkv.0.2.by_position": (QUALITY, lambda: by_position("snapkv@flowkv@0.2")),
     "quality.snapkv_recompress.0.2.by_position": (QUALITY, lambda: by_position("snapkv@recompress@0.2")),
-    "eviction.ada.0.1.kl": (EVICTION, lambda: f"{eviction_kl('ada-snapkv', 0.1):.3f}"),
-    "eviction.snapkv.0.1.kl": (EVICTION, lambda: f"{eviction_kl('snapkv', 0.1):.3f}"),
-    "eviction.ada_over_snapkv.0.1.x": (EVICTION, lambda: times(eviction_kl("ada-snapkv", 0.1) / eviction_kl("snapkv", 0.1), 1)),
-    "eviction.ada.0.5.kl": (EVICTION, lambda: f"{eviction_kl('ada-snapkv', 0.5):.3f}"),
-    "eviction.snapkv.0.5.kl": (EVICTION, lambda: f"{eviction_kl('snapkv', 0.5):.3f}"),
-    "eviction.snapkv.0.25.kl": (EVICTION, lambda: f"{eviction_kl('snapkv', 0.25):.3f}"),
-    "eviction.snapkv_flowkv.0.25.kl": (EVICTION, lambda: f"{eviction_kl('snapkv', 0.25, 'flowkv'):.3f}"),
-    "kv_int8.kl": (KV_QUANT_FIDELITY, lambda: f"{next(r for r in load(KV_QUANT_FIDELITY)['rows'] if r['setting'] == 'int8 KV')['kl']:.4f}"),
+    "eviction.ada.0.1.kl": (EVICTION, lambda: f3(eviction_kl("ada-snapkv", 0.1))),
+    "eviction.snapkv.0.1.kl": (EVICTION, lambda: f3(eviction_kl("snapkv", 0.1))),
+    "eviction.ada_over_snapkv.0.1.x": (EVICTION, lambda: times(
+        eviction_kl("ada-snapkv", 0.1) / eviction_kl("snapkv", 0.1), 1)),
+    "eviction.ada.0.5.kl": (EVICTION, lambda: f3(eviction_kl("ada-snapkv", 0.5))),
+    "eviction.snapkv.0.5.kl": (EVICTION, lambda: f3(eviction_kl("snapkv", 0.5))),
+    "eviction.snapkv.0.25.kl": (EVICTION, lambda: f3(eviction_kl("snapkv", 0.25))),
+    "eviction.snapkv_flowkv.0.25.kl": (EVICTION, lambda: f3(eviction_kl("snapkv", 0.25, "flowkv"))),
+    "kv_int8.kl": (KV_QUANT_FIDELITY, lambda: f"{kv_quant_kl('int8 KV'):.4f}"),
     # Sparse prefill at 128K, H100.
-    "prefill.streaming.128k.x": (STREAMING, lambda: times(prefill_speedup(STREAMING, "prefill=streaming_heads(pattern=random)"))),
+    "prefill.streaming.128k.x": (STREAMING, lambda: times(
+        prefill_speedup(STREAMING, "prefill=streaming_heads(pattern=random)"))),
     "prefill.streaming.128k.kv_share": (STREAMING, lambda: f2(
         speed_row(STREAMING, "prefill=streaming_heads(pattern=random)", LONG)["kv_bytes"]
         / speed_row(STREAMING, "full", LONG)["kv_bytes"])),
@@ -283,7 +306,8 @@ FIGURES: dict[str, Figure] = {
     # LoopServe's line kernels at 128K, H100.
     "kernels.line_selection.128k.ms": (LINE_ATTENTION, lambda: f1(load(LINE_ATTENTION)["selection"]["total_ms"])),
     "kernels.line_attention.128k.ms": (LINE_ATTENTION, lambda: f1(line_attention_ms())),
-    "kernels.line_selection.128k.share": (LINE_ATTENTION, lambda: f"{load(LINE_ATTENTION)['selection']['total_ms'] / line_attention_ms():.1%}"),
+    "kernels.line_selection.128k.share": (LINE_ATTENTION, lambda: percent(
+        load(LINE_ATTENTION)["selection"]["total_ms"] / line_attention_ms(), 1)),
 }
 
 
@@ -300,7 +324,8 @@ def render(text: str) -> str:
 
 def disagreements(text: str) -> list[tuple[str, str, str]]:
     """(name, quoted, computed) for each quote in `text` whose value is not its figure's."""
-    return [(m.group(1), m.group(2), value(m.group(1))) for m in QUOTE.finditer(text) if m.group(2) != value(m.group(1))]
+    quotes = [(m.group(1), m.group(2), value(m.group(1))) for m in QUOTE.finditer(text)]
+    return [(name, quoted, computed) for name, quoted, computed in quotes if quoted != computed]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -319,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:
             for name, quoted, computed in disagreements(text):
                 wrong += 1
-                print(f"{page.relative_to(REPO)}: {name} quotes {quoted.strip()!r}, its JSON gives {computed.strip()!r}")
+                print(f"{page.relative_to(REPO)}: {name} quotes {quoted.strip()!r}, "
+                      f"its JSON gives {computed.strip()!r}")
         elif render(text) != text:
             page.write_text(render(text))
             print(f"rewrote {page.relative_to(REPO)}")
