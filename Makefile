@@ -1,5 +1,5 @@
 # The two commands of the README: `make chat` and `make test`. Each sets everything up first.
-.PHONY: setup chat test test-gpu bench-cpu docs plots
+.PHONY: setup chat test test-gpu bench-cpu docs plots figures
 
 setup:
 	bash scripts/setup.sh
@@ -20,10 +20,14 @@ test-gpu:
 bench-cpu: setup
 	.venv/bin/python benchmarks/cpu/cpu_vs_transformers.py
 
-# The documentation site in site/, and the benchmark plots it shows, redrawn from the committed JSON.
+# The documentation site in site/; the benchmark plots it shows, redrawn from the committed JSON; and the
+# figures the README and the docs quote, rewritten from the same JSON (tests/docs/test_figures.py checks them).
 docs:
 	EXTRAS=test,docs bash scripts/setup.sh
 	.venv/bin/mkdocs build --strict
 
 plots: setup
 	.venv/bin/python benchmarks/plots.py
+
+figures: setup
+	.venv/bin/python benchmarks/figures.py

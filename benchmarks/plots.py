@@ -18,10 +18,10 @@ import matplotlib.pyplot as plt
 
 HERE = Path(__file__).resolve().parent
 SOURCES = {
-    "decode_vs_context.png": "decode/results/h100-llama-3.1-8b-engine-path/speed.json",
+    "decode_vs_context.png": "decode/results/h100-llama-3.1-8b-engine-path-eb30d5a/speed.json",
     "kv_vs_budget.png": "quality/results/eviction_multiturn.json",
     "fidelity_vs_keep_ratio.png": "quality/results/smollm2-hour/summary.json",
-    "restore_ttft.png": "state/results/h100_state_restore.json",
+    "restore_ttft.png": "state/results/h100_state_restore_mha_engine_path.json",
     "serving_ttft_by_turn.png": "serving/results/serve_gpu_h200.json",
 }
 MS = 1e3
