@@ -25,9 +25,11 @@ LOWER = {"ttft_s", "tpot_s", "kv_bytes", "stored_bytes"}  # lower is better; agr
 
 @dataclass(frozen=True)
 class Settings:
+    """What the cells are measured at: prompt lengths, the later turn's size and history, Krul's history."""
+
     contexts: tuple[int, ...]
     turn_tokens: int
-    turn_history: int  # the later turns' kept history (measure.later_turn_history)
+    turn_history: int  # the later turns' kept history (score_measure.later_turn_history)
     krul_history: int
 
     @property
@@ -123,12 +125,16 @@ def cells(measured: dict, systems: list[str], s: Settings) -> list[dict]:
                          speed_key(ADA, long), speed_key(FULL, long)))
     if "krul" in systems:
         n, krul = s.krul_history, restore_key("krul", s.krul_history)
+        fallback = (measured.get(krul) or {}).get("fallback")
+        # Without a plan that pays (random weights: no layer pairs), Krul stores the conversation as a
+        # plainer strategy does; the cells say which.
+        note = {"note": f"Krul stored it as {fallback}"} if fallback else {}
         out.append(_cell(measured, "Krul", f"restore of a {_k(n)}-token conversation from the CPU tier, TTFT, "
-                         "against recomputing it", "ttft_s", krul, restore_key("recompute", n)))
+                         "against recomputing it", "ttft_s", krul, restore_key("recompute", n), **note))
         out.append(_cell(measured, "Krul", "the same against the full cache's own offload and restore", "ttft_s",
-                         krul, restore_key("full", n), 1.0, "no slower than full's restore"))
+                         krul, restore_key("full", n), 1.0, "no slower than full's restore", **note))
         out.append(_cell(measured, "Krul", f"KV stored for a {_k(n)}-token conversation", "stored_bytes", krul,
-                         restore_key("full", n)))
+                         restore_key("full", n), **note))
     if "flowkv" in systems:
         out.append(flowkv_cell())
     return out

@@ -51,7 +51,7 @@ def markdown(result: dict) -> str:
         system = cell["system"]
         claim = result["claims"][system] if system not in shown else ""
         shown.add(system)
-        figure = cell["figure"] + (f" ({cell['source']})" if cell.get("source") else "")
+        figure = cell["figure"] + "".join(f" ({cell[k]})" for k in ("note", "source") if cell.get(k))
         lines.append(f"| {system if claim else ''} | {claim} | {figure} | {_value(cell['field'], cell['turnkv'])} | "
                      f"{_value(cell['field'], cell['baseline'])} | {_x(cell)} | {_goal(cell)} |")
     hw = result["hardware"]
