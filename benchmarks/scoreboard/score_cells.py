@@ -73,8 +73,8 @@ def plan(systems: list[str], s: Settings) -> list[tuple[str, str, int]]:
     return out
 
 
-def _k(n: int) -> str:
-    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else f"{n / 1024:.1f}K" if n >= 1024 else str(n)
+def _tokens(n: int) -> str:
+    return f"{n:,}"
 
 
 def _cell(measured: dict, system: str, figure: str, field: str, mine: str, base: str, goal: float | None = None,
@@ -100,41 +100,39 @@ def _cell(measured: dict, system: str, figure: str, field: str, mine: str, base:
 
 def cells(measured: dict, systems: list[str], s: Settings) -> list[dict]:
     """The cells of `systems`, in SYSTEMS' order, from this run's measurements."""
-    out, long = [], s.long
+    out, long, n = [], s.long, s.krul_history
     if "lserve" in systems:
         for c in s.contexts:
-            # The targets: TTFT <= 0.67x full's at 128K, <= 0.95x at 32K.
-            limit = 0.67 if c >= 65536 else 0.95
-            out.append(_cell(measured, "LServe", f"prefill TTFT, {_k(c)}-token prompt", "ttft_s", speed_key(LSERVE, c),
-                             speed_key(FULL, c), 1 / limit, f"TTFT <= {limit}x full's"))
-        out.append(_cell(measured, "LServe", f"{s.turn_tokens}-token later turn over {_k(s.turn_history)} tokens kept, TTFT",
-                         "ttft_s", turn_key(LSERVE, s.turn_history), turn_key(FULL, s.turn_history), 1.0,
-                         "no slower than full"))
-        out.append(_cell(measured, "LServe", f"decode at {_k(long)} tokens, time per token", "tpot_s",
+            limit = 0.67 if c >= 65536 else 0.95  # the targets: 0.67x full's TTFT at 128K, 0.95x at 32K
+            out.append(_cell(measured, "LServe", f"prefill TTFT, {_tokens(c)}-token prompt", "ttft_s",
+                             speed_key(LSERVE, c), speed_key(FULL, c), 1 / limit, f"TTFT <= {limit}x full's"))
+        out.append(_cell(measured, "LServe", f"{s.turn_tokens}-token later turn over {_tokens(s.turn_history)} "
+                         "tokens kept, TTFT", "ttft_s", turn_key(LSERVE, s.turn_history),
+                         turn_key(FULL, s.turn_history), 1.0, "no slower than full"))
+        out.append(_cell(measured, "LServe", f"decode at {_tokens(long)} tokens, time per token", "tpot_s",
                          speed_key(LSERVE, long), speed_key(FULL, long), 1.8, ">= 1.8x full"))
     if "loopserve" in systems:
         for spec in ("loopserve-p", "loopserve"):
-            out.append(_cell(measured, "LoopServe", f"{spec} prefill TTFT, {_k(long)}-token prompt", "ttft_s", speed_key(spec, long), speed_key(FULL, long), 1 / 1.05,
-                             "TTFT <= 1.05x full's"))
-        out.append(_cell(measured, "LoopServe", f"loopserve-d decode at {_k(long)} tokens, time per token", "tpot_s",
-                         speed_key("loopserve-d", long), speed_key(FULL, long)))
+            out.append(_cell(measured, "LoopServe", f"{spec} prefill TTFT, {_tokens(long)}-token prompt", "ttft_s",
+                             speed_key(spec, long), speed_key(FULL, long), 1 / 1.05, "TTFT <= 1.05x full's"))
+        out.append(_cell(measured, "LoopServe", f"loopserve-d decode at {_tokens(long)} tokens, time per token",
+                         "tpot_s", speed_key("loopserve-d", long), speed_key(FULL, long)))
     if "adakv" in systems:
-        out.append(_cell(measured, "Ada-KV", f"ada-snapkv keep 0.1, decode at {_k(long)} tokens, time per token", "tpot_s",
-                         speed_key(ADA, long), speed_key(FULL, long)))
-        out.append(_cell(measured, "Ada-KV", f"ada-snapkv keep 0.1, KV held at {_k(long)} tokens", "kv_bytes",
-                         speed_key(ADA, long), speed_key(FULL, long)))
+        for figure, field in (("decode at {} tokens, time per token", "tpot_s"), ("KV held at {} tokens", "kv_bytes")):
+            out.append(_cell(measured, "Ada-KV", "ada-snapkv keep 0.1, " + figure.format(_tokens(long)), field,
+                             speed_key(ADA, long), speed_key(FULL, long)))
     if "krul" in systems:
-        n, krul = s.krul_history, restore_key("krul", s.krul_history)
+        krul, full = restore_key("krul", n), restore_key("full", n)
         fallback = (measured.get(krul) or {}).get("fallback")
         # Without a plan that pays (random weights: no layer pairs), Krul stores the conversation as a
         # plainer strategy does; the cells say which.
         note = {"note": f"Krul stored it as {fallback}"} if fallback else {}
-        out.append(_cell(measured, "Krul", f"restore of a {_k(n)}-token conversation from the CPU tier, TTFT, "
+        out.append(_cell(measured, "Krul", f"restore of a {_tokens(n)}-token conversation from the CPU tier, TTFT, "
                          "against recomputing it", "ttft_s", krul, restore_key("recompute", n), **note))
         out.append(_cell(measured, "Krul", "the same against the full cache's own offload and restore", "ttft_s",
-                         krul, restore_key("full", n), 1.0, "no slower than full's restore", **note))
-        out.append(_cell(measured, "Krul", f"KV stored for a {_k(n)}-token conversation", "stored_bytes", krul,
-                         restore_key("full", n), **note))
+                         krul, full, 1.0, "no slower than full's restore", **note))
+        out.append(_cell(measured, "Krul", f"KV stored for a {_tokens(n)}-token conversation", "stored_bytes", krul,
+                         full, **note))
     if "flowkv" in systems:
         out.append(flowkv_cell())
     return out
@@ -148,10 +146,9 @@ def flowkv_cell(repo: Path = Path(__file__).resolve().parents[2]) -> dict:
     rows = {r["recipe"]: r for r in summary["by_turn_recipe"] if r["turn"] == last}
     measured = {f"quality|{name}|turn {last + 1}": rows[name] for name in FLOWKV_RECIPES}
     mine, base = measured
-    cell = _cell(measured, "FlowKV", f"agreement with the full cache at turn {last + 1} of {last + 1}, SnapKV "
-                 f"keeping 0.2, SmolLM2-135M, against re-compression", "agreement", mine, base,
+    return _cell(measured, "FlowKV", f"agreement with the full cache at turn {last + 1} of {last + 1}, SnapKV "
+                 "keeping 0.2, SmolLM2-135M, against re-compression", "agreement", mine, base,
                  source=f"from {FLOWKV_SOURCE}")
-    return cell
 
 
 def claims(systems: list[str]) -> dict:

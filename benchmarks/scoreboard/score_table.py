@@ -45,7 +45,8 @@ def markdown(result: dict) -> str:
     """The table: per system its paper's claim (first row), then each cell's figure, turnkv's value, the
     value it is compared with from the same run (or the file named), how many times better, and the
     target where the project set one."""
-    lines = ["| system | paper's claim | figure | turnkv | compared with | x better | target |", "|---|---|---|---|---|---|---|"]
+    lines = ["| system | paper's claim | figure | turnkv | compared with | x better | target |",
+             "|---|---|---|---|---|---|---|"]
     shown = set()
     for cell in result["cells"]:
         system = cell["system"]
@@ -57,7 +58,7 @@ def markdown(result: dict) -> str:
     hw = result["hardware"]
     weights = " (random weights)" if result.get("weights") == "random" else ""
     lines += ["", f"{hw['device']}, {result['model']}{weights}, {result['dtype']}; copy bandwidth "
-                  f"{hw['copy_bandwidth'] / 1e12:.2f} TB/s, matmul {hw['matmul_rate'] / 1e12:.0f} TFLOP/s measured in "
+                  f"{hw['copy_bandwidth'] / 1e9:.4g} GB/s, matmul {hw['matmul_rate'] / 1e12:.3g} TFLOP/s measured in "
                   f"the run; {result['wall_s']:.0f} s in all, code at {result['code']}.",
               f"Command: `{result['command']}`", "",
               "Serving at capacity (through `turnkv serve`, too long for the scoreboard), committed:"]

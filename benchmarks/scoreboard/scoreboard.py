@@ -3,14 +3,15 @@ the full cache's figures from the same run and each paper's claim. Writes --out 
 with .md (the table); the JSON is rewritten after every measurement, so a run stopped part-way keeps
 what it measured.
 
-H100, Llama-3.1-8B shape with random weights, bf16 (under ten minutes):
+H100, Llama-3.1-8B shape with random weights, bf16 (sized for under ten minutes):
     python benchmarks/scoreboard/scoreboard.py --model llama-3.1-8b --device cuda \\
         --out benchmarks/scoreboard/results/h100.json
-CPU smoke run (a tiny model; checks the command, not the systems):
-    python benchmarks/scoreboard/scoreboard.py --model smollm2-135m --device cpu --contexts 256,512 \\
+CPU smoke run (the SmolLM2-135M shape with random weights; it checks the command, not the systems):
+    OMP_NUM_THREADS=1 python benchmarks/scoreboard/scoreboard.py --model smollm2-135m --device cpu --contexts 256,512 \\
         --krul-history 512 --turn-tokens 64 --new-tokens 24 --repeat 1 --out /tmp/scoreboard.json
 The table of a committed JSON, printed, or put into a page between its marker lines:
-    python benchmarks/scoreboard/scoreboard.py --markdown benchmarks/scoreboard/results/h100.json [--page docs/benchmarks.md]
+    python benchmarks/scoreboard/scoreboard.py --markdown benchmarks/scoreboard/results/h100.json \\
+        [--page docs/benchmarks.md]
 
 Cells (--cells picks systems): LServe's prefill TTFT at every --contexts, a --turn-tokens later turn over
 the longest context kept, and decode at the longest; LoopServe's prefill (loopserve-p, loopserve) and
@@ -43,7 +44,8 @@ from turnkv.engine.llm import LLM  # noqa: E402
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-3.1-8b", help="a model file or folder, or a shape such as llama-3.1-8b")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -52,7 +54,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cells", default=",".join(cells.SYSTEMS), help="systems to score, comma-separated")
     p.add_argument("--turn-tokens", type=int, default=512, help="tokens of LServe's later turn")
     p.add_argument("--krul-history", type=int, default=32768, help="tokens of the conversation Krul restores")
-    p.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per speed row (16 warm-up steps left out)")
+    p.add_argument("--new-tokens", type=int, default=64,
+                   help="tokens decoded per speed row (the first 16 steps left out of the time per token)")
     p.add_argument("--repeat", type=int, default=2, help="runs per figure (the median is kept; Krul's: the best)")
     p.add_argument("--kv-memory", default=None, help="KV pool size (default: what the longest row needs)")
     p.add_argument("--state-cpu-memory", default=None, help="CPU tier for Krul (default: 8GiB on CUDA, 1GiB on CPU)")
@@ -114,7 +117,8 @@ def run(args) -> dict:
     hw = measure_hardware(llm)
     result = {"command": "python benchmarks/scoreboard/scoreboard.py " + " ".join(shlex.quote(a) for a in args.argv),
               "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)), "code": _code(),
-              "model": llm.name, "weights": llm.source, "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."),
+              "model": llm.name, "weights": llm.source, "device": str(llm.device),
+              "dtype": str(llm.dtype).removeprefix("torch."),
               "hardware": hw, "settings": {**vars(settings), "long": settings.long, "new_tokens": args.new_tokens,
                                            "repeat": args.repeat, "cells": args.systems},
               "claims": cells.claims(args.systems), "measurements": {}, "skipped": {}, "cells": [], "wall_s": 0.0}

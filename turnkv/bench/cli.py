@@ -119,7 +119,8 @@ def cmd_speed(args) -> int:
     need = max(contexts) + args.new_tokens + args.turns * max(turn_tokens)
 
     def kv_memory(config, dtype):  # room for the largest batch at the largest context, and no more
-        return pool_bytes(config, dtype, args.kv_dtype, max(need, (max(contexts) + args.new_tokens + 16) * max(batches)))
+        tokens = max(need, (max(contexts) + args.new_tokens + 16) * max(batches))
+        return pool_bytes(config, dtype, args.kv_dtype, tokens)
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory or kv_memory,
               max_model_len=need + 16, kv_dtype=args.kv_dtype)
