@@ -38,6 +38,8 @@ import score_cells as cells  # noqa: E402
 import score_measure as measure  # noqa: E402
 import score_table as table  # noqa: E402
 
+import torch  # noqa: E402
+
 from turnkv import heap  # noqa: E402
 from turnkv.bench.speed import SpeedConfig, measure_hardware, pool_bytes  # noqa: E402
 from turnkv.engine.llm import LLM  # noqa: E402
@@ -47,6 +49,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-3.1-8b", help="a model file or folder, or a shape such as llama-3.1-8b")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer folder or GGUF file whose chat template the later "
+                   "turn and Krul's conversation use (default: the model's; a random-weight shape borrows the "
+                   "embedded model's when it is installed)")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--contexts", default="32768,129536", help="prompt lengths of the prefill cells; the longest "
@@ -96,9 +101,10 @@ def build_engine(args) -> LLM:
     def kv_memory(config, dtype):
         return pool_bytes(config, dtype, None, tokens)
 
-    cuda = args.device == "cuda" or (args.device is None and __import__("torch").cuda.is_available())
+    cuda = args.device == "cuda" or (args.device is None and torch.cuda.is_available())
     return LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory or kv_memory,
-               max_model_len=tokens, state_cpu_memory=args.state_cpu_memory or ("8GiB" if cuda else "1GiB"))
+               max_model_len=tokens, tokenizer=args.tokenizer,
+               state_cpu_memory=args.state_cpu_memory or ("8GiB" if cuda else "1GiB"))
 
 
 def run(args) -> dict:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks" / "scoreboard"))
@@ -138,6 +139,24 @@ def test_bad_options_are_refused_before_anything_loads(bad, capsys):
     with pytest.raises(SystemExit):
         scoreboard.parse(bad)
     assert "--" in capsys.readouterr().err
+
+
+def test_the_engine_is_built_once_with_room_for_the_longest_row(monkeypatch):
+    """Its pool holds the longest prompt with its decode and later turns (or Krul's conversation, if
+    longer); the tokenizer and the CPU tier are passed through."""
+    from turnkv.model.config import SHAPES
+
+    built = []
+    monkeypatch.setattr(scoreboard, "LLM", lambda model, **kw: built.append((model, kw)))
+    scoreboard.build_engine(scoreboard.parse(["--model", "llama-3.1-8b", "--device", "cpu", "--tokenizer", "tok",
+                                              "--contexts", "1000,4000", "--krul-history", "2048"]))
+    (model, kw), = built
+    tokens = 4000 + 64 + (2 + 2 + 1) * (512 + 64)
+    assert model == "llama-3.1-8b" and kw["tokenizer"] == "tok" and kw["max_model_len"] == tokens
+    assert kw["state_cpu_memory"] == "1GiB" and kw["device"] == "cpu"
+    config = SHAPES["llama-3.1-8b"]
+    per_token = config.num_layers * config.num_kv_heads * config.head_dim * 2 * 2  # K and V, bf16
+    assert kw["kv_memory"](config, torch.bfloat16) == int(tokens * per_token * 1.1) + (64 << 20)
 
 
 def test_without_a_chat_template_the_chat_cells_are_left_out_with_the_reason(tmp_path):
