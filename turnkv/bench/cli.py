@@ -15,10 +15,9 @@ from turnkv.bench.datasets.tasks import generate
 from turnkv.bench.quality import QualityConfig, load_results, run_quality
 from turnkv.bench.quality_presets import apply
 from turnkv.bench.report import write_report
-from turnkv.bench.speed import SpeedConfig, run_speed
+from turnkv.bench.speed import SpeedConfig, pool_bytes, run_speed
 from turnkv.engine.llm import LLM
 from turnkv.errors import InvalidRequestError
-from turnkv.kv.pool import PagePool
 from turnkv.methods.recipe import Recipe, preset
 from turnkv.paths import user_path
 
@@ -121,9 +120,7 @@ def cmd_speed(args) -> int:
 
     def kv_memory(config, dtype):  # room for the largest batch at the largest context, and no more
         tokens = max(need, (max(contexts) + args.new_tokens + 16) * max(batches))
-        per_token = config.num_layers * config.num_kv_heads * PagePool.token_head_bytes(config.head_dim, dtype,
-                                                                                         args.kv_dtype)
-        return int(tokens * per_token * 1.1) + (64 << 20)
+        return pool_bytes(config, dtype, args.kv_dtype, tokens)
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory or kv_memory,
               max_model_len=need + 16, kv_dtype=args.kv_dtype)

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from turnkv.bench import hardware, peers
 from turnkv.bench.floors import decode_kv_read_bytes
 from turnkv.errors import InvalidRequestError, KVCacheFullError
+from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.recipe import Recipe
 
@@ -141,6 +142,13 @@ def measure_turns(llm, ctx: int, cfg: SpeedConfig, hw: dict) -> list[dict]:
     finally:
         seq.free()
     return rows
+
+
+def pool_bytes(config, dtype, kv_dtype, tokens: int) -> int:
+    """Bytes of a KV pool that holds `tokens` tokens of every layer and KV head in `kv_dtype` storage
+    (None: the model's `dtype`), with a tenth and 64 MiB to spare (the pages' rounding, a warm-up's)."""
+    per_token = config.num_layers * config.num_kv_heads * PagePool.token_head_bytes(config.head_dim, dtype, kv_dtype)
+    return int(tokens * per_token * 1.1) + (64 << 20)
 
 
 def measure_hardware(llm) -> dict:
