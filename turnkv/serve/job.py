@@ -74,6 +74,7 @@ class Job:
         self.pieces: list = []  # what encode() tokenizes: text pieces, or the raw prompt
         self.encoding = None  # the encoder's future while the request is tokenized
         self.logprobs_sent = 0  # generated tokens whose log-probabilities went out in a "text" event
+        self.share_prefixes = True  # whether the turn may take KV from the prefix index (the store's reuse)
 
     @property
     def is_chat(self) -> bool:
@@ -83,7 +84,10 @@ class Job:
     def claim(self, llm, store) -> None:
         """Find the conversation (worker thread) and decide what is left to tokenize after its kept
         prefix: the first turn of a chat with a system prompt in two pieces, so that the system prompt
-        ends on a token boundary a recipe (FlowKV) can compress at, as Conversation.stream does."""
+        ends on a token boundary a recipe (FlowKV) can compress at, as Conversation.stream does.
+        Under a store that does not reuse (--no-reuse), the turn takes nothing from the prefix index
+        either: every token of the prompt is prefilled by this request."""
+        self.share_prefixes = store.reuse
         if not self.is_chat:
             self.conv = Conversation(llm, None, self.recipe)  # a container for the KV and recipe state
             self.keep, self.system_chars, self.pieces = 0, None, [self.prompt_input]
@@ -134,7 +138,7 @@ class Job:
             segment_end = len(self.new_ids)  # a raw prompt is one finished segment, as in LLM.generate
         prefix_end = segment_end if self.is_chat else 0  # the system prompt's end: a shareable prefix
         inputs = TurnInput(self.keep, self.new_ids, segment_end, None, self.messages if self.is_chat else None,
-                           self.full_text, prefix_end=prefix_end)
+                           self.full_text, prefix_end=prefix_end, share_prefixes=self.share_prefixes)
         constraint = None if self.grammar is None else self.grammar.constraint()
         self.turn = TurnRun(self.conv, inputs, llm._new_generation(self.conv.kv, params, constraint=constraint)).begin()
 
