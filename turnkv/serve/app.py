@@ -92,8 +92,10 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
 
     @app.post("/flush_cache", dependencies=[Depends(require_key)])
     async def flush_cache():
-        """Drop every idle conversation (SGLang's name for it)."""
-        return {"flushed": await asyncio.to_thread(scheduler.flush)}
+        """Free what the server keeps between requests, as SGLang's endpoint of the same name does:
+        every idle conversation (in every tier) and the prefix index. Running requests go on."""
+        conversations, prefixes = await asyncio.to_thread(scheduler.flush)
+        return {"flushed": conversations, "prefix_entries_flushed": prefixes}
 
     @v1.get("/models")
     async def models():
