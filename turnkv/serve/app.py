@@ -54,7 +54,7 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
         log.info("took back %d conversations from the disk tier", adopted)
     scheduler = Scheduler(llm, store, config, metrics)
     metrics.bind(llm, scheduler, store)
-    recipes = Recipes(llm.recipe, config.head_patterns)
+    recipes = Recipes(llm.recipe, config.head_patterns, check=llm.resolve_recipe)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -113,16 +113,20 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
         except InvalidRequestError as e:
             raise APIError(400, str(e), param="recipe", code="invalid_recipe") from None
         try:
-            max_tokens = check_max_tokens(req.requested_max_tokens(), llm.max_model_len)
+            max_tokens = check_max_tokens(req.requested_max_tokens(), llm.max_model_len, req.max_tokens_field)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=req.max_tokens_field) from None
+        try:
             llm._sampling_params(**req.sampling())  # bad sampling values fail here, before queueing
         except InvalidRequestError as e:
-            raise APIError(400, str(e)) from None
+            raise APIError(400, str(e), param=req.sampling_field(str(e))) from None
         return recipe, key, max_tokens
 
     async def submit(request: Request, req, **inputs) -> tuple[Stream, Job]:
         recipe, key, max_tokens = common(req)
         stream = Stream(asyncio.get_running_loop())
-        job = Job(stream.push, req.sampling(), max_tokens, config.default_max_tokens, recipe, key, **inputs)
+        job = Job(stream.push, req.sampling(), max_tokens, config.default_max_tokens, recipe, key,
+                  fields=(req.prompt_field, req.max_tokens_field), **inputs)
         scheduler.submit(job)
         try:
             first = await stream.next(request)
@@ -130,14 +134,17 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
             scheduler.cancel(job)
             raise
         if first[0] == "error":
-            raise from_engine(first[1], config.retry_after_s)
+            raise from_engine(first[1], config.retry_after_s, job.prompt_field)
         return stream, job
 
     @v1.post("/chat/completions")
     async def chat(request: Request):
         req = await read_request(request, protocol.ChatCompletionRequest, config.max_body_bytes)
         session = session_id(request)
-        plan = await asyncio.to_thread(chat_requests.plan, llm, req)  # rendering and grammar: off the loop and the worker
+        try:  # rendering and grammar: off the loop and the worker
+            plan = await asyncio.to_thread(chat_requests.plan, llm, req)
+        except InvalidRequestError as e:  # the engine cannot take chat messages at all (no tokenizer)
+            raise APIError(400, str(e), param="messages") from None
         stream, job = await submit(request, req, messages=plan.messages, session=session, rendered=plan.rendered,
                                    grammar=plan.grammar)
         rid, created = protocol.new_id("chatcmpl"), int(time.time())
@@ -223,8 +230,11 @@ class Recipes:
     parameter only by a name the operator gave (`named`, --head-pattern NAME=PATH): an HTTP request
     never makes the server read a file it names, nor learn whether one exists."""
 
-    def __init__(self, default: Recipe, named: dict[str, str] | None = None):
+    def __init__(self, default: Recipe, named: dict[str, str] | None = None, check=None):
+        """check: called on each parsed recipe; raises InvalidRequestError for one the engine cannot
+        run (LLM.resolve_recipe: a kv_dtype its pool does not hold)."""
         self.default, self.named = default, dict(named or {})
+        self.check = check or (lambda recipe: recipe)
         self.cache: dict[str, tuple[Recipe, str]] = {}
 
     def resolve(self, text: str | None) -> tuple[Recipe, str]:
@@ -235,6 +245,7 @@ class Recipes:
                 raise InvalidRequestError("recipe files are not accepted over HTTP; send the recipe string")
             try:
                 recipe = Recipe.parse(text).with_named_files(self.named)
+                self.check(recipe)
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"recipe: {e}") from None
             self.cache[text] = (recipe, str(recipe))
@@ -299,11 +310,12 @@ def parse(model, data: dict):
         req = model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
-    try:  # lone surrogates are valid JSON escapes but no text: the tokenizer cannot take them
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise APIError(400, "the request contains a lone surrogate (\\ud800-\\udfff), not text",
-                       code="invalid_utf8") from None
+    for name, value in data.items():  # lone surrogates are valid JSON escapes but no text: the tokenizer
+        try:  # cannot take them
+            json.dumps({name: value}, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, f"{name} contains a lone surrogate (\\ud800-\\udfff), not text",
+                           param=name, code="invalid_utf8") from None
     return req
 
 
@@ -373,7 +385,7 @@ async def finish(request: Request, scheduler: Scheduler, job: Job, stream: Strea
             if kind == "done":
                 return payload
             if kind == "error":
-                raise from_engine(payload, scheduler.config.retry_after_s)
+                raise from_engine(payload, scheduler.config.retry_after_s, job.prompt_field)
     except (ClientGone, asyncio.CancelledError):
         scheduler.cancel(job)
         raise
@@ -401,7 +413,7 @@ def sse(scheduler: Scheduler, job: Job, stream: Stream, opening: dict | None, te
                         yield line(c)
                     break
                 elif kind == "error":  # headers are sent: the error travels in the stream
-                    yield line(from_engine(payload, scheduler.config.retry_after_s).body())
+                    yield line(from_engine(payload, scheduler.config.retry_after_s, job.prompt_field).body())
                     break
             yield "data: [DONE]\n\n"
         finally:

@@ -59,12 +59,15 @@ class Job:
     def __init__(self, sink: Callable[[str, object], None], sampling: dict, max_tokens: int | None,
                  default_max_tokens: int, recipe, recipe_key: str, messages: list[dict] | None = None,
                  prompt: str | list[int] | None = None, session: str | None = None,
-                 rendered: Rendered | None = None, grammar=None):
+                 rendered: Rendered | None = None, grammar=None, fields: tuple[str, str] = ("messages", "max_tokens")):
         self.sink, self.sampling = sink, sampling
         self.max_tokens, self.default_max_tokens = max_tokens, default_max_tokens
         self.recipe, self.recipe_key, self.session = recipe, recipe_key, session
         self.messages, self.prompt_input, self.rendered = messages, prompt, rendered
         self.grammar = grammar  # a compiled grammar (engine/grammar.py) the reply must follow, or None
+        # The request's fields its errors name: the prompt's ("messages" or "prompt") and the reply
+        # length's ("max_tokens" or "max_completion_tokens").
+        self.prompt_field, self.max_tokens_field = fields
         self.arrived = time.perf_counter()
         self.cancelled = False  # set by the HTTP side when the client goes away
         self.entry = None  # the store's entry for chat requests
@@ -117,15 +120,16 @@ class Job:
         room = llm.max_model_len - total
         if room < 1:
             raise ContextLengthError(f"the prompt is {total} tokens and the model's context is {llm.max_model_len}; "
-                                     f"shorten the messages")
+                                     f"shorten the {self.prompt_field}")
         capacity = llm.pool.sequence_capacity
         if total >= capacity:
             raise ContextLengthError(f"the prompt is {total} tokens and the whole KV pool holds {capacity} tokens of "
-                                     f"one conversation: it can never fit; shorten the messages (or start the "
-                                     f"server with more --kv-memory)")
+                                     f"one conversation: it can never fit; shorten the {self.prompt_field} (or start "
+                                     f"the server with more --kv-memory)")
         if self.max_tokens is not None and self.max_tokens > room:
-            raise ContextLengthError(f"max_tokens is {self.max_tokens} but the prompt ({total} tokens) leaves room for "
-                                     f"{room} in the model's context of {llm.max_model_len}")
+            raise FieldContextError(self.max_tokens_field,
+                                    f"{self.max_tokens_field} is {self.max_tokens} but the prompt ({total} tokens) "
+                                    f"leaves room for {room} in the model's context of {llm.max_model_len}")
         self.new_ids = [t for ids in encoded for t in ids]
         self.system_mark = None
         if self.system_chars is not None:
@@ -198,12 +202,22 @@ class Job:
         self.conv, self.entry, self.turn = None, None, None
 
 
-def check_max_tokens(value: int | None, max_model_len: int) -> int | None:
-    """Reject a max_tokens no prompt could satisfy before the request is queued."""
+def check_max_tokens(value: int | None, max_model_len: int, name: str = "max_tokens") -> int | None:
+    """Reject a reply length no prompt could satisfy before the request is queued; `name` is the
+    request's field it came from."""
     if value is None:
         return None
     if value < 1:
-        raise InvalidRequestError(f"max_tokens must be at least 1, got {value}")
+        raise InvalidRequestError(f"{name} must be at least 1, got {value}")
     if value >= max_model_len:
-        raise InvalidRequestError(f"max_tokens is {value} but the model's context is {max_model_len} tokens")
+        raise InvalidRequestError(f"{name} is {value} but the model's context is {max_model_len} tokens")
     return value
+
+
+class FieldContextError(ContextLengthError):
+    """A turn would not fit in the context because of the request's field `param` (the reply length
+    it asks for), not its prompt."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param

@@ -29,6 +29,15 @@ from turnkv.engine.sampling import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN
 Number = StrictInt | StrictFloat
 
 
+class FieldError(ValueError):
+    """A check across fields that faults one of them: `param` names it in the 400 (a model
+    validator's error has no location of its own)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 class Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -196,6 +205,21 @@ class SamplingRequest(Lenient):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def max_tokens_field(self) -> str:
+        """The field requested_max_tokens() comes from (what an error about it names)."""
+        return "max_tokens"
+
+    prompt_field: ClassVar[str] = "messages"  # the field holding the prompt (what a too-long prompt's error names)
+    logprobs_field: ClassVar[str] = "logprobs"  # the field SamplingParams.logprobs comes from
+
+    def sampling_field(self, message: str) -> str | None:
+        """The request field a SamplingParams error is about: its message starts with the
+        SamplingParams name, which is the request's own but for the reply length and logprobs."""
+        name = message.split(" ", 1)[0]
+        return {"max_new_tokens": self.max_tokens_field, "logprobs": self.logprobs_field}.get(
+            name, name if name in type(self).model_fields else None)
+
     def sampling(self) -> dict:
         """Keyword arguments of turnkv's SamplingParams (max_new_tokens is set once the prompt is known)."""
         return dict(temperature=float(self.temperature or 0.0),
@@ -223,20 +247,23 @@ class ChatCompletionRequest(SamplingRequest):
     unsupported: ClassVar[tuple[str, ...]] = ("audio", "modalities", "prediction", "web_search_options",
                                               "functions", "function_call", "reasoning_effort", "verbosity")
 
+    logprobs_field: ClassVar[str] = "top_logprobs"
+
     @model_validator(mode="after")
-    def _top_needs_logprobs(self):
+    def _fields_agree(self):
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
-            raise ValueError("tools: function names must be unique")
+            raise FieldError("tools", "tools: function names must be unique")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
-            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
+            raise FieldError("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not "
+                                            f"among the tools")
         if self.tool_choice == "required" and not names:
-            raise ValueError("tool_choice 'required' needs tools")
+            raise FieldError("tool_choice", "tool_choice 'required' needs tools")
         if self.tools and self.response_format is not None and self.response_format.type != "text" \
                 and self.tool_choice not in (None, "none"):
-            raise ValueError("response_format cannot be combined with tools a reply may call")
+            raise FieldError("response_format", "response_format cannot be combined with tools a reply may call")
         return self
 
     @property
@@ -250,12 +277,17 @@ class ChatCompletionRequest(SamplingRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
 
 class CompletionRequest(SamplingRequest):
     prompt: StrictStr | list[StrictInt] | list[StrictStr]
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     unsupported: ClassVar[tuple[str, ...]] = ("echo", "suffix", "best_of")
+    prompt_field: ClassVar[str] = "prompt"
 
     def refused_field(self) -> str | None:
         if (self.model_extra or {}).get("best_of") == 1:
@@ -274,6 +306,8 @@ class CompletionRequest(SamplingRequest):
             return prompt[0]
         if not prompt:
             raise ValueError("the prompt is empty")
+        if isinstance(prompt, list) and min(prompt) < 0:
+            raise ValueError(f"token ids are at least 0, got {min(prompt)}")
         return prompt
 
 
