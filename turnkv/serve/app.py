@@ -28,6 +28,7 @@ from turnkv.serve.job import Job, Outcome, check_max_tokens
 from turnkv.serve.metrics import Metrics
 from turnkv.serve.scheduler import Scheduler
 from turnkv.serve.store import ConversationStore, TierHook
+from turnkv.serve.token_bytes import CompletionText, TokenBytes
 from turnkv.state.tier_hook import StateTierHook
 
 log = logging.getLogger("turnkv.serve")
@@ -55,6 +56,7 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
     scheduler = Scheduler(llm, store, config, metrics)
     metrics.bind(llm, scheduler, store)
     recipes = Recipes(llm.recipe, config.head_patterns, check=llm.resolve_recipe)
+    vocab = TokenBytes(llm.tokenizer)  # each token's bytes and text, for logprobs
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -166,7 +168,7 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
                     return None
                 body = chunk({"content": content})
                 if req.logprobs:
-                    body["choices"][0]["logprobs"] = protocol.chat_logprobs(llm.tokenizer, delta.logprobs)
+                    body["choices"][0]["logprobs"] = protocol.chat_logprobs(vocab, delta.logprobs)
                 return body
 
             def closing(o):
@@ -182,7 +184,7 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
             "id": rid, "object": "chat.completion", "created": created, "model": model_name,
             "choices": [{"index": 0, "message": message,
                          "logprobs": None if outcome.logprobs is None else
-                         protocol.chat_logprobs(llm.tokenizer, outcome.logprobs),
+                         protocol.chat_logprobs(vocab, outcome.logprobs),
                          "finish_reason": finish_reason}],
             "usage": usage_of(outcome)}, headers=headers)
 
@@ -200,15 +202,12 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
                 body["usage"] = usage
             return body
 
+        pieces = CompletionText(llm.tokenizer)  # each token's piece of the text, across a stream's chunks
         if req.stream:
-            offset = [0]
-
             def text_chunk(delta):
                 body = chunk(delta.text)
                 if req.logprobs is not None:
-                    lp = protocol.completion_logprobs(llm.tokenizer, delta.logprobs, offset[0])
-                    offset[0] += sum(len(t) for t in lp["tokens"])
-                    body["choices"][0]["logprobs"] = lp
+                    body["choices"][0]["logprobs"] = protocol.completion_logprobs(vocab, delta.logprobs, pieces)
                 return body
 
             return sse(scheduler, job, stream, None, text_chunk,
@@ -217,7 +216,8 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
         outcome = await finish(request, scheduler, job, stream)
         body = chunk(outcome.text, outcome.finish_reason)
         if outcome.logprobs is not None:
-            body["choices"][0]["logprobs"] = protocol.completion_logprobs(llm.tokenizer, outcome.logprobs)
+            body["choices"][0]["logprobs"] = protocol.completion_logprobs(vocab, outcome.logprobs, pieces,
+                                                                          outcome.text)
         body["usage"] = usage_of(outcome)
         return JSONResponse(body)
 

@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from turnkv.engine.sampling import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN
+from turnkv.serve.token_bytes import clip
 
 Number = StrictInt | StrictFloat
 
@@ -327,28 +328,27 @@ def model_card(name: str, max_model_len: int) -> dict:
             "parent": None, "max_model_len": max_model_len, "permission": []}
 
 
-def _token_text(tokenizer, token: int) -> str:
-    return tokenizer.decode([token], skip_special_tokens=False)
-
-
-def chat_logprobs(tokenizer, entries) -> dict:
-    """OpenAI's chat `logprobs` object for TokenLogprob entries."""
+def chat_logprobs(vocab, entries) -> dict:
+    """OpenAI's chat `logprobs` object for TokenLogprob entries; vocab: the server's TokenBytes. Each
+    token carries its raw `bytes`, so the bytes of a reply's tokens join into its UTF-8 text."""
 
     def one(token: int, logprob: float) -> dict:
-        text = _token_text(tokenizer, token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        raw, text = vocab.of(token)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
                         for e in entries], "refusal": None}
 
 
-def completion_logprobs(tokenizer, entries, text_offset: int = 0) -> dict:
-    """OpenAI's legacy completions `logprobs` object; offsets count from `text_offset`."""
-    tokens, offsets = [], []
-    for e in entries:
-        offsets.append(text_offset)
-        tokens.append(_token_text(tokenizer, e.token))
-        text_offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
+def completion_logprobs(vocab, entries, text, reply: str | None = None) -> dict:
+    """OpenAI's legacy completions `logprobs` object for the next TokenLogprob entries of a reply;
+    text: the request's CompletionText (each token's piece of the reply and its character offset,
+    counted across the calls of a stream). With the whole `reply` (not streamed), the pieces are cut
+    to it, so they join into it even where a stop string ended it. top_logprobs' keys are the
+    alternatives' own texts (TokenBytes)."""
+    pieces, offsets = text.pieces([e.token for e in entries])
+    if reply is not None:
+        pieces, offsets = clip(pieces, reply), [min(o, len(reply)) for o in offsets]
+    return {"tokens": pieces, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{vocab.of(t)[1]: lp for t, lp in e.top} for e in entries],
             "text_offset": offsets}
