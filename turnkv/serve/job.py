@@ -59,7 +59,8 @@ class Job:
     def __init__(self, sink: Callable[[str, object], None], sampling: dict, max_tokens: int | None,
                  default_max_tokens: int, recipe, recipe_key: str, messages: list[dict] | None = None,
                  prompt: str | list[int] | None = None, session: str | None = None,
-                 rendered: Rendered | None = None, grammar=None, fields: tuple[str, str] = ("messages", "max_tokens")):
+                 rendered: Rendered | None = None, grammar=None,
+                 fields: tuple[str, str] = ("messages", "max_tokens")):
         self.sink, self.sampling = sink, sampling
         self.max_tokens, self.default_max_tokens = max_tokens, default_max_tokens
         self.recipe, self.recipe_key, self.session = recipe, recipe_key, session

@@ -153,6 +153,8 @@ class SamplingRequest(Lenient):
 
     # OpenAI fields whose effect the engine does not have: a request that sets one gets a 400.
     unsupported: ClassVar[tuple[str, ...]] = ()
+    prompt_field: ClassVar[str] = "messages"  # the field holding the prompt (what a too-long prompt's error names)
+    logprobs_field: ClassVar[str] = "logprobs"  # the field SamplingParams.logprobs comes from
 
     def refused_field(self) -> str | None:
         """The first OpenAI field set to a value this server cannot honour, or None."""
@@ -211,9 +213,6 @@ class SamplingRequest(Lenient):
         """The field requested_max_tokens() comes from (what an error about it names)."""
         return "max_tokens"
 
-    prompt_field: ClassVar[str] = "messages"  # the field holding the prompt (what a too-long prompt's error names)
-    logprobs_field: ClassVar[str] = "logprobs"  # the field SamplingParams.logprobs comes from
-
     def sampling_field(self, message: str) -> str | None:
         """The request field a SamplingParams error is about: its message starts with the
         SamplingParams name, which is the request's own but for the reply length and logprobs."""
@@ -247,7 +246,6 @@ class ChatCompletionRequest(SamplingRequest):
 
     unsupported: ClassVar[tuple[str, ...]] = ("audio", "modalities", "prediction", "web_search_options",
                                               "functions", "function_call", "reasoning_effort", "verbosity")
-
     logprobs_field: ClassVar[str] = "top_logprobs"
 
     @model_validator(mode="after")
