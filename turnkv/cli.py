@@ -415,7 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "(at least one); 0 runs each slice as its own forward between decode steps")
     srv.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body; beyond it 413")
     srv.add_argument("--max-tokens", type=int, default=256, help="reply length when a request sets no max_tokens")
-    srv.add_argument("--no-reuse", action="store_true", help="prefill every request from scratch (a baseline)")
+    srv.add_argument("--no-reuse", action="store_true",
+                     help="prefill every request from scratch (a baseline): no request takes KV from a kept "
+                          "conversation or from the prefix index")
     srv.add_argument("--idle-ttl", type=float, default=None, help="drop conversations idle this many seconds")
     srv.add_argument("--drain-timeout", type=float, default=30.0, help="seconds admitted requests get on SIGTERM")
     srv.add_argument("--state-cpu-memory", default="1GiB",

@@ -11,7 +11,8 @@ and the responses' usage). It writes results.json, results.md and two plots into
 
 Configurations (--configs picks some, in order):
     full          the dense cache
-    no-reuse      the dense cache, every request prefilled from scratch
+    no-reuse      the dense cache, every request prefilled from scratch (--no-reuse: nothing from a kept
+                  conversation nor from the prefix index; every cached_tokens is 0)
     ada-snapkv    ada-snapkv keep_ratio=0.1
     lserve        LServe (streaming heads at random: random weights have no calibrated head pattern)
     flowkv        FlowKV over SnapKV, keep_ratio=0.1

@@ -41,7 +41,7 @@ def test_32_concurrent_conversations_match_their_solo_runs(serve_llm):
         baseline = held()
         client = s.client()
         alone = [converse(client, i) for i in range(n)]
-        assert s.scheduler.flush() == n
+        assert s.scheduler.flush()[0] == n
         assert held() == baseline
         successes = s.metric("vllm:request_success_total")
         steps_alone, rows_alone = s.metric("turnkv:decode_batch_size_count"), s.metric("turnkv:decode_batch_size_sum")
@@ -61,8 +61,8 @@ def test_32_concurrent_conversations_match_their_solo_runs(serve_llm):
         assert (s.metric("turnkv:decode_batch_size_sum") - rows_alone) / steps > 8
         # Conversations end: dropping them gives every page back.
         assert s.metric("turnkv:stored_conversations", tier="gpu") == n
-        assert httpx.post(s.url + "/flush_cache").json() == {"flushed": n}
-        assert s.metric("turnkv:kv_pool_bytes_used") == serve_llm.pool.bytes_in_use() and held() == baseline
+        assert httpx.post(s.url + "/flush_cache").json()["flushed"] == n
+        assert s.metric("turnkv:kv_pool_bytes_used") == serve_llm.pool.bytes_in_use() == 0
         assert s.metric("vllm:num_requests_running") == 0 == s.metric("vllm:num_requests_waiting")
 
 

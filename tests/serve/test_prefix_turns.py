@@ -57,3 +57,41 @@ def test_requests_carrying_earlier_turns_take_them_from_the_index(engines):
                 assert llm.prefix_index.hits - hits == 2
         out[mode] = [text for text, _ in answers]
     assert out["turns"] == out["off"]
+
+
+def test_no_reuse_prefills_every_token_of_every_request(engines):
+    """--no-reuse is the from-scratch baseline: no request takes KV it did not prefill itself, neither
+    from a kept conversation nor from the prefix index (which holds this history and system prompt),
+    and its requests add nothing to the index."""
+    llm = engines["turns"]
+    messages, turn_end = _history(llm)  # the index now holds the system prompt and both turn ends
+    branch = messages + [{"role": "user", "content": "And a river?"}]
+    with running(llm, served_model_name=MODEL) as reusing:  # the same request where reuse is on
+        assert _ask(reusing, branch)[1] == turn_end > 0
+    entries, index_bytes, hits = len(llm.prefix_index), llm.prefix_cache_bytes(), llm.prefix_index.hits
+    with running(llm, served_model_name=MODEL, reuse=False) as server:
+        client, usages, replies = server.client(), [], []
+        for _ in range(2):  # the same history twice, then a conversation of three turns over the same system prompt
+            text, cached = _ask(server, branch)
+            replies.append(text)
+            usages.append(cached)
+        chat = [{"role": "system", "content": SYSTEM}]
+        for question in ("What is the sea?", "And a mountain?", "And a lake?"):
+            chat.append({"role": "user", "content": question})
+            r = client.chat.completions.create(messages=chat, model=MODEL, max_tokens=6, temperature=0)
+            usages.append(r.usage.prompt_tokens_details.cached_tokens)
+            chat.append({"role": "assistant", "content": r.choices[0].message.content})
+        chunks = list(client.chat.completions.create(messages=chat + [{"role": "user", "content": "Why?"}],
+                                                     model=MODEL, max_tokens=4, temperature=0, stream=True,
+                                                     stream_options={"include_usage": True}))
+        usages.append(chunks[-1].usage.prompt_tokens_details.cached_tokens)
+        assert usages == [0] * 6
+        assert server.metric("vllm:prefix_cache_hits_total") == 0
+        assert server.metric("turnkv:reused_tokens_total") == 0
+        assert server.metric("turnkv:prefilled_tokens_total") == server.metric("vllm:prompt_tokens_total") > 0
+        assert server.metric("turnkv:stored_conversations") == 0
+    assert (len(llm.prefix_index), llm.prefix_cache_bytes(), llm.prefix_index.hits) == (entries, index_bytes, hits)
+    # What it replies is what a server without any index replies.
+    off = engines["off"]
+    with running(off, served_model_name=MODEL, reuse=False) as plain:
+        assert [_ask(plain, branch)[0] for _ in range(2)] == replies

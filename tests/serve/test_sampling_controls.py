@@ -48,11 +48,13 @@ def test_chat_logprobs_stream_and_plain_agree(server):
     plain = server.client().chat.completions.create(**body)
     content = plain.choices[0].logprobs.content
     assert len(content) == 6 and all(len(c.top_logprobs) == 2 for c in content)
-    assert "".join(c.token for c in content) == plain.choices[0].message.content
+    assert bytes(b for c in content for b in c.bytes) == plain.choices[0].message.content.encode("utf-8")
     assert all(c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)  # greedy: the top one
     streamed = [c for c in server.client().chat.completions.create(stream=True, **body) if c.choices]
     got = [e for c in streamed if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-    assert [(e.token, round(e.logprob, 5)) for e in got] == [(e.token, round(e.logprob, 5)) for e in content]
+    assert [e.token for e in got] == [e.token for e in content]
+    # The streamed request reuses the plain one's KV: its logits differ by rounding.
+    assert [e.logprob for e in got] == pytest.approx([e.logprob for e in content], abs=1e-4)
     # Without logprobs there are none.
     r = server.client().chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
     assert r.choices[0].logprobs is None

@@ -37,7 +37,9 @@ class TurnInput:
     (LLM.generate, /v1/completions), which keep no history. prefix_end: on a first chat turn with a
     system prompt, the absolute position where it ends (0: none): a clean boundary where the prefill
     stops, the recipe closes the prefix (Recipe.after_prefix) and the engine's prefix index keeps or
-    gives its KV (turnkv/engine/prefix.py).
+    gives its KV (turnkv/engine/prefix.py). share_prefixes: whether the turn may take KV from the
+    prefix index and give its boundaries to it; False: the turn prefills everything it does not
+    reuse from its own conversation, and the index neither gives nor keeps anything of it.
     """
 
     keep: int
@@ -47,6 +49,7 @@ class TurnInput:
     messages: list[dict] | None = None
     full_text: str = ""
     prefix_end: int = 0
+    share_prefixes: bool = True
 
 
 class TurnRun:
@@ -106,7 +109,7 @@ class TurnRun:
         self.window_before = window.snapshot() if window is not None else None
         if not conv.turns and inputs.prefix_end > self.cached:
             self.prefix_at = inputs.prefix_end
-        if not conv.turns and self.cached == 0 and inputs.messages is not None:
+        if not conv.turns and self.cached == 0 and inputs.messages is not None and inputs.share_prefixes:
             # A chat's first turn: the index may hold its system prompt, or earlier turns it carries.
             attached = prefix.attach(conv, self.prompt, inputs.prefix_end)
             if attached:
@@ -186,7 +189,7 @@ class TurnRun:
             self.recipe.after_slice(self.conv.kv)
         if self.prefilled == self._prefix_at:
             self.recipe.after_prefix(self.conv.kv, self.state, self.prefix_at, self.inv_freq, self.number)
-            if self.cached == 0:
+            if self.cached == 0 and self.inputs.share_prefixes:
                 prefix.publish(self.conv, self.prompt[: self._prefix_at])
         if self.prefilled == self._context_at:
             self.recipe.after_context(self.conv.kv, self.state, self.inputs.context_end, self.inv_freq, self.number)
@@ -222,7 +225,8 @@ class TurnRun:
         reply = self.gen.reply(prompt_tokens=len(self.prompt), cached_tokens=self.cached)
         if self.inputs.messages is not None:
             conv._record_turn(self.inputs, self.cached, reply)
-            prefix.publish_turn_end(conv)
+            if self.inputs.share_prefixes:
+                prefix.publish_turn_end(conv)
         self.finished = True
         if self.tiers is not None:
             self.tiers.after_turn(conv)

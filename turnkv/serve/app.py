@@ -28,6 +28,7 @@ from turnkv.serve.job import Job, Outcome, check_max_tokens
 from turnkv.serve.metrics import Metrics
 from turnkv.serve.scheduler import Scheduler
 from turnkv.serve.store import ConversationStore, TierHook
+from turnkv.serve.token_bytes import CompletionText, TokenBytes
 from turnkv.state.tier_hook import StateTierHook
 
 log = logging.getLogger("turnkv.serve")
@@ -54,7 +55,8 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
         log.info("took back %d conversations from the disk tier", adopted)
     scheduler = Scheduler(llm, store, config, metrics)
     metrics.bind(llm, scheduler, store)
-    recipes = Recipes(llm.recipe, config.head_patterns)
+    recipes = Recipes(llm.recipe, config.head_patterns, check=llm.resolve_recipe)
+    vocab = TokenBytes(llm.tokenizer)  # each token's bytes and text, for logprobs
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -92,8 +94,10 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
 
     @app.post("/flush_cache", dependencies=[Depends(require_key)])
     async def flush_cache():
-        """Drop every idle conversation (SGLang's name for it)."""
-        return {"flushed": await asyncio.to_thread(scheduler.flush)}
+        """Free what the server keeps between requests, as SGLang's endpoint of the same name does:
+        every idle conversation (in every tier) and the prefix index. Running requests go on."""
+        conversations, prefixes = await asyncio.to_thread(scheduler.flush)
+        return {"flushed": conversations, "prefix_entries_flushed": prefixes}
 
     @v1.get("/models")
     async def models():
@@ -111,16 +115,20 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
         except InvalidRequestError as e:
             raise APIError(400, str(e), param="recipe", code="invalid_recipe") from None
         try:
-            max_tokens = check_max_tokens(req.requested_max_tokens(), llm.max_model_len)
+            max_tokens = check_max_tokens(req.requested_max_tokens(), llm.max_model_len, req.max_tokens_field)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=req.max_tokens_field) from None
+        try:
             llm._sampling_params(**req.sampling())  # bad sampling values fail here, before queueing
         except InvalidRequestError as e:
-            raise APIError(400, str(e)) from None
+            raise APIError(400, str(e), param=req.sampling_field(str(e))) from None
         return recipe, key, max_tokens
 
     async def submit(request: Request, req, **inputs) -> tuple[Stream, Job]:
         recipe, key, max_tokens = common(req)
         stream = Stream(asyncio.get_running_loop())
-        job = Job(stream.push, req.sampling(), max_tokens, config.default_max_tokens, recipe, key, **inputs)
+        job = Job(stream.push, req.sampling(), max_tokens, config.default_max_tokens, recipe, key,
+                  fields=(req.prompt_field, req.max_tokens_field), **inputs)
         scheduler.submit(job)
         try:
             first = await stream.next(request)
@@ -128,14 +136,17 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
             scheduler.cancel(job)
             raise
         if first[0] == "error":
-            raise from_engine(first[1], config.retry_after_s)
+            raise from_engine(first[1], config.retry_after_s, job.prompt_field)
         return stream, job
 
     @v1.post("/chat/completions")
     async def chat(request: Request):
         req = await read_request(request, protocol.ChatCompletionRequest, config.max_body_bytes)
         session = session_id(request)
-        plan = await asyncio.to_thread(chat_requests.plan, llm, req)  # rendering and grammar: off the loop and the worker
+        try:  # rendering and grammar: off the loop and the worker
+            plan = await asyncio.to_thread(chat_requests.plan, llm, req)
+        except InvalidRequestError as e:  # the engine cannot take chat messages at all (no tokenizer)
+            raise APIError(400, str(e), param="messages") from None
         stream, job = await submit(request, req, messages=plan.messages, session=session, rendered=plan.rendered,
                                    grammar=plan.grammar)
         rid, created = protocol.new_id("chatcmpl"), int(time.time())
@@ -157,7 +168,7 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
                     return None
                 body = chunk({"content": content})
                 if req.logprobs:
-                    body["choices"][0]["logprobs"] = protocol.chat_logprobs(llm.tokenizer, delta.logprobs)
+                    body["choices"][0]["logprobs"] = protocol.chat_logprobs(vocab, delta.logprobs)
                 return body
 
             def closing(o):
@@ -173,7 +184,7 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
             "id": rid, "object": "chat.completion", "created": created, "model": model_name,
             "choices": [{"index": 0, "message": message,
                          "logprobs": None if outcome.logprobs is None else
-                         protocol.chat_logprobs(llm.tokenizer, outcome.logprobs),
+                         protocol.chat_logprobs(vocab, outcome.logprobs),
                          "finish_reason": finish_reason}],
             "usage": usage_of(outcome)}, headers=headers)
 
@@ -191,15 +202,12 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
                 body["usage"] = usage
             return body
 
+        pieces = CompletionText(llm.tokenizer)  # each token's piece of the text, across a stream's chunks
         if req.stream:
-            offset = [0]
-
             def text_chunk(delta):
                 body = chunk(delta.text)
                 if req.logprobs is not None:
-                    lp = protocol.completion_logprobs(llm.tokenizer, delta.logprobs, offset[0])
-                    offset[0] += sum(len(t) for t in lp["tokens"])
-                    body["choices"][0]["logprobs"] = lp
+                    body["choices"][0]["logprobs"] = protocol.completion_logprobs(vocab, delta.logprobs, pieces)
                 return body
 
             return sse(scheduler, job, stream, None, text_chunk,
@@ -208,7 +216,8 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
         outcome = await finish(request, scheduler, job, stream)
         body = chunk(outcome.text, outcome.finish_reason)
         if outcome.logprobs is not None:
-            body["choices"][0]["logprobs"] = protocol.completion_logprobs(llm.tokenizer, outcome.logprobs)
+            body["choices"][0]["logprobs"] = protocol.completion_logprobs(vocab, outcome.logprobs, pieces,
+                                                                          outcome.text)
         body["usage"] = usage_of(outcome)
         return JSONResponse(body)
 
@@ -221,8 +230,11 @@ class Recipes:
     parameter only by a name the operator gave (`named`, --head-pattern NAME=PATH): an HTTP request
     never makes the server read a file it names, nor learn whether one exists."""
 
-    def __init__(self, default: Recipe, named: dict[str, str] | None = None):
+    def __init__(self, default: Recipe, named: dict[str, str] | None = None, check=None):
+        """check: called on each parsed recipe; raises InvalidRequestError for one the engine cannot
+        run (LLM.resolve_recipe: a kv_dtype its pool does not hold)."""
         self.default, self.named = default, dict(named or {})
+        self.check = check or (lambda recipe: recipe)
         self.cache: dict[str, tuple[Recipe, str]] = {}
 
     def resolve(self, text: str | None) -> tuple[Recipe, str]:
@@ -233,6 +245,7 @@ class Recipes:
                 raise InvalidRequestError("recipe files are not accepted over HTTP; send the recipe string")
             try:
                 recipe = Recipe.parse(text).with_named_files(self.named)
+                self.check(recipe)
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"recipe: {e}") from None
             self.cache[text] = (recipe, str(recipe))
@@ -297,11 +310,12 @@ def parse(model, data: dict):
         req = model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
-    try:  # lone surrogates are valid JSON escapes but no text: the tokenizer cannot take them
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise APIError(400, "the request contains a lone surrogate (\\ud800-\\udfff), not text",
-                       code="invalid_utf8") from None
+    for name, value in data.items():  # lone surrogates are valid JSON escapes but no text: the tokenizer
+        try:  # cannot take them
+            json.dumps({name: value}, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, f"{name} contains a lone surrogate (\\ud800-\\udfff), not text",
+                           param=name, code="invalid_utf8") from None
     return req
 
 
@@ -371,7 +385,7 @@ async def finish(request: Request, scheduler: Scheduler, job: Job, stream: Strea
             if kind == "done":
                 return payload
             if kind == "error":
-                raise from_engine(payload, scheduler.config.retry_after_s)
+                raise from_engine(payload, scheduler.config.retry_after_s, job.prompt_field)
     except (ClientGone, asyncio.CancelledError):
         scheduler.cancel(job)
         raise
@@ -399,7 +413,7 @@ def sse(scheduler: Scheduler, job: Job, stream: Stream, opening: dict | None, te
                         yield line(c)
                     break
                 elif kind == "error":  # headers are sent: the error travels in the stream
-                    yield line(from_engine(payload, scheduler.config.retry_after_s).body())
+                    yield line(from_engine(payload, scheduler.config.retry_after_s, job.prompt_field).body())
                     break
             yield "data: [DONE]\n\n"
         finally:

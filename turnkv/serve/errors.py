@@ -29,14 +29,17 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def from_engine(error: Exception, retry_after_s: int = 1) -> APIError:
-    """The API error for an exception the engine raised while serving a request."""
+def from_engine(error: Exception, retry_after_s: int = 1, param: str | None = None) -> APIError:
+    """The API error for an exception the engine raised while serving a request. param: the request's
+    field that bad input found while serving it comes from, unless the error names its own (`param`
+    attribute): the prompt's ("messages" or "prompt"), which the worker encodes and checks."""
     if isinstance(error, APIError):
         return error
+    param = getattr(error, "param", None) or param
     if isinstance(error, ContextLengthError):
-        return APIError(400, str(error), param="messages", code="context_length_exceeded")
+        return APIError(400, str(error), param=param, code="context_length_exceeded")
     if isinstance(error, InvalidRequestError):
-        return APIError(400, str(error))
+        return APIError(400, str(error), param=param)
     if isinstance(error, KVCacheFullError):
         return APIError(503, f"{error}; retry later", type="server_error", code="kv_cache_full",
                         headers={"Retry-After": str(retry_after_s)})
@@ -47,13 +50,25 @@ def from_engine(error: Exception, retry_after_s: int = 1) -> APIError:
 
 
 def validation_error(exc: RequestValidationError | Exception) -> APIError:
-    """A pydantic error list as one readable message; `param` names the top-level field at fault."""
+    """A pydantic error list as one readable message; `param` names the top-level field at fault (a
+    check across fields names the one it faults: protocol.FieldError)."""
     errors = exc.errors() if hasattr(exc, "errors") else []
     if not errors:
         return APIError(400, str(exc))
-    fields = [[str(p) for p in e.get("loc", ()) if p != "body"] for e in errors]
-    message = "; ".join(f"{'.'.join(loc) or 'body'}: {e.get('msg')}" for loc, e in list(zip(fields, errors))[:5])
+    fields = [[str(p) for p in e.get("loc", ()) if p != "body"] or _faulted(e) for e in errors]
+    message = "; ".join(f"{'.'.join(loc) or 'body'}: {_reason(e)}" for loc, e in list(zip(fields, errors))[:5])
     return APIError(400, message, param=fields[0][0] if fields[0] else None)
+
+
+def _faulted(error: dict) -> list[str]:
+    """The field a located-nowhere error (a model validator's) names, as a location."""
+    param = getattr((error.get("ctx") or {}).get("error"), "param", None)
+    return [param] if param else []
+
+
+def _reason(error: dict) -> str:
+    message = str(error.get("msg"))
+    return message.removeprefix("Value error, ") if error.get("type") == "value_error" else message
 
 
 def install_handlers(app: FastAPI) -> None:

@@ -59,12 +59,16 @@ class Job:
     def __init__(self, sink: Callable[[str, object], None], sampling: dict, max_tokens: int | None,
                  default_max_tokens: int, recipe, recipe_key: str, messages: list[dict] | None = None,
                  prompt: str | list[int] | None = None, session: str | None = None,
-                 rendered: Rendered | None = None, grammar=None):
+                 rendered: Rendered | None = None, grammar=None,
+                 fields: tuple[str, str] = ("messages", "max_tokens")):
         self.sink, self.sampling = sink, sampling
         self.max_tokens, self.default_max_tokens = max_tokens, default_max_tokens
         self.recipe, self.recipe_key, self.session = recipe, recipe_key, session
         self.messages, self.prompt_input, self.rendered = messages, prompt, rendered
         self.grammar = grammar  # a compiled grammar (engine/grammar.py) the reply must follow, or None
+        # The request's fields its errors name: the prompt's ("messages" or "prompt") and the reply
+        # length's ("max_tokens" or "max_completion_tokens").
+        self.prompt_field, self.max_tokens_field = fields
         self.arrived = time.perf_counter()
         self.cancelled = False  # set by the HTTP side when the client goes away
         self.entry = None  # the store's entry for chat requests
@@ -74,6 +78,7 @@ class Job:
         self.pieces: list = []  # what encode() tokenizes: text pieces, or the raw prompt
         self.encoding = None  # the encoder's future while the request is tokenized
         self.logprobs_sent = 0  # generated tokens whose log-probabilities went out in a "text" event
+        self.share_prefixes = True  # whether the turn may take KV from the prefix index (the store's reuse)
 
     @property
     def is_chat(self) -> bool:
@@ -83,7 +88,10 @@ class Job:
     def claim(self, llm, store) -> None:
         """Find the conversation (worker thread) and decide what is left to tokenize after its kept
         prefix: the first turn of a chat with a system prompt in two pieces, so that the system prompt
-        ends on a token boundary a recipe (FlowKV) can compress at, as Conversation.stream does."""
+        ends on a token boundary a recipe (FlowKV) can compress at, as Conversation.stream does.
+        Under a store that does not reuse (--no-reuse), the turn takes nothing from the prefix index
+        either: every token of the prompt is prefilled by this request."""
+        self.share_prefixes = store.reuse
         if not self.is_chat:
             self.conv = Conversation(llm, None, self.recipe)  # a container for the KV and recipe state
             self.keep, self.system_chars, self.pieces = 0, None, [self.prompt_input]
@@ -113,15 +121,16 @@ class Job:
         room = llm.max_model_len - total
         if room < 1:
             raise ContextLengthError(f"the prompt is {total} tokens and the model's context is {llm.max_model_len}; "
-                                     f"shorten the messages")
+                                     f"shorten the {self.prompt_field}")
         capacity = llm.pool.sequence_capacity
         if total >= capacity:
             raise ContextLengthError(f"the prompt is {total} tokens and the whole KV pool holds {capacity} tokens of "
-                                     f"one conversation: it can never fit; shorten the messages (or start the "
-                                     f"server with more --kv-memory)")
+                                     f"one conversation: it can never fit; shorten the {self.prompt_field} (or start "
+                                     f"the server with more --kv-memory)")
         if self.max_tokens is not None and self.max_tokens > room:
-            raise ContextLengthError(f"max_tokens is {self.max_tokens} but the prompt ({total} tokens) leaves room for "
-                                     f"{room} in the model's context of {llm.max_model_len}")
+            raise FieldContextError(self.max_tokens_field,
+                                    f"{self.max_tokens_field} is {self.max_tokens} but the prompt ({total} tokens) "
+                                    f"leaves room for {room} in the model's context of {llm.max_model_len}")
         self.new_ids = [t for ids in encoded for t in ids]
         self.system_mark = None
         if self.system_chars is not None:
@@ -134,7 +143,7 @@ class Job:
             segment_end = len(self.new_ids)  # a raw prompt is one finished segment, as in LLM.generate
         prefix_end = segment_end if self.is_chat else 0  # the system prompt's end: a shareable prefix
         inputs = TurnInput(self.keep, self.new_ids, segment_end, None, self.messages if self.is_chat else None,
-                           self.full_text, prefix_end=prefix_end)
+                           self.full_text, prefix_end=prefix_end, share_prefixes=self.share_prefixes)
         constraint = None if self.grammar is None else self.grammar.constraint()
         self.turn = TurnRun(self.conv, inputs, llm._new_generation(self.conv.kv, params, constraint=constraint)).begin()
 
@@ -194,12 +203,22 @@ class Job:
         self.conv, self.entry, self.turn = None, None, None
 
 
-def check_max_tokens(value: int | None, max_model_len: int) -> int | None:
-    """Reject a max_tokens no prompt could satisfy before the request is queued."""
+def check_max_tokens(value: int | None, max_model_len: int, name: str = "max_tokens") -> int | None:
+    """Reject a reply length no prompt could satisfy before the request is queued; `name` is the
+    request's field it came from."""
     if value is None:
         return None
     if value < 1:
-        raise InvalidRequestError(f"max_tokens must be at least 1, got {value}")
+        raise InvalidRequestError(f"{name} must be at least 1, got {value}")
     if value >= max_model_len:
-        raise InvalidRequestError(f"max_tokens is {value} but the model's context is {max_model_len} tokens")
+        raise InvalidRequestError(f"{name} is {value} but the model's context is {max_model_len} tokens")
     return value
+
+
+class FieldContextError(ContextLengthError):
+    """A turn would not fit in the context because of the request's field `param` (the reply length
+    it asks for), not its prompt."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param

@@ -25,8 +25,18 @@ from pydantic import (
 )
 
 from turnkv.engine.sampling import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN
+from turnkv.serve.token_bytes import clip
 
 Number = StrictInt | StrictFloat
+
+
+class FieldError(ValueError):
+    """A check across fields that faults one of them: `param` names it in the 400 (a model
+    validator's error has no location of its own)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 class Lenient(BaseModel):
@@ -143,6 +153,8 @@ class SamplingRequest(Lenient):
 
     # OpenAI fields whose effect the engine does not have: a request that sets one gets a 400.
     unsupported: ClassVar[tuple[str, ...]] = ()
+    prompt_field: ClassVar[str] = "messages"  # the field holding the prompt (what a too-long prompt's error names)
+    logprobs_field: ClassVar[str] = "logprobs"  # the field SamplingParams.logprobs comes from
 
     def refused_field(self) -> str | None:
         """The first OpenAI field set to a value this server cannot honour, or None."""
@@ -196,6 +208,18 @@ class SamplingRequest(Lenient):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def max_tokens_field(self) -> str:
+        """The field requested_max_tokens() comes from (what an error about it names)."""
+        return "max_tokens"
+
+    def sampling_field(self, message: str) -> str | None:
+        """The request field a SamplingParams error is about: its message starts with the
+        SamplingParams name, which is the request's own but for the reply length and logprobs."""
+        name = message.split(" ", 1)[0]
+        return {"max_new_tokens": self.max_tokens_field, "logprobs": self.logprobs_field}.get(
+            name, name if name in type(self).model_fields else None)
+
     def sampling(self) -> dict:
         """Keyword arguments of turnkv's SamplingParams (max_new_tokens is set once the prompt is known)."""
         return dict(temperature=float(self.temperature or 0.0),
@@ -222,21 +246,23 @@ class ChatCompletionRequest(SamplingRequest):
 
     unsupported: ClassVar[tuple[str, ...]] = ("audio", "modalities", "prediction", "web_search_options",
                                               "functions", "function_call", "reasoning_effort", "verbosity")
+    logprobs_field: ClassVar[str] = "top_logprobs"
 
     @model_validator(mode="after")
-    def _top_needs_logprobs(self):
+    def _fields_agree(self):
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
-            raise ValueError("tools: function names must be unique")
+            raise FieldError("tools", "tools: function names must be unique")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
-            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
+            raise FieldError("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not "
+                                            f"among the tools")
         if self.tool_choice == "required" and not names:
-            raise ValueError("tool_choice 'required' needs tools")
+            raise FieldError("tool_choice", "tool_choice 'required' needs tools")
         if self.tools and self.response_format is not None and self.response_format.type != "text" \
                 and self.tool_choice not in (None, "none"):
-            raise ValueError("response_format cannot be combined with tools a reply may call")
+            raise FieldError("response_format", "response_format cannot be combined with tools a reply may call")
         return self
 
     @property
@@ -250,12 +276,17 @@ class ChatCompletionRequest(SamplingRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
 
 class CompletionRequest(SamplingRequest):
     prompt: StrictStr | list[StrictInt] | list[StrictStr]
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     unsupported: ClassVar[tuple[str, ...]] = ("echo", "suffix", "best_of")
+    prompt_field: ClassVar[str] = "prompt"
 
     def refused_field(self) -> str | None:
         if (self.model_extra or {}).get("best_of") == 1:
@@ -274,6 +305,8 @@ class CompletionRequest(SamplingRequest):
             return prompt[0]
         if not prompt:
             raise ValueError("the prompt is empty")
+        if isinstance(prompt, list) and min(prompt) < 0:
+            raise ValueError(f"token ids are at least 0, got {min(prompt)}")
         return prompt
 
 
@@ -293,28 +326,27 @@ def model_card(name: str, max_model_len: int) -> dict:
             "parent": None, "max_model_len": max_model_len, "permission": []}
 
 
-def _token_text(tokenizer, token: int) -> str:
-    return tokenizer.decode([token], skip_special_tokens=False)
-
-
-def chat_logprobs(tokenizer, entries) -> dict:
-    """OpenAI's chat `logprobs` object for TokenLogprob entries."""
+def chat_logprobs(vocab, entries) -> dict:
+    """OpenAI's chat `logprobs` object for TokenLogprob entries; vocab: the server's TokenBytes. Each
+    token carries its raw `bytes`, so the bytes of a reply's tokens join into its UTF-8 text."""
 
     def one(token: int, logprob: float) -> dict:
-        text = _token_text(tokenizer, token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        raw, text = vocab.of(token)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
                         for e in entries], "refusal": None}
 
 
-def completion_logprobs(tokenizer, entries, text_offset: int = 0) -> dict:
-    """OpenAI's legacy completions `logprobs` object; offsets count from `text_offset`."""
-    tokens, offsets = [], []
-    for e in entries:
-        offsets.append(text_offset)
-        tokens.append(_token_text(tokenizer, e.token))
-        text_offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
+def completion_logprobs(vocab, entries, text, reply: str | None = None) -> dict:
+    """OpenAI's legacy completions `logprobs` object for the next TokenLogprob entries of a reply;
+    text: the request's CompletionText (each token's piece of the reply and its character offset,
+    counted across the calls of a stream). With the whole `reply` (not streamed), the pieces are cut
+    to it, so they join into it even where a stop string ended it. top_logprobs' keys are the
+    alternatives' own texts (TokenBytes)."""
+    pieces, offsets = text.pieces([e.token for e in entries])
+    if reply is not None:
+        pieces, offsets = clip(pieces, reply), [min(o, len(reply)) for o in offsets]
+    return {"tokens": pieces, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{vocab.of(t)[1]: lp for t, lp in e.top} for e in entries],
             "text_offset": offsets}

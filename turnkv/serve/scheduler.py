@@ -62,7 +62,7 @@ class Scheduler:
         self._flush_asked = False
         self._note = ""  # what the current phase's step carried, for the slow-phase log
         self._flushed = threading.Event()
-        self._flush_count = 0
+        self._flush_count = (0, 0)
         self._expired_at = time.monotonic()
         self.thread: threading.Thread | None = None
         self.gate = MemoryGate(llm.pool, store)
@@ -100,8 +100,9 @@ class Scheduler:
             job.cancelled = True
             self.cond.notify()
 
-    def flush(self, timeout: float = 10.0) -> int:
-        """Drop every idle conversation (on the worker, between two steps); returns how many."""
+    def flush(self, timeout: float = 10.0) -> tuple[int, int]:
+        """Drop every idle conversation and the prefix index's entries (on the worker, between two
+        steps); returns (conversations, index entries) dropped (store.flush)."""
         self._flushed.clear()
         with self.cond:
             self._flush_asked = True

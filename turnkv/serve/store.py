@@ -223,12 +223,19 @@ class ConversationStore:
             self._drop(e)
         return len(old)
 
-    def flush(self) -> int:
-        """Drop every idle conversation; returns how many."""
+    def flush(self) -> tuple[int, int]:
+        """Drop every idle conversation (from every tier) and every entry of the engine's prefix
+        index; returns (conversations, index entries) dropped. Running requests keep their KV, shared
+        pages included. With none running, the pool then holds only what the engine keeps for itself."""
         idle = [e for e in self.entries if not e.busy]
         for e in idle:
             self._drop(e)
-        return len(idle)
+        index = getattr(self.llm, "prefix_index", None)
+        entries = 0
+        if index is not None:
+            entries = len(index)
+            index.clear()
+        return len(idle), entries
 
     def shutdown(self) -> tuple[int, int]:
         """The server stops (no request runs): idle conversations go to the durable tier when there is
