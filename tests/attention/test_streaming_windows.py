@@ -21,6 +21,8 @@ def masked_reference(q, keys, values, key_pos, q_pos, window, sink, valid):
 @pytest.mark.parametrize("T,window,sink,history,start", [
     (40, 16, 4, 0, 0),      # fresh, two and a half blocks: the chunk's sink falls out of later rows' windows
     (48, 16, 4, 0, 0),      # fresh, whole blocks
+    (75, 16, 5, 0, 0),      # fresh, five blocks: the third on see the chunk's sink in full
+    (75, 8, 12, 0, 0),      # a sink longer than the window
     (12, 16, 4, 0, 0),      # fresh, shorter than the window
     (37, 10, 0, 0, 0),      # no sink
     (40, 16, 4, 11, 50),    # a later chunk over a kept sink + ring
@@ -28,6 +30,7 @@ def masked_reference(q, keys, values, key_pos, q_pos, window, sink, valid):
     (33, 8, 6, 14, 50),     # the ring longer than the window: its oldest keys fall out of every row's view
     (20, 8, 16, 10, 10),    # a history all below the sink, and the chunk's own first keys below it too
     (30, 8, 4, 20, 20),     # the history is the whole past: sink, then a run from the sink on
+    (70, 16, 4, 11, 50),    # a long later chunk over a kept sink + ring
 ])
 @pytest.mark.parametrize("B,known", [(2, False), (1, True), (2, True)])
 def test_windowed_chunk_equals_the_masked_reference(T, window, sink, history, start, B, known):

@@ -10,12 +10,16 @@ cell outside a row's view computed beyond one block's triangle:
 - the chunk is cut into blocks of `window` rows. Block b over its own keys is causal attention
   (square); block b over block b - 1 sees the keys above the diagonal (key c > row a), which is causal
   attention again once both are reversed and the empty last row and first key are dropped;
+- keys that every row of a block sees in full (a kept sink; the chunk's own sink keys, for the blocks
+  past the window of all of them) go before the block's keys, with as many empty rows before its
+  rows: still one square causal call;
 - a kept history in a streaming head's form (sink keys, then a run of the positions right before the
-  chunk) joins the chunk: the run's keys are the stretch's first keys, the sink keys one dense call
-  that every row sees in full;
-- the chunk's own sink keys that fell out of a row's window, and a history in any other form, are an
-  explicit masked attention by position (small: at most a sink's worth of rows, or a fallback);
+  chunk) joins the chunk: the run's keys are the stretch's first keys, its sink the blocks' prefix;
+- the chunk's own sink keys for the rows of the second block, and a history in any other form, are an
+  explicit masked attention by position (small: one block of rows over a sink, or a fallback);
 - the parts are merged by their log-sum-exp.
+Every call's shapes depend on the window, the sink and the number of heads, not on the chunk's
+length: cuDNN builds an execution plan per new shape, and a conversation's chunks rarely repeat one.
 """
 
 from __future__ import annotations
@@ -42,84 +46,116 @@ def windowed_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: tor
     B, Hq, T, D = q.shape
     scale = D**-0.5 if scale is None else scale
     has_history = history is not None and history[0].shape[2] > 0
-    run = layout[1] if has_history and layout is not None else 0
-    run = min(run, window - 1)  # older keys of the run lie outside every row's window
-    if run:
-        # The run and the chunk are one stretch of consecutive positions: the chunk's rows are its last
-        # T rows (the run's own rows are computed and dropped).
-        s0, R = layout
-        keys = torch.cat([history[0][:, :, s0 + R - run : s0 + R], k], 2)
-        values = torch.cat([history[1][:, :, s0 + R - run : s0 + R], v], 2)
-        q_run = torch.cat([q.new_zeros(B, Hq, run, D), q], 2)
-        out, lse = _in_chunk(q_run, keys, values, window, scale)
-        out, lse = out[:, :, run:], lse[:, :, run:]
-    else:
+    if has_history and layout is None:
+        # Which history keys a row sees is known only by position: the history through a mask.
+        own = max(0, min(T, sink - first_position)) if T > window else 0
         out, lse = _in_chunk(q, k, v, window, scale)
-    for r0, part, part_lse in _outside_window(q, k, v, q_pos, window, sink, history if has_history else None,
-                                              scale, first_position, layout):
-        rows = slice(r0, r0 + part.shape[2])
-        out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], part, part_lse)
+        part, part_lse = _masked(q, k, v, q_pos, window, sink, history, own, 0, T, scale)
+        return _merge(out, lse, part, part_lse)[0]
+    s0, run = layout if has_history else (0, 0)
+    every = (history[0][:, :, :s0], history[1][:, :, :s0]) if s0 else None
+    # The chunk's own keys below sink (a chunk that starts below it): the rows of blocks from the third
+    # on are past their window and see them all; the second block's rows, some (masked below).
+    own = max(0, min(T, sink - first_position)) if T > window else 0
+    if own and (B > 1 or own > window):
+        # Sequences at different positions (which own keys lie below sink differs), or a sink longer
+        # than the window: a mask for all rows.
+        out, lse = _in_chunk(q, k, v, window, scale, every)
+        part, part_lse = _masked(q, k, v, q_pos, window, sink, None, own, 0, T, scale)
+        return _merge(out, lse, part, part_lse)[0]
+    late = (k[:, :, :own], v[:, :, :own]) if own else None
+    keep = min(run, window - 1)  # the run's older keys lie outside every row's window
+    if keep:
+        # The run and the chunk are one stretch of consecutive positions: the chunk's rows are its last
+        # T rows (the run's own rows are computed and dropped). own = 0 here: the run lies above sink.
+        keys = torch.cat([history[0][:, :, s0 + run - keep : s0 + run], k], 2)
+        values = torch.cat([history[1][:, :, s0 + run - keep : s0 + run], v], 2)
+        q_run = torch.cat([q.new_zeros(B, Hq, keep, D), q], 2)
+        out, lse = _in_chunk(q_run, keys, values, window, scale, every)
+        return out[:, :, keep:]
+    out, lse = _in_chunk(q, k, v, window, scale, every, late)
+    if own:
+        hi = min(T, 2 * window)
+        part, part_lse = _masked(q, k, v, q_pos, window, sink, None, own, window, hi, scale)
+        rows = slice(window, hi)
+        out[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], part, part_lse)[0]
     return out
 
 
-def _in_chunk(q, k, v, W: int, scale: float):
-    """The chunk over its own keys within the window: (out [B, Hq, T, D], lse [B, Hq, T] fp32)."""
+def _in_chunk(q, k, v, W: int, scale: float, every=None, late=None):
+    """The chunk over its own keys within the window: (out [B, Hq, T, D], lse [B, Hq, T] fp32).
+    every / late: (keys, values) [B, H, s, D] that every row of every block / of the blocks from the
+    third on (rows past the window of the chunk's first keys) sees in full, beside the window."""
     B, Hq, T, D = q.shape
     H = k.shape[1]
-    if T <= W:
-        return _attend(q, k, v, scale)
-    nb = -(-T // W)
-    pad = nb * W - T
+    G = Hq // H
+    Wb = min(T, W)  # one block when the chunk fits the window
+    nb = -(-T // Wb)
+    pad = nb * Wb - T
+    # Heads into the batch: [B * H, ...], one KV head and its query group per entry.
+    qh = q.reshape(B * H, G, T, D)
+    kh, vh = k.reshape(B * H, 1, T, D), v.reshape(B * H, 1, T, D)
 
-    def blocks(x, heads):  # [B, heads, T, D] -> [B, nb, heads, W, D], rows padded at the end
+    def blocks(x):  # [N, heads, T, D] -> [N, nb, heads, Wb, D], rows padded at the end
         x = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
-        return x.view(B, heads, nb, W, D).transpose(1, 2)
+        return x.view(x.shape[0], x.shape[1], nb, Wb, D).transpose(1, 2)
 
-    qb, kb, vb = blocks(q, Hq), blocks(k, H), blocks(v, H)
-    flat = lambda x, n: x.reshape(B * n, x.shape[2], x.shape[3], D)  # noqa: E731
-    out_d, lse_d = _attend(flat(qb, nb), flat(kb, nb), flat(vb, nb), scale)
-    out_d, lse_d = out_d.reshape(B, nb, Hq, W, D), lse_d.reshape(B, nb, Hq, W)
-    if W > 1:
+    qb, kb, vb = blocks(qh), blocks(kh), blocks(vh)
+    N = B * H
+    out_d = torch.empty(N, nb, G, Wb, D, dtype=q.dtype, device=q.device)
+    lse_d = torch.empty(N, nb, G, Wb, dtype=torch.float32, device=q.device)
+    prefixes = [(0, min(nb, 2), every), (2, nb, _join(every, late))] if late is not None else [(0, nb, every)]
+    for b0, b1, prefix in prefixes:
+        if b1 <= b0:
+            continue
+        o, l = _diagonal(qb[:, b0:b1], kb[:, b0:b1], vb[:, b0:b1], prefix, scale)
+        out_d[:, b0:b1], lse_d[:, b0:b1] = o, l
+    if nb > 1 and Wb > 1:
         # Block b (>= 1), row a over block b - 1, key c: seen iff c > a. Reversed (x = W - 2 - a over
         # y = W - 1 - c), rows a < W - 1 and keys c >= 1 only: seen iff y <= x, causal.
-        qo = qb[:, 1:, :, : W - 1].flip(3)
+        flat = lambda x: x.reshape(N * (nb - 1), x.shape[2], Wb - 1, D)  # noqa: E731
+        qo = qb[:, 1:, :, : Wb - 1].flip(3)
         ko, vo = kb[:, :-1, :, 1:].flip(3), vb[:, :-1, :, 1:].flip(3)
-        out_o, lse_o = _attend(flat(qo, nb - 1), flat(ko, nb - 1), flat(vo, nb - 1), scale)
-        out_o = out_o.reshape(B * (nb - 1), Hq, W - 1, D).flip(2)
-        lse_o = lse_o.reshape(B * (nb - 1), Hq, W - 1).flip(2)
-        rows = (slice(None), slice(1, None), slice(None), slice(0, W - 1))
-        merged, merged_lse = _merge(out_d[rows].reshape(-1, Hq, W - 1, D), lse_d[rows].reshape(-1, Hq, W - 1),
+        out_o, lse_o = _attend(flat(qo), flat(ko), flat(vo), scale)
+        out_o = out_o.reshape(N * (nb - 1), G, Wb - 1, D).flip(2)
+        lse_o = lse_o.reshape(N * (nb - 1), G, Wb - 1).flip(2)
+        rows = (slice(None), slice(1, None), slice(None), slice(0, Wb - 1))
+        merged, merged_lse = _merge(out_d[rows].reshape(-1, G, Wb - 1, D), lse_d[rows].reshape(-1, G, Wb - 1),
                                     out_o, lse_o)
-        out_d[rows] = merged.view(B, nb - 1, Hq, W - 1, D)
-        lse_d[rows] = merged_lse.view(B, nb - 1, Hq, W - 1)
-    out = out_d.transpose(1, 2).reshape(B, Hq, nb * W, D)[:, :, :T]
-    lse = lse_d.transpose(1, 2).reshape(B, Hq, nb * W)[:, :, :T]
+        out_d[rows] = merged.view(N, nb - 1, G, Wb - 1, D)
+        lse_d[rows] = merged_lse.view(N, nb - 1, G, Wb - 1)
+    out = out_d.transpose(1, 2).reshape(B, Hq, nb * Wb, D)[:, :, :T]
+    lse = lse_d.transpose(1, 2).reshape(B, Hq, nb * Wb)[:, :, :T]
     return out, lse
 
 
-def _outside_window(q, k, v, q_pos, W: int, sink: int, history, scale: float, first: int, layout):
-    """Keys a row sees that the windowed stretch does not: the history's keys below `sink` (seen by
-    every row), the chunk's own keys below `sink` that fell out of a row's window, and, without a
-    layout, the whole history (below sink or inside the window). Yields (first row, out, lse) parts
-    over disjoint keys: rows that see a key partly through an explicit masked score matrix, rows that
-    see all of theirs on the dense kernel."""
-    B, Hq, T, D = q.shape
-    own = max(0, min(T, sink - first)) if T > W else 0  # the chunk's own keys below sink, out of some window
-    if history is not None and layout is None:
-        # Which history keys a row sees is known only by position: a mask for every row.
-        yield (0, *_masked(q, k, v, q_pos, W, sink, history, own, 0, T, scale))
-        return
-    s0 = layout[0] if history is not None else 0
-    if s0:
-        yield (0, *_few_keys(q, history[0][:, :, :s0], history[1][:, :, :s0], scale))
-    if not own:
-        return
-    # Row t sees own key j (below sink) iff t - j >= W: rows [W, W + own - 1) some, the later rows all.
-    hi = T if B > 1 else min(T, W + own - 1)  # sequences at different positions: a mask for every row
-    if hi > W:
-        yield (W, *_masked(q, k, v, q_pos, W, sink, None, own, W, hi, scale))
-    if hi < T:
-        yield (hi, *_few_keys(q[:, :, hi:], k[:, :, :own], v[:, :, :own], scale))
+def _diagonal(qb, kb, vb, prefix, scale):
+    """Blocks over themselves, causal, each row also over `prefix` keys in full: qb [N, n, G, Wb, D],
+    kb, vb [N, n, 1, Wb, D], prefix (keys, values) [B, H, s, D] with B * H = N, or None ->
+    (out [N, n, G, Wb, D], lse [N, n, G, Wb]). With a prefix, each block's rows follow s empty rows
+    and its keys follow the prefix: one square causal call of s + Wb."""
+    N, n, G, Wb, D = qb.shape
+    if prefix is None:
+        flat = lambda x: x.reshape(N * n, x.shape[2], Wb, D)  # noqa: E731
+        out, lse = _attend(flat(qb), flat(kb), flat(vb), scale)
+        return out.reshape(N, n, G, Wb, D), lse.reshape(N, n, G, Wb)
+    s = prefix[0].shape[2]
+    q_full = qb.new_zeros(N, n, G, s + Wb, D)
+    q_full[..., s:, :] = qb
+    keys = torch.cat([prefix[0].reshape(N, 1, 1, s, D).expand(N, n, 1, s, D), kb], 3)
+    values = torch.cat([prefix[1].reshape(N, 1, 1, s, D).expand(N, n, 1, s, D), vb], 3)
+    out, lse = _attend(q_full.view(N * n, G, s + Wb, D), keys.view(N * n, 1, s + Wb, D),
+                       values.view(N * n, 1, s + Wb, D), scale)
+    out = out.reshape(N, n, G, s + Wb, D)[..., s:, :]
+    lse = lse.reshape(N, n, G, s + Wb)[..., s:]
+    return out, lse
+
+
+def _join(a, b):
+    """Two (keys, values) prefixes, either None, one after the other."""
+    if a is None or b is None:
+        return a if b is None else b
+    return torch.cat([a[0], b[0]], 2), torch.cat([a[1], b[1]], 2)
 
 
 def _masked(q, k, v, q_pos, W: int, sink: int, history, own: int, lo: int, hi: int, scale: float):
@@ -158,18 +194,6 @@ def _masked(q, k, v, q_pos, W: int, sink: int, history, own: int, lo: int, hi: i
         out[:, :, r0 - lo : r1 - lo] = (weights @ values[:, :, None]).view(B, Hq, r1 - r0, D)
         lse[:, :, r0 - lo : r1 - lo] = part_lse.view(B, Hq, r1 - r0)
     return out, lse
-
-
-def _few_keys(q, k, v, scale: float):
-    """q [B, Hq, R, D] over a few keys k, v [B, H, S, D] that every row sees (a sink): (out fp32, lse).
-    Plain matrix products: the rows' count changes with every chunk, and a dense attention kernel
-    (cuDNN) would build an execution plan for each new shape."""
-    B, Hq, R, D = q.shape
-    H = k.shape[1]
-    scores = (q.reshape(B, H, Hq // H * R, D).float() @ k.float().transpose(-1, -2)) * scale  # [B, H, G*R, S]
-    lse = scores.logsumexp(-1)
-    out = (scores - lse[..., None]).exp() @ v.float()
-    return out.view(B, Hq, R, D), lse.view(B, Hq, R)
 
 
 def _attend(q, k, v, scale):

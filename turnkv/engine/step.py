@@ -257,34 +257,42 @@ class Step:
         out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
         per_head = out.view(B, T, H, G, D)
         q_heads = q.view(B, H, G, T, D)
-        for h, window in enumerate(self._windows_np[layer].tolist()):
-            view = self._heads(layer, h)
-            q_h, k_h, v_h = q_heads[:, h], k[:, :, h : h + 1], v[:, :, h : h + 1]
-            if window >= NO_WINDOW:
-                part = self._dense_attention(layer, q_h, k_h, v_h, view)
-            else:
-                part = self._windowed_attention(layer, q_h, k_h, v_h, view, window)
+        windows = self._windows_np[layer]
+        for h in np.flatnonzero(windows >= NO_WINDOW).tolist():
+            part = self._dense_attention(layer, q_heads[:, h], k[:, :, h : h + 1], v[:, :, h : h + 1], self._heads(layer, h))
             per_head[:, :, h] = part.transpose(1, 2)
+        for window in np.unique(windows[windows < NO_WINDOW]).tolist():
+            # The windowed heads together: their calls' shapes do not depend on the chunk's length.
+            heads = np.flatnonzero(windows == window).tolist()
+            q_w = torch.stack([q_heads[:, h] for h in heads], 1).view(B, len(heads) * G, T, D)
+            k_w, v_w = (torch.stack([x[:, :, h] for h in heads], 2) for x in (k, v))
+            part = self._windowed_attention(layer, q_w, k_w, v_w, heads, window)
+            part = part.view(B, len(heads), G, T, D)
+            for i, h in enumerate(heads):
+                per_head[:, :, h] = part[:, i].transpose(1, 2)
         return out
 
-    def _windowed_attention(self, layer: int, q, k, v, heads: _Heads, window: int) -> torch.Tensor:
-        """q [B, Hq, T, D] of heads that see their sink and `window` positions back, over their kept
-        history and the chunk's own k, v [B, T, H, D] -> [B, Hq, T, D] (attention/streaming.py)."""
+    def _windowed_attention(self, layer: int, q, k, v, heads: list[int], window: int) -> torch.Tensor:
+        """q [B, Hq, T, D] of the KV heads `heads`, which see their sink and `window` positions back,
+        over their kept history and the chunk's own k, v [B, T, H, D] -> [B, Hq, T, D]
+        (attention/streaming.py)."""
         T = q.shape[2]
         k_new = self.pool.round_trip(k).transpose(1, 2)
         v_new = self.pool.round_trip(v).transpose(1, 2)
         history, layout = None, None
-        S = heads.max_len - T
+        kept = self._lengths_np[layer][:, heads] - T  # [B, n]
+        S = int(kept.max())
         if not self.fresh and S > 0:
-            keys = self.pool.gather(layer, heads.tables, S, "k")
-            values = self.pool.gather(layer, heads.tables, S, "v")
-            positions = reference.gather_pages(self.pool.positions[layer], heads.tables, S)
-            valid = torch.arange(S, device=q.device) < (heads.lengths - T)[..., None]
+            tables = torch.stack([self.tables[layer][:, h] for h in heads], 1)
+            lengths = torch.stack([self.lengths[layer][:, h] for h in heads], 1)
+            keys = self.pool.gather(layer, tables, S, "k")
+            values = self.pool.gather(layer, tables, S, "v")
+            positions = reference.gather_pages(self.pool.positions[layer], tables, S)
+            valid = torch.arange(S, device=q.device) < (lengths - T)[..., None]
             history = (keys, values, positions, valid)
             # The windows came from heads in their kept form (chunk_windows): each holds its first
             # min(sink, kept) positions, then a run ending right before the chunk. Where every head
             # keeps as many, that is the history's layout.
-            kept = self._lengths_np[layer][:, heads.host] - T
             if (kept == S).all():
                 layout = (min(self.sink, S), S - min(self.sink, S))
         first = min(kv.next_position for kv in self.seqs) - T
