@@ -91,3 +91,29 @@ def test_a_held_pack_holds_up_no_stream_and_a_returning_request_gets_the_inline_
         reader.join(120)
         assert not reader.is_alive() and "[DONE]" in lines[-1]
     assert llm.state.packer is None and not llm.state.leaving  # the stopped app packs inline again
+
+
+def test_admission_counts_the_pages_of_a_conversation_being_packed_as_used(llm):
+    """While its pack is held, a conversation's pages are neither free nor an idle conversation's
+    (which admission would count as available); once the pack lands, they are free."""
+    from turnkv.serve.admission import MemoryGate
+    from turnkv.serve.store import ConversationStore, Entry
+    from turnkv.state.tier_hook import StateTierHook
+
+    packer = HeldPacker(llm.device)
+    llm.state.pack_in_background(packer)
+    store = ConversationStore(llm, tiers=StateTierHook(llm.state))
+    gate = MemoryGate(llm.pool, store)
+    before = gate.available()
+    conv = llm.conversation(system="You are terse.", recipe=KRUL)
+    store.entries.append(Entry(conv, KRUL))
+    conv.send("Hello, who are you?", max_new_tokens=4)
+    assert packer.started.wait(10) and store.where(store.entries[0]) == "cpu"
+    pages = int(conv.kv.num_pages.sum(axis=1).max())
+    assert pages > 0 and gate.available() == before - pages
+    assert store.settle() == 0  # nothing landed yet
+    packer.gate.set()
+    assert store.settle(block=True) == 1
+    assert gate.available() == before and conv.kv.bytes() == 0
+    conv.close()
+    llm.state.pack_inline()

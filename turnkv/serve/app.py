@@ -49,6 +49,8 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
         tiers = StateTierHook(llm.state, on_traffic=metrics.count_traffic) if config.reuse else None
         if tiers is not None and config.background_packs and llm.state.packer is None:
             llm.state.pack_in_background()  # the scheduler's worker lands the packs (store.settle)
+        if tiers is not None:  # not at the first turn's end, where the running streams would wait
+            llm.state.calibrate_for(llm.recipe.state)
     store = ConversationStore(llm, reuse=config.reuse, tiers=tiers, idle_ttl_s=idle_ttl_s,
                               on_evict=lambda how: metrics.labels(metrics.evictions, how).inc())
     adopted = store.adopt()

@@ -259,8 +259,8 @@ class Scheduler:
             except PackInFlight:
                 # Its conversation is still being packed (its pack now runs next): it keeps its place
                 # and is claimed again at a later iteration, while the running streams go on; with
-                # none running, the worker waits for the pack here.
-                if not (self.prefilling or self.decoding or self.encoding or self.held):
+                # none prefilling or decoding, the worker waits for the pack here instead of spinning.
+                if not (self.prefilling or self.decoding):
                     self.store.settle(block=True)
                 deferred.append(job)
                 continue

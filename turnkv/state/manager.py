@@ -74,6 +74,13 @@ class StateManager:
             packer = self._own_packer
         self.packer = packer
 
+    def calibrate_for(self, strategy: StateStrategy, tier: str = "cpu") -> None:
+        """Calibrate now, on this thread (it runs the model), the restore costs a pack by `strategy`
+        to `tier` reads, if it reads any: a pack on the packer's thread must not calibrate. Once per
+        engine and tier (a server does it at start-up for its default recipe)."""
+        if strategy.needs_costs:
+            self.ctx.cost(tier)
+
     def pack_inline(self) -> None:
         """Take every pack in flight (waiting for them), then pack inside after_turn again."""
         while self.leaving:
@@ -206,8 +213,7 @@ class StateManager:
         window = conv.method_state.window
         held = window.snapshot() if window is not None else None  # files pending steps too
         conv.kv.device_table()
-        if strategy.needs_costs:
-            self.ctx.cost(tier)  # calibrated on this thread, which owns the model (once per tier)
+        self.calibrate_for(strategy, tier)
         ctx = copy.copy(self.ctx)  # its own stage_on_host
         record = conv.to_record()
 
