@@ -5,6 +5,7 @@ packer's queue can be reordered and cancelled."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -203,3 +204,70 @@ def test_a_failed_pack_keeps_the_conversation_on_the_gpu(llm, monkeypatch):
     assert landed["tier"] == "gpu" and llm.state.where(conv) == "gpu" and conv.kv.bytes() > 0
     assert any(e["event"] == "pack_failed" and e["conversation"] == conv.id for e in llm.state.events)
     conv.close()
+
+
+def test_on_cuda_a_pack_starts_after_the_submitters_stream_and_is_synchronized_before_it_lands(monkeypatch):
+    """The packer's stream discipline, with CUDA's streams and events replaced by recorders: its stream
+    waits for an event recorded on the submitting thread's stream at submit(), the work runs after
+    that wait, and the stream is synchronized before the future completes, also when the work fails."""
+    log = []
+
+    class FakeStream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, event):
+            log.append(("wait", self.name, event.on))
+
+        def synchronize(self):
+            log.append(("synchronize", self.name))
+
+    class FakeEvent:
+        def record(self, stream):
+            self.on = stream.name
+            log.append(("record", stream.name))
+
+    engine = FakeStream("engine")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream("packer"))
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: engine)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    packer = Packer(torch.device("cuda"))
+    job = packer.submit(lambda: log.append(("work",)) or 7, lambda out: log.append(("host", out)) or out + 1)
+    assert job.future.result(10) == 8
+    assert log == [("record", "engine"), ("wait", "packer", "engine"), ("work",), ("synchronize", "packer"),
+                   ("host", 7)]
+    log.clear()
+    failing = packer.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failing.future.result(10)
+    assert log == [("record", "engine"), ("wait", "packer", "engine"), ("synchronize", "packer")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the packer's stream beside the engine's")
+def test_on_cuda_packs_beside_other_turns_store_what_inline_packs_store(model_dir):
+    """Each Krul pack runs on the packer's stream while another conversation's turn runs on the
+    engine's: the stored entries, and every reply, are those of inline packs."""
+    llm = turnkv.LLM(str(model_dir), device="cuda", kv_memory="64MiB", state_cpu_memory="64MiB")
+    llm.state.ctx.set_cost("cpu", CostModel(2e-6, 1e-9, 5e8))
+
+    def run(background: bool):
+        llm.state.pack_in_background() if background else llm.state.pack_inline()
+        a = llm.conversation(system="You are terse.", recipe=KRUL)
+        b = llm.conversation(system="You are brief.")  # resident: its turns run while a's pack does
+        replies, entries = [], []
+        for m in MESSAGES:
+            replies.append(a.send(m, max_new_tokens=8).token_ids)
+            replies.append(b.send(m, max_new_tokens=32).token_ids)
+            llm.state.land_packs(block=True)
+            entries.append(stored_entry(llm, a))
+        a.close()
+        b.close()
+        return replies, entries
+
+    inline_replies, inline_entries = run(False)
+    replies, entries = run(True)
+    assert replies == inline_replies
+    assert all(same_entry(got, want) for got, want in zip(entries, inline_entries))
