@@ -271,3 +271,36 @@ def test_on_cuda_packs_beside_other_turns_store_what_inline_packs_store(model_di
     replies, entries = run(True)
     assert replies == inline_replies
     assert all(same_entry(got, want) for got, want in zip(entries, inline_entries))
+
+
+def test_the_servers_restore_short_of_room_does_not_wait_for_a_pack_in_flight(model_dir):
+    """Through the server's tier hook a restore that needs the pages of a conversation still being
+    packed raises KVCacheFullError at once (the scheduler keeps the request in line), and succeeds
+    once the pack has landed."""
+    from turnkv.errors import KVCacheFullError
+    from turnkv.state.tier_hook import StateTierHook
+
+    small = turnkv.LLM(str(model_dir), device="cpu", kv_memory=7 * 2048 * LAYERS, page_size=16)
+    small.state.ctx.set_cost("cpu", CostModel(2e-6, 1e-9, 5e8))
+    packer = HeldPacker(small.device)
+    packer.gate.set()
+    small.state.pack_in_background(packer)
+    hook = StateTierHook(small.state)
+    b = small.conversation(system="You are brief.", recipe=KRUL)
+    b.send(MESSAGES[0], max_new_tokens=4)
+    assert hook.settle(block=True) == 1 and hook.where(b) == "cpu"
+    packer.gate.clear()
+    packer.started.clear()
+    a = small.conversation(system="You are terse.", recipe=KRUL)
+    a.send(MESSAGES[0], max_new_tokens=4)
+    assert packer.started.wait(10) and a.id in small.state.leaving
+    with pytest.raises(KVCacheFullError):
+        hook.begin(b)  # b's pages are a's until a's pack lands
+    assert hook.where(b) == "cpu" and a.id in small.state.leaving and b.id not in small.state.busy
+    packer.gate.set()
+    assert hook.settle(block=True) == 1
+    hook.begin(b)
+    assert hook.where(b) == "gpu" and b.kv.bytes() > 0
+    hook.end(b)
+    small.state.pack_inline()
+    assert hook.where(b) == "cpu" and b.kv.bytes() == 0

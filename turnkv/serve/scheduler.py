@@ -255,7 +255,8 @@ class Scheduler:
         deferred = []
         for job in jobs:
             try:
-                self._with_room(lambda j=job: j.claim(self.llm, self.store))
+                # Without waiting for packs in flight: short of room, it waits in line instead.
+                self._with_room(lambda j=job: j.claim(self.llm, self.store), wait=False)
             except PackInFlight:
                 # Its conversation is still being packed (its pack now runs next): it keeps its place
                 # and is claimed again at a later iteration, while the running streams go on; with
@@ -265,7 +266,8 @@ class Scheduler:
                 deferred.append(job)
                 continue
             except KVCacheFullError as e:  # no room to bring its conversation back while others run:
-                if not (self.prefilling or self.decoding):  # it waits for them, with its place
+                # it waits for them (or for packs in flight to land), with its place
+                if not (self.prefilling or self.decoding) and not self.store.settle(block=True):
                     self._fail(job, e)
                     continue
                 job.abandon(self.store)
@@ -466,12 +468,14 @@ class Scheduler:
                 if not batch:
                     return []
 
-    def _with_room(self, step):
+    def _with_room(self, step, wait: bool = True):
+        """step(), retried while idle conversations leave the pool (and, with wait, while packs in
+        flight land, waiting for each) to make room for it."""
         while True:
             try:
                 return step()
             except KVCacheFullError:
-                if not self.store.evict_one():  # it counts what it evicts in the metrics
+                if not self.store.evict_one(wait):  # it counts what it evicts in the metrics
                     raise
 
     # ---- endings -----------------------------------------------------------------------------------

@@ -200,14 +200,15 @@ class ConversationStore:
         """Finish the tiers' background moves out of the pool (TierHook.settle); how many finished."""
         return self.tiers.settle(block) if self.tiers is not None else 0
 
-    def evict_one(self) -> bool:
+    def evict_one(self, wait: bool = True) -> bool:
         """Take the least recently used idle conversation off the pool; False when no idle conversation
         holds pages. When the tiers cannot take it, the least recently used idle conversation is
         dropped: a stored one older than it (then the offload is tried again), or else this one.
-        With no idle conversation in the pool, wait for a background move out of it to finish."""
+        With no idle conversation in the pool, finish a background move out of it (with wait, waiting
+        for one when none is done)."""
         idle = [e for e in self.entries if not e.busy and self.where(e) == "gpu"]
         if not idle:
-            return self.settle(block=True) > 0
+            return self.settle(block=wait) > 0
         victim = min(idle, key=lambda e: e.last_used)
         while self.tiers is not None:
             if self.tiers.offload(victim.conv):

@@ -106,7 +106,11 @@ class StateManager:
             return self.tiers.stored_bytes(conv.id)
 
     # ---- engine hooks -----------------------------------------------------------------------
-    def before_turn(self, conv, new_tokens: int) -> None:
+    def before_turn(self, conv, new_tokens: int, wait_for_packs: bool = True) -> None:
+        """Bring the state back if it left the GPU, making room by demoting idle resident
+        conversations and, with wait_for_packs, by waiting for packs in flight to land (without, it
+        takes only those done, and a restore short of pages raises KVCacheFullError: the caller may
+        retry later instead of waiting)."""
         if conv.id in self.leaving:  # its pack runs on the packer: the turn waits for it, then restores
             self._land(self.leaving.pop(conv.id))
         self._settle(conv)
@@ -120,7 +124,7 @@ class StateManager:
             else:
                 meta = self.tiers.meta(conv.id)
         if tier is None:
-            self._make_room(conv, conv.kv.lengths, new_tokens)
+            self._make_room(conv, conv.kv.lengths, new_tokens, wait_for_packs)
             self.resident[conv.id] = conv
             self.resident.move_to_end(conv.id)
             return
@@ -132,7 +136,7 @@ class StateManager:
         recomputes = estimate is not None and estimate["recompute_s"] < estimate["read_s"]
         if stored is None or meta["strategy"]["name"] == "recompute" or recomputes:
             stored = [[n] * c.num_kv_heads for _ in range(c.num_layers)]
-        self._make_room(conv, np.asarray(stored, dtype=np.int64), new_tokens)
+        self._make_room(conv, np.asarray(stored, dtype=np.int64), new_tokens, wait_for_packs)
         # Under the lock from the read until the restore's copies are registered in _pending: the
         # packer's thread never demotes an entry whose host memory a restore may still be reading.
         with self.lock:
@@ -350,14 +354,17 @@ class StateManager:
             if stream is not None:
                 stream.synchronize()
 
-    def _make_room(self, conv, lengths: np.ndarray, new_tokens: int) -> None:
+    def _make_room(self, conv, lengths: np.ndarray, new_tokens: int, wait_for_packs: bool = True) -> None:
         """Demote least recently used resident conversations until `conv`, holding `lengths` tokens
         per [layer, KV head] (its own, or its stored state's), can add `new_tokens` to every head.
-        A compressed conversation needs pages for what it keeps, not for its positions."""
+        A compressed conversation needs pages for what it keeps, not for its positions. Packs done
+        in the background land first; with wait_for_packs, those in flight are waited for last."""
         pool = self.llm.pool
         pages = -(-(np.asarray(lengths) + new_tokens) // pool.page_size) + 1  # [L, H]: one page of slack a head
         need = np.maximum(pages - conv.kv.num_pages, 0).sum(axis=1)  # [L] pages to add per layer
         need_bytes = int(need.sum()) * pool.page_bytes
+
+        self.land_packs()
 
         def short() -> bool:
             if pool.reclaim is not None:  # pages only a cache holds (the prefix index) go first
@@ -381,7 +388,7 @@ class StateManager:
                         f"KV pool full: this turn needs {int(need.max())} pages per layer and the idle conversation "
                         f"{victim_id} cannot move down: {e}") from None
                 self.events.append({"conversation": victim_id, "event": "demoted", "tier": landed})
-        while self.leaving and short():  # the pages of conversations being packed come back as they land
+        while wait_for_packs and self.leaving and short():  # their pages come back as they land
             self.land_packs(block=True)
 
 

@@ -48,7 +48,7 @@ class StateTierHook:
         nbytes = self.manager.stored_bytes(conv) if stored else 0
         began = time.perf_counter()
         try:
-            self.manager.before_turn(conv, 0)
+            self.manager.before_turn(conv, 0, wait_for_packs=False)  # short of room: KVCacheFullError
         except BaseException:
             self.manager.abort_turn(conv)  # nothing was restored: it stays stored, and idle
             raise
