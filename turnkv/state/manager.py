@@ -102,8 +102,11 @@ class StateManager:
         has not landed)."""
         if conv.id in self.leaving:
             raise KeyError(f"conversation {conv.id} is being packed")
-        with self.lock:
+        try:  # without the lock first: /metrics reads this on the server's event loop
             return self.tiers.stored_bytes(conv.id)
+        except KeyError:  # or it moved between tiers just then, under the packer's hands: ask again
+            with self.lock:
+                return self.tiers.stored_bytes(conv.id)
 
     # ---- engine hooks -----------------------------------------------------------------------
     def before_turn(self, conv, new_tokens: int, wait_for_packs: bool = True) -> None:
