@@ -307,7 +307,7 @@ def cmd_serve(args) -> int:
                          max_step_tokens=args.max_step_tokens, max_body_bytes=args.max_body_bytes,
                          default_max_tokens=args.max_tokens,
                          reuse=not args.no_reuse, drain_timeout_s=args.drain_timeout,
-                         head_patterns=dict(args.head_pattern or []))
+                         background_packs=not args.inline_packs, head_patterns=dict(args.head_pattern or []))
 
     # _load's engine plus the state tiers idle conversations move to when the KV pool fills.
     prefix_cache = "off" if args.no_prefix_cache else args.prefix_cache
@@ -436,6 +436,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--no-prefix-cache", action="store_true", help="the same as --prefix-cache off")
     srv.add_argument("--prefix-cache-memory", default=None,
                      help="cap on the prefix index's pages, e.g. 2GiB (default: a quarter of the KV pool)")
+    srv.add_argument("--inline-packs", action="store_true",
+                     help="pack a conversation that leaves the GPU after its turn (state=krul, load, ...) inside the "
+                          "turn's end, on the worker, instead of on a thread of its own beside the running streams "
+                          "(a baseline: every running stream waits for the pack)")
     srv.add_argument("--no-tiers", action="store_true",
                      help="drop idle conversations evicted from the KV pool instead of moving them to the tiers")
     srv.add_argument("--head-pattern", action="append", type=_head_pattern, metavar="NAME=PATH",

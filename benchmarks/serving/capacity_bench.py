@@ -16,7 +16,10 @@ Configurations (--configs picks some, in order):
     ada-snapkv    ada-snapkv keep_ratio=0.1
     lserve        LServe (streaming heads at random: random weights have no calibrated head pattern)
     flowkv        FlowKV over SnapKV, keep_ratio=0.1
-    full-krul     the dense cache; conversations leave the GPU after each turn in Krul's stored form
+    full-krul     the dense cache; conversations leave the GPU after each turn in Krul's stored form,
+                  packed on the server's background packer beside the running streams
+    full-krul-inline  full-krul with --inline-packs: each pack inside the turn's end, on the worker
+                  (what every running stream waited for before the background packer)
     full-sliced   full with --max-step-tokens 0: a prefill slice runs as its own forward between two
                   decode steps (the scheduler before mixed steps), for the inter-token comparison
     ada-snapkv-sliced  ada-snapkv with --max-step-tokens 0, the same comparison without tier traffic
@@ -63,6 +66,7 @@ CONFIGS = {
     "lserve": ["--recipe", "lserve-random"],
     "flowkv": ["--recipe", "flowkv keep_ratio=0.1 schedule=turn_end"],
     "full-krul": ["--recipe", "state=krul"],
+    "full-krul-inline": ["--recipe", "state=krul", "--inline-packs"],
     "full-sliced": ["--recipe", "full", "--max-step-tokens", "0"],
     "ada-snapkv-sliced": ["--recipe", "ada-snapkv keep_ratio=0.1 schedule=prompt", "--max-step-tokens", "0"],
 }

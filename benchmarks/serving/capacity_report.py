@@ -74,6 +74,9 @@ def summarise(records: list[dict], wall_s: float, samples: list[tuple[float, dic
         "device_alloc_retries": metric(end, "turnkv:device_alloc_retries"),
         "requests_failed_on_server": metric(end, "turnkv:requests_failed_total"),
         "worker_phases": {p: _phase(end, p) for p in PHASES},
+        # Packs of conversations leaving the GPU that ran beside the worker (state=krul and the like).
+        "background_packs": {"count": metric(end, "turnkv:state_packs_completed"),
+                             "seconds": metric(end, "turnkv:state_pack_seconds")},
     }
 
 
@@ -166,7 +169,10 @@ def table(results: dict[str, dict]) -> str:
               lambda r: f"{_fmt(r['tier_seconds']['offload'])} / {_fmt(r['tier_seconds']['restore'])}", ""),
              ("prompt tokens reused / prefilled",
               lambda r: f"{_fmt(r['tokens_reused'])} / {_fmt(r['tokens_prefilled'])}", ""),
-             ("mixed steps", lambda r: r["mixed_steps"], "")]
+             ("mixed steps", lambda r: r["mixed_steps"], ""),
+             ("packs beside the worker: count / seconds",
+              lambda r: f"{_fmt(r['background_packs']['count'])} / {r['background_packs']['seconds']:.1f}"
+              if "background_packs" in r else "-", "")]
     for p in PHASES:
         rows.append((f"worker {p}: iterations / seconds / over 250 ms",
                      lambda r, p=p: _phase_cell(r.get("worker_phases", {}).get(p)), ""))

@@ -127,6 +127,9 @@ class RecomputeTier:
     def discard(self, conv) -> None:
         self.held.pop(id(conv), None)
 
+    def settle(self, block: bool = False) -> int:
+        return 0  # nothing moves in the background
+
     def where(self, conv) -> str:
         return "offloaded" if id(conv) in self.held else "gpu"
 

@@ -58,8 +58,8 @@ class Conversation:
     def reset(self) -> None:
         """Forget every turn and free the KV, wherever it is stored (back to the system prompt and the
         history it was made with)."""
+        self.llm.state.discard(self)  # first: a pack of the pages running in the background ends
         self.kv.free()
-        self.llm.state.discard(self)
         system = [{"role": "system", "content": self.system}] if self.system else []
         self.messages: list[dict] = system + [dict(m) for m in self.history]
         self.tokens: list[int] = []  # the whole history as the model saw it
@@ -95,8 +95,8 @@ class Conversation:
 
     def close(self) -> None:
         """Free the KV and whatever the state tiers hold of this conversation."""
+        self.llm.state.discard(self)  # first: a pack of the pages running in the background ends
         self.kv.free()
-        self.llm.state.discard(self)
 
     def offload(self, tier: str = "cpu") -> str:
         """Move this conversation's state off the GPU now, to "cpu" or "disk", in the form the

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from turnkv.attention import decode
+from turnkv.capture_lock import CAPTURE_LOCK
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
 from turnkv.model import ops
@@ -264,17 +265,19 @@ class GraphedDecode:
     def capture(self, run):
         """A CUDA graph of run() -> (graph, its output), in the memory pool every graph of this runner
         shares (the selection variants of engine/graph_selection.py too). Warm up outside the graph
-        first: Triton compiles its kernels on the first call; the warm-up's writes are the replay's."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        if self.memory_pool is None:
-            self.memory_pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.memory_pool):
-            out = run()
+        first: Triton compiles its kernels on the first call; the warm-up's writes are the replay's.
+        Under CAPTURE_LOCK: no other thread issues device work meanwhile (a background pack waits)."""
+        with CAPTURE_LOCK:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                run()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            if self.memory_pool is None:
+                self.memory_pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self.memory_pool):
+                out = run()
         return graph, out
 
     def record_windows(self, seqs: list[SequenceKV], windows: list) -> None:

@@ -76,15 +76,16 @@ class TieredStore:
         return self.disk.manifest(key)
 
     # ---- moves ------------------------------------------------------------------------------
-    def put(self, key: str, meta: dict, tensors: dict[str, torch.Tensor], tier: str = "cpu") -> str:
-        """Store an entry in `tier` (or the next one down when it cannot hold it); returns the tier."""
+    def put(self, key: str, meta: dict, tensors: dict[str, torch.Tensor], tier: str = "cpu", keep=()) -> str:
+        """Store an entry in `tier` (or the next one down when it cannot hold it); returns the tier.
+        keep: keys of CPU entries not to demote to make room (their host memory is being read)."""
         if tier not in ("cpu", "disk"):
             raise ValueError(f"state can be stored in the cpu or disk tier, not {tier!r}")
         meta = {**meta, "payload_bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
         if tier == "cpu" and self.host is not None:
             need = HostPool.footprint(tensors)
             if need <= self.host.capacity:
-                self._make_cpu_room(need, exclude=key)
+                self._make_cpu_room(need, exclude={key, *keep})
                 stored = self.host.store(tensors)
                 if stored is not None:  # None: the pool is fragmented; fall through to disk
                     self.delete(key)
@@ -119,11 +120,11 @@ class TieredStore:
             self.disk.delete(key)
 
     # ---- internals --------------------------------------------------------------------------
-    def _make_cpu_room(self, need: int, exclude: str) -> None:
+    def _make_cpu_room(self, need: int, exclude: set[str]) -> None:
         for key in list(self._cpu):
             if self.host.free_bytes() >= need:
                 return
-            if key != exclude:
+            if key not in exclude:
                 self.demote(key)
 
     def _write_disk(self, key: str, meta: dict, tensors: dict[str, torch.Tensor]) -> None:

@@ -382,10 +382,15 @@ class StateStrategy(ABC):
     offloads_between_turns : bool, default True
         True: the conversation leaves the GPU at every turn end. False: only when the GPU tier needs
         room (the resident `gpu` strategy).
+    needs_costs : bool, default False
+        True: `pack` reads the calibrated restore costs (`ctx.cost`, `ctx.recompute_ratio`). The
+        calibration runs the model, so a manager that packs on another thread calibrates first, on
+        its own.
     """
 
     name: ClassVar[str]
     offloads_between_turns: ClassVar[bool] = True
+    needs_costs: ClassVar[bool] = False
     # False for a strategy whose query_window records more than the last queries (the whole turn's):
     # what it stores then depends on which tokens were computed in which turn (Recipe.path_independent,
     # and no prefix sharing at all: turnkv/engine/prefix.py).

@@ -48,6 +48,10 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
     metrics = Metrics(model_name)
     if tiers == "state":
         tiers = StateTierHook(llm.state, on_traffic=metrics.count_traffic) if config.reuse else None
+        if tiers is not None and config.background_packs and llm.state.packer is None:
+            llm.state.pack_in_background()  # the scheduler's worker lands the packs (store.settle)
+        if tiers is not None:  # not at the first turn's end, where the running streams would wait
+            llm.state.calibrate_for(llm.recipe.state)
     store = ConversationStore(llm, reuse=config.reuse, tiers=tiers, idle_ttl_s=idle_ttl_s,
                               on_evict=lambda how: metrics.labels(metrics.evictions, how).inc())
     adopted = store.adopt()
@@ -65,6 +69,8 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
             yield
         finally:
             await asyncio.to_thread(scheduler.stop, config.drain_timeout_s)
+            if isinstance(tiers, StateTierHook):
+                llm.state.pack_inline()  # the engine outlives the app: its later turns pack where they end
 
     app = FastAPI(title="turnkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler, app.state.store, app.state.metrics, app.state.config = scheduler, store, metrics, config

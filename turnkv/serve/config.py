@@ -26,6 +26,10 @@ class ServeConfig:
     max_body_bytes: int = 4 << 20
     default_max_tokens: int = 256
     reuse: bool = True  # keep conversations between requests (off: every request prefills from scratch)
+    # A conversation whose recipe stores it after every turn (state=krul, load, ...) is packed on a
+    # thread of its own, beside the running streams (state/background.py). False: inside the turn's
+    # end, on the worker, which every running stream then waits for (the baseline).
+    background_packs: bool = True
     drain_timeout_s: float = 30.0
     # Head-pattern files a request's recipe may name (streaming_heads(pattern=NAME)): NAME -> path.
     # A recipe sent over HTTP reads no other file.

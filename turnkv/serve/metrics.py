@@ -91,6 +91,12 @@ class Metrics:
         self.prefix_bytes = gauge("turnkv:prefix_cache_bytes", "Bytes of KV pages the prefix index holds.")
         self.alloc_retries = gauge("turnkv:device_alloc_retries", "Allocations torch's CUDA caching allocator "
                                    "retried after freeing its whole cache (a device-wide stall); 0 on a CPU.")
+        self.packs_in_flight = gauge("turnkv:state_packs_in_flight",
+                                     "Conversations leaving the KV pool whose pack runs on the background packer "
+                                     "(their pages still count as used).")
+        self.packs_done = gauge("turnkv:state_packs_completed", "Packs the background packer has run.")
+        self.pack_seconds = gauge("turnkv:state_pack_seconds", "Seconds the background packer has spent packing, "
+                                  "beside the worker (its packs' total).")
         self.compressed = gauge("turnkv:kv_bytes_saved_by_compression",
                                 "Dense KV bytes of kept conversations minus the bytes their recipe keeps.")
 
@@ -119,3 +125,7 @@ class Metrics:
             self.labels(self.stored_bytes, tier).set_function(lambda t=tier: store.kv_bytes(t))
         self.labels(self.compressed).set_function(lambda: store.bytes_saved(dense_per_token))
         self.labels(self.alloc_retries).set_function(lambda: device_alloc_retries(llm.device))
+        state = llm.state
+        self.labels(self.packs_in_flight).set_function(lambda: len(state.leaving))
+        self.labels(self.packs_done).set_function(lambda: state.packer.completed if state.packer else 0)
+        self.labels(self.pack_seconds).set_function(lambda: state.packer.busy_s if state.packer else 0.0)

@@ -22,8 +22,14 @@ Each iteration:
 4. when nothing decodes, prompts prefill slice by slice until the first of them decodes. Slice
    boundaries are multiples of `prefill_chunk` in the prompt whatever the load, so a request's
    tokens do not depend on it.
+A recipe that stores a conversation after every turn (state=krul, ...) packs it on a thread of its
+own (state/background.py), not inside the turn's end: each iteration first takes the finished packs,
+whose pages then go back to the pool; until then they count as used. A request whose conversation is
+still being packed keeps its place in the queue until the pack lands (no running stream waits for
+it), then restores what the pack stored, as it would after a pack on the worker.
 When the KV pool is full, idle conversations leave it, least recently used first, and the step is
-retried. With none left, a prompt waits for running requests to finish, and a decode step ends its
+retried; with no idle one left in the pool, the step waits for a pack in flight to land. With none
+of those either, a prompt waits for running requests to finish, and a decode step ends its
 newest request where it is (finish_reason "length", its reply kept) so that the others go on. A
 prompt that no pool of this size can hold is refused at admission (400).
 """
@@ -42,6 +48,7 @@ from turnkv.errors import KVCacheFullError
 from turnkv.serve.admission import MemoryGate
 from turnkv.serve.errors import APIError
 from turnkv.serve.job import Job
+from turnkv.state.background import PackInFlight
 
 log = logging.getLogger("turnkv.serve")
 
@@ -168,6 +175,8 @@ class Scheduler:
                 self._flushed.set()
             self._expire()
             try:
+                # Packs finished on the background packer give their pages back (cheap when none did).
+                self.store.settle()
                 with self._timed("admit", admitted or self.encoding or self.held):
                     self._admit(admitted)
                     self._encoded()
@@ -244,11 +253,22 @@ class Scheduler:
         return taken
 
     def _admit(self, jobs: list[Job]) -> None:
+        deferred = []
         for job in jobs:
             try:
-                self._with_room(lambda j=job: j.claim(self.llm, self.store))
+                # Without waiting for packs in flight: short of room, it waits in line instead.
+                self._with_room(lambda j=job: j.claim(self.llm, self.store), wait=False)
+            except PackInFlight:
+                # Its conversation is still being packed (its pack now runs next): it keeps its place
+                # and is claimed again at a later iteration, while the running streams go on; with
+                # none prefilling or decoding, the worker waits for the pack here instead of spinning.
+                if not (self.prefilling or self.decoding):
+                    self.store.settle(block=True)
+                deferred.append(job)
+                continue
             except KVCacheFullError as e:  # no room to bring its conversation back while others run:
-                if not (self.prefilling or self.decoding):  # it waits for them, with its place
+                # it waits for them (or for packs in flight to land), with its place
+                if not (self.prefilling or self.decoding) and not self.store.settle(block=True):
                     self._fail(job, e)
                     continue
                 job.abandon(self.store)
@@ -261,6 +281,9 @@ class Scheduler:
             job.encoding = self.encoder.submit(job.encode, self.llm)
             self.encoding.append(job)
             job.encoding.add_done_callback(self._wake)
+        if deferred:
+            with self.cond:
+                self.waiting.extendleft(reversed(deferred))
 
     def _encoded(self) -> None:
         """Requests whose tokens are encoded begin their turn, and wait for KV memory."""
@@ -446,12 +469,14 @@ class Scheduler:
                 if not batch:
                     return []
 
-    def _with_room(self, step):
+    def _with_room(self, step, wait: bool = True):
+        """step(), retried while idle conversations leave the pool (and, with wait, while packs in
+        flight land, waiting for each) to make room for it."""
         while True:
             try:
                 return step()
             except KVCacheFullError:
-                if not self.store.evict_one():  # it counts what it evicts in the metrics
+                if not self.store.evict_one(wait):  # it counts what it evicts in the metrics
                     raise
 
     # ---- endings -----------------------------------------------------------------------------------

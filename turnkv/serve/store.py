@@ -44,6 +44,12 @@ class TierHook(Protocol):
     def discard(self, conv: Conversation) -> None:
         """The store forgets the conversation: free what the tiers hold of it."""
 
+    def settle(self, block: bool = False) -> int:
+        """Finish the moves out of the pool that run in the background (a pack on its own thread):
+        the pages of each one done go back to the pool. With block, wait for one first when none is
+        done. Returns how many it finished; until then a moving conversation's pages count as used,
+        and begin() on it raises PackInFlight."""
+
     def where(self, conv: Conversation) -> str:
         """"gpu" (in the pool) or one of `names`."""
 
@@ -190,13 +196,19 @@ class ConversationStore:
         """The tier the entry's state is in: "gpu" (the KV pool) or one of the hook's names."""
         return "gpu" if self.tiers is None else self.tiers.where(entry.conv)
 
-    def evict_one(self) -> bool:
+    def settle(self, block: bool = False) -> int:
+        """Finish the tiers' background moves out of the pool (TierHook.settle); how many finished."""
+        return self.tiers.settle(block) if self.tiers is not None else 0
+
+    def evict_one(self, wait: bool = True) -> bool:
         """Take the least recently used idle conversation off the pool; False when no idle conversation
         holds pages. When the tiers cannot take it, the least recently used idle conversation is
-        dropped: a stored one older than it (then the offload is tried again), or else this one."""
+        dropped: a stored one older than it (then the offload is tried again), or else this one.
+        With no idle conversation in the pool, finish a background move out of it (with wait, waiting
+        for one when none is done)."""
         idle = [e for e in self.entries if not e.busy and self.where(e) == "gpu"]
         if not idle:
-            return False
+            return self.settle(block=wait) > 0
         victim = min(idle, key=lambda e: e.last_used)
         while self.tiers is not None:
             if self.tiers.offload(victim.conv):

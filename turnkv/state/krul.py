@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -40,6 +41,7 @@ class SharedLayers(StateStrategy):
     retain_threshold: float = 0.05
     max_retained: float = 0.05
     storage: float | None = None
+    needs_costs: ClassVar[bool] = True
 
     def __post_init__(self):
         if not 0 <= self.layer_ratio <= 1:
@@ -194,15 +196,17 @@ class KrulFixStrategy(SharedLayers):
 
 
 class _Clock:
-    """Wall time of a pack's phases into `timing` (seconds); synchronises a GPU at each lap so the
-    phases do not blur (a pack ends in a device->host copy anyway)."""
+    """Wall time of a pack's phases into `timing` (seconds); synchronises the current stream at each
+    lap so the phases do not blur (a pack ends in a device->host copy anyway). Only that stream: a
+    pack on a background thread's stream does not wait for the engine's steps."""
 
     def __init__(self, device: torch.device, timing: dict):
-        self.cuda, self.timing, self.t = device.type == "cuda", timing, time.perf_counter()
+        self.device, self.timing, self.t = device, timing, time.perf_counter()
+        self.cuda = device.type == "cuda"
 
     def lap(self, key: str) -> None:
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
         now = time.perf_counter()
         self.timing[key] = self.timing.get(key, 0.0) + now - self.t
         self.t = now

@@ -11,12 +11,23 @@ file falls back to recomputing that history. The strategy that stored an entry r
 the conversation's recipe says now, with one exception: a disk entry whose history a prefill rebuilds
 exactly (nothing evicted) is recomputed instead of read when the disk's measured read rate makes the
 read alone slower than the recompute (a slow disk against a fast GPU: benchmarks/state/README.md).
+
+With a packer (`pack_in_background`, which the server turns on), the store after a turn runs on the
+packer's thread (state/background.py): the conversation is "leaving" until the caller takes the
+finished pack with `land_packs`, which frees its pages. Meanwhile its pages stay allocated (free
+pages do not count them; `_make_room` waits for packs before it gives up), `where` names the tier it
+goes to, and nothing touches it: a turn on it waits for the pack, then restores what it stored, so its
+tokens are those of a pack run inline. The tiers are shared with the packer's thread under `lock`.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import copy
+import logging
+import threading
 from collections import OrderedDict
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -26,9 +37,12 @@ from turnkv.kv.disk import CorruptStateError
 from turnkv.kv.tiers import StateTiersFullError, TieredStore
 from turnkv.methods.protocols import StateStrategy
 from turnkv.methods.registry import build
+from turnkv.state.background import Packer, PackInFlight, PackJob
 from turnkv.state.context import RestoreContext
 from turnkv.state.recompute import RecomputeStrategy as Recompute
 from turnkv.state.recompute import full_layout_meta
+
+log = logging.getLogger(__name__)
 
 
 class StateManager:
@@ -44,30 +58,79 @@ class StateManager:
         # Conversations whose turn is under way (a stream not yet exhausted): never demoted, since
         # their next decode step reads the pages.
         self.busy: set[str] = set()
+        self.packer: Packer | None = None
+        self._own_packer: Packer | None = None
+        self.leaving: dict[str, Leaving] = {}  # conversations whose pack runs on the packer, oldest first
+        # Held around every use of self.tiers (and of self._pending, whose entries the tiers must
+        # not demote): the packer's thread stores into them.
+        self.lock = threading.RLock()
+
+    def pack_in_background(self, packer: Packer | None = None) -> None:
+        """From now on, store a conversation whose strategy offloads between turns on `packer`'s
+        thread (default: the engine's Packer, made on first use) instead of inside after_turn."""
+        if packer is None:
+            if self._own_packer is None:
+                self._own_packer = Packer(self.llm.device)
+            packer = self._own_packer
+        self.packer = packer
+
+    def calibrate_for(self, strategy: StateStrategy, tier: str = "cpu") -> None:
+        """Calibrate now, on this thread (it runs the model), the restore costs a pack by `strategy`
+        to `tier` reads, if it reads any: a pack on the packer's thread must not calibrate. Once per
+        engine and tier (a server does it at start-up for its default recipe)."""
+        if strategy.needs_costs:
+            self.ctx.cost(tier)
+
+    def pack_inline(self) -> None:
+        """Take every pack in flight (waiting for them), then pack inside after_turn again."""
+        while self.leaving:
+            self.land_packs(block=True)
+        self.packer = None
 
     # ---- queries ----------------------------------------------------------------------------
     def where(self, conv) -> str | None:
         """"gpu", "cpu", "disk", or None for a conversation that holds nothing yet."""
         if conv.id in self.resident:
             return "gpu"
+        leaving = self.leaving.get(conv.id)
+        if leaving is not None:
+            return leaving.tier  # where its pack is going (its pages are still held)
         return self.tiers.tier_of(conv.id)
 
     def stored_bytes(self, conv) -> int:
-        return self.tiers.stored_bytes(conv.id)
+        """Bytes the tiers hold for the conversation; KeyError while nothing is stored (or its pack
+        has not landed)."""
+        if conv.id in self.leaving:
+            raise KeyError(f"conversation {conv.id} is being packed")
+        try:  # without the lock first: /metrics reads this on the server's event loop
+            return self.tiers.stored_bytes(conv.id)
+        except KeyError:  # or it moved between tiers just then, under the packer's hands: ask again
+            with self.lock:
+                return self.tiers.stored_bytes(conv.id)
 
     # ---- engine hooks -----------------------------------------------------------------------
-    def before_turn(self, conv, new_tokens: int) -> None:
+    def before_turn(self, conv, new_tokens: int, wait_for_packs: bool = True) -> None:
+        """Bring the state back if it left the GPU, making room by demoting idle resident
+        conversations and, with wait_for_packs, by waiting for packs in flight to land (without, it
+        takes only those done, and a restore short of pages raises KVCacheFullError: the caller may
+        retry later instead of waiting)."""
+        if conv.id in self.leaving:  # its pack runs on the packer: the turn waits for it, then restores
+            self._land(self.leaving.pop(conv.id))
         self._settle(conv)
         self.busy.add(conv.id)
-        tier = self.tiers.tier_of(conv.id)
-        if tier is None or conv.id in self.resident:
-            if tier is not None:  # a stale copy of a state that is back on the GPU
-                self.tiers.delete(conv.id)
-            self._make_room(conv, conv.kv.lengths, new_tokens)
+        with self.lock:
+            tier = self.tiers.tier_of(conv.id)
+            if tier is None or conv.id in self.resident:
+                if tier is not None:  # a stale copy of a state that is back on the GPU
+                    self.tiers.delete(conv.id)
+                tier = None
+            else:
+                meta = self.tiers.meta(conv.id)
+        if tier is None:
+            self._make_room(conv, conv.kv.lengths, new_tokens, wait_for_packs)
             self.resident[conv.id] = conv
             self.resident.move_to_end(conv.id)
             return
-        meta = self.tiers.meta(conv.id)
         n = meta["state"]["next_position"]
         c = self.llm.config
         estimate = self._disk_estimate(meta) if tier == "disk" else None
@@ -76,23 +139,26 @@ class StateManager:
         recomputes = estimate is not None and estimate["recompute_s"] < estimate["read_s"]
         if stored is None or meta["strategy"]["name"] == "recompute" or recomputes:
             stored = [[n] * c.num_kv_heads for _ in range(c.num_layers)]
-        self._make_room(conv, np.asarray(stored, dtype=np.int64), new_tokens)
-        if recomputes:
-            strategy, tensors, state = Recompute(), {}, full_layout_meta(c.num_layers, c.num_kv_heads, n)
-            self.events.append({"conversation": conv.id, "event": "disk_state_recomputed", **estimate})
-        else:
-            try:
-                _, meta, tensors = self.tiers.get(conv.id)
-                strategy = _strategy(meta["strategy"])
-                state = meta["state"]
-            except CorruptStateError as e:
-                # The tensors are gone; the history beside them is not. Recompute it (uncompressed).
+        self._make_room(conv, np.asarray(stored, dtype=np.int64), new_tokens, wait_for_packs)
+        # Under the lock from the read until the restore's copies are registered in _pending: the
+        # packer's thread never demotes an entry whose host memory a restore may still be reading.
+        with self.lock:
+            if recomputes:
                 strategy, tensors, state = Recompute(), {}, full_layout_meta(c.num_layers, c.num_kv_heads, n)
-                self.events.append({"conversation": conv.id, "event": "corrupt_state_recomputed", "error": str(e)})
-        window = conv.method_state.window
-        if window is not None and "window.stored" in state:  # the observation window left with the KV
-            window.load_tensors(tensors, self.llm.device)
-        self._pending[conv.id] = strategy.restore(self.ctx, conv.kv, conv.tokens, state, tensors)
+                self.events.append({"conversation": conv.id, "event": "disk_state_recomputed", **estimate})
+            else:
+                try:
+                    _, meta, tensors = self.tiers.get(conv.id)
+                    strategy = _strategy(meta["strategy"])
+                    state = meta["state"]
+                except CorruptStateError as e:
+                    # The tensors are gone; the history beside them is not. Recompute it (uncompressed).
+                    strategy, tensors, state = Recompute(), {}, full_layout_meta(c.num_layers, c.num_kv_heads, n)
+                    self.events.append({"conversation": conv.id, "event": "corrupt_state_recomputed", "error": str(e)})
+            window = conv.method_state.window
+            if window is not None and "window.stored" in state:  # the observation window left with the KV
+                window.load_tensors(tensors, self.llm.device)
+            self._pending[conv.id] = strategy.restore(self.ctx, conv.kv, conv.tokens, state, tensors)
         self.resident[conv.id] = conv
         # The stored entry stays until the restore's copies are done (after_turn): its host memory
         # is being read.
@@ -104,9 +170,13 @@ class StateManager:
     def after_turn(self, conv) -> None:
         self.busy.discard(conv.id)
         self._settle(conv)
-        if self.tiers.tier_of(conv.id) is not None:
-            self.tiers.delete(conv.id)
+        with self.lock:
+            if self.tiers.tier_of(conv.id) is not None:
+                self.tiers.delete(conv.id)
         if conv.recipe.state.offloads_between_turns:
+            if self.packer is not None and conv.id in self.resident:
+                self._leave(conv, "cpu")
+                return
             try:
                 self.offload(conv, "cpu")
             except StateTiersFullError as e:  # it stays on the GPU: nothing is lost
@@ -115,58 +185,156 @@ class StateManager:
     def offload(self, conv, tier: str = "cpu") -> str:
         """Store the conversation's state in `tier` (or lower) and free its GPU pages; returns the
         tier it landed in. On StateTiersFullError (no tier has room, or no GPU memory to stage the
-        copy) the conversation stays as it was."""
+        copy) the conversation stays as it was. A conversation being packed in the background is
+        waited for first."""
+        if conv.id in self.leaving:
+            self._land(self.leaving.pop(conv.id))
         self._settle(conv)
         where = self.where(conv)
         if where is None:
             return "gpu"  # nothing to store yet
         if where != "gpu":
-            if where == "cpu" and tier == "disk":
-                self.tiers.demote(conv.id)
-            return self.tiers.tier_of(conv.id)
+            with self.lock:
+                if where == "cpu" and tier == "disk":
+                    self.tiers.demote(conv.id)
+                return self.tiers.tier_of(conv.id)
         strategy = conv.recipe.state
         window = conv.method_state.window
-        stored = self._pack(conv, strategy, window, tier)
-        if "fallback" in stored.meta:  # the strategy stored it by a baseline it predicts to be faster
-            self.events.append({"conversation": conv.id, "event": "state_fallback", "strategy": strategy.name,
-                                "to": stored.meta["fallback"], "predicted_s": stored.meta.get("predicted_s")})
-        tensors, state = stored.tensors, stored.meta
-        if window is not None:  # it decides what later compressions keep: it goes where the KV goes
-            tensors, state = {**tensors, **window.to_tensors()}, {**state, "window.stored": True}
-        meta = {"strategy": {"name": strategy.name, "params": _params(strategy)}, "state": state,
-                "conversation": conv.to_record()}
-        landed = self.tiers.put(conv.id, meta, tensors, tier)
+        stored = self._pack(conv, strategy, window, tier, self.ctx)
+        self._note_fallback(conv, strategy, stored.meta)
+        tensors, state = _with_window(stored, window)
+        with self.lock:
+            landed = self.tiers.put(conv.id, self._entry_meta(conv.to_record(), strategy, state), tensors, tier,
+                                    keep=set(self._pending))
         conv.kv.free()
         del self.resident[conv.id]
         return landed
 
-    def _pack(self, conv, strategy, window, tier: str):
+    # ---- packs in the background ------------------------------------------------------------
+    def _leave(self, conv, tier: str) -> None:
+        """Hand the store of a resident, idle conversation to the packer; it is "leaving" until
+        land_packs takes the finished pack. What the pack reads that this thread's stream may still
+        write or free is settled here: pending window steps are filed, the device page table is
+        made current, and the window's tensors are held until the pack's stream is done with them."""
+        strategy = conv.recipe.state
+        window = conv.method_state.window
+        held = window.snapshot() if window is not None else None  # files pending steps too
+        conv.kv.device_table()
+        self.calibrate_for(strategy, tier)
+        ctx = copy.copy(self.ctx)  # its own stage_on_host
+        record = conv.to_record()
+
+        def device_work():
+            stored = self._pack(conv, strategy, window, tier, ctx)
+            tensors, state = _with_window(stored, window)
+            _ = held  # the window's tensors stay referenced until the stream has read them
+            return stored.meta, {name: _to_host(t) for name, t in tensors.items()}, state
+
+        def host_work(packed):
+            pack_meta, tensors, state = packed
+            with self.lock:
+                landed = self.tiers.put(conv.id, self._entry_meta(record, strategy, state), tensors, tier,
+                                        keep=set(self._pending))
+            return landed, pack_meta
+
+        del self.resident[conv.id]
+        leaving = Leaving(conv, tier, strategy)
+        leaving.job = self.packer.submit(device_work, host_work)
+        self.leaving[conv.id] = leaving
+
+    def hurry(self, conv) -> None:
+        """Run the conversation's pack next, if it is leaving and its pack has not started."""
+        leaving = self.leaving.get(conv.id)
+        if leaving is not None:
+            self.packer.hurry(leaving.job)
+
+    def check_not_leaving(self, conv) -> None:
+        """PackInFlight, after moving its pack to the front, when the conversation is being packed
+        and its pack has not finished: a caller that must not wait (the server's worker) retries
+        after land_packs has taken it."""
+        leaving = self.leaving.get(conv.id)
+        if leaving is not None and not leaving.job.future.done():
+            self.packer.hurry(leaving.job)
+            raise PackInFlight(f"conversation {conv.id} is being packed")
+
+    def land_packs(self, block: bool = False) -> list[dict]:
+        """Take every finished pack: free the pages of each conversation a tier now holds, and keep
+        on the GPU (resident, idle) one no tier could take. With `block`, first wait until at least
+        one pack has finished, when any is in flight. Returns per conversation taken
+        {"conversation", "tier" ("gpu" when kept), "bytes" stored, "pack_s" on the packer}."""
+        if block and self.leaving and not any(x.job.future.done() for x in self.leaving.values()):
+            concurrent.futures.wait([x.job.future for x in self.leaving.values()],
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        done = [cid for cid, x in self.leaving.items() if x.job.future.done()]
+        return [self._land(self.leaving.pop(cid)) for cid in done]
+
+    def _land(self, leaving: Leaving) -> dict:
+        """Wait for one pack and take it (leaving was popped from self.leaving)."""
+        conv, job = leaving.conv, leaving.job
+        concurrent.futures.wait([job.future])
+        info = {"conversation": conv.id, "tier": "gpu", "bytes": 0, "pack_s": job.seconds}
+        try:
+            landed, pack_meta = job.future.result()
+        except (StateTiersFullError, concurrent.futures.CancelledError) as e:  # it stays on the GPU
+            self.events.append({"conversation": conv.id, "event": "kept_on_gpu", "error": str(e)})
+            self.resident[conv.id] = conv
+            return info
+        except Exception as e:  # a failed pack loses nothing: the pages are still there
+            log.warning("conversation %s: its pack failed, it stays on the GPU: %s", conv.id, e)
+            self.events.append({"conversation": conv.id, "event": "pack_failed", "error": str(e)})
+            self.resident[conv.id] = conv
+            return info
+        self._note_fallback(conv, leaving.strategy, pack_meta)
+        conv.kv.free()  # the packer's stream is done reading the pages
+        with self.lock:
+            info.update(tier=landed, bytes=self.tiers.stored_bytes(conv.id) if self.tiers.tier_of(conv.id) else 0)
+        return info
+
+    # ---- packing ----------------------------------------------------------------------------
+    def _note_fallback(self, conv, strategy, pack_meta: dict) -> None:
+        if "fallback" in pack_meta:  # the strategy stored it by a baseline it predicts to be faster
+            self.events.append({"conversation": conv.id, "event": "state_fallback", "strategy": strategy.name,
+                                "to": pack_meta["fallback"], "predicted_s": pack_meta.get("predicted_s")})
+
+    @staticmethod
+    def _entry_meta(record: dict, strategy, state: dict) -> dict:
+        return {"strategy": {"name": strategy.name, "params": _params(strategy)}, "state": state,
+                "conversation": record}
+
+    @staticmethod
+    def _pack(conv, strategy, window, tier: str, ctx):
         """strategy.pack, which stages the state's rows on the GPU before they go down; where that
         finds no GPU memory (an offload to make room), again one layer at a time through host memory.
         StateTiersFullError when even that fails; the pages are untouched either way."""
         for on_host in (False, True):
-            self.ctx.stage_on_host = on_host
+            ctx.stage_on_host = on_host
             try:
-                return strategy.pack(self.ctx, conv.kv, window, tier)
+                return strategy.pack(ctx, conv.kv, window, tier)
             except torch.OutOfMemoryError as e:
                 torch.cuda.empty_cache()
                 error = str(e).splitlines()[0]
             finally:
-                self.ctx.stage_on_host = False
+                ctx.stage_on_host = False
         raise StateTiersFullError(f"no GPU memory to stage conversation {conv.id}'s state for the copy down ({error})")
 
     def discard(self, conv) -> None:
-        """Forget a conversation's stored state (reset, close)."""
+        """Forget a conversation's stored state (reset, close). A pack of it that has not started is
+        cancelled; one that runs is waited for (the caller frees the pages next)."""
+        leaving = self.leaving.pop(conv.id, None)
+        if leaving is not None and not self.packer.cancel(leaving.job):
+            self._land(leaving)
         self._settle(conv)
         self.resident.pop(conv.id, None)
-        self.tiers.delete(conv.id)
+        with self.lock:
+            self.tiers.delete(conv.id)
 
     def record(self, conversation_id: str) -> dict:
         """The history stored beside a conversation's state (Conversation.to_record), e.g. on disk
         before a restart; InvalidRequestError when none is stored under this id."""
-        if self.tiers.tier_of(conversation_id) is None:
-            raise InvalidRequestError(f"no stored conversation has the id {conversation_id!r}")
-        return self.tiers.meta(conversation_id)["conversation"]
+        with self.lock:
+            if self.tiers.tier_of(conversation_id) is None:
+                raise InvalidRequestError(f"no stored conversation has the id {conversation_id!r}")
+            return self.tiers.meta(conversation_id)["conversation"]
 
     # ---- internals --------------------------------------------------------------------------
     def _disk_estimate(self, meta: dict) -> dict | None:
@@ -184,18 +352,22 @@ class StateManager:
 
     def _settle(self, conv) -> None:
         """Wait for a restore's copies, so its sources can be freed or reused."""
-        stream = self._pending.pop(conv.id, None)
-        if stream is not None:
-            stream.synchronize()
+        with self.lock:  # until they are done, the packer's thread must not demote the source
+            stream = self._pending.pop(conv.id, None)
+            if stream is not None:
+                stream.synchronize()
 
-    def _make_room(self, conv, lengths: np.ndarray, new_tokens: int) -> None:
+    def _make_room(self, conv, lengths: np.ndarray, new_tokens: int, wait_for_packs: bool = True) -> None:
         """Demote least recently used resident conversations until `conv`, holding `lengths` tokens
         per [layer, KV head] (its own, or its stored state's), can add `new_tokens` to every head.
-        A compressed conversation needs pages for what it keeps, not for its positions."""
+        A compressed conversation needs pages for what it keeps, not for its positions. Packs done
+        in the background land first; with wait_for_packs, those in flight are waited for last."""
         pool = self.llm.pool
         pages = -(-(np.asarray(lengths) + new_tokens) // pool.page_size) + 1  # [L, H]: one page of slack a head
         need = np.maximum(pages - conv.kv.num_pages, 0).sum(axis=1)  # [L] pages to add per layer
         need_bytes = int(need.sum()) * pool.page_bytes
+
+        self.land_packs()
 
         def short() -> bool:
             if pool.reclaim is not None:  # pages only a cache holds (the prefix index) go first
@@ -205,6 +377,7 @@ class StateManager:
             if self.gpu_memory is None:
                 return False
             held = sum(c.kv.bytes() for c in self.resident.values())
+            held += sum(x.conv.kv.bytes() for x in self.leaving.values())  # freed once their packs land
             return held + need_bytes > self.gpu_memory
 
         for victim_id in list(self.resident):
@@ -218,6 +391,35 @@ class StateManager:
                         f"KV pool full: this turn needs {int(need.max())} pages per layer and the idle conversation "
                         f"{victim_id} cannot move down: {e}") from None
                 self.events.append({"conversation": victim_id, "event": "demoted", "tier": landed})
+        while wait_for_packs and self.leaving and short():  # their pages come back as they land
+            self.land_packs(block=True)
+
+
+@dataclass(eq=False)
+class Leaving:
+    """A conversation whose pack runs on the packer: its pages are held until the job is taken."""
+
+    conv: object
+    tier: str
+    strategy: StateStrategy
+    job: PackJob | None = None
+
+
+def _with_window(stored, window) -> tuple[dict, dict]:
+    """(tensors, state) of a pack with the observation window beside it: it decides what later
+    compressions keep, so it goes where the KV goes."""
+    if window is None:
+        return stored.tensors, stored.meta
+    return {**stored.tensors, **window.to_tensors()}, {**stored.meta, "window.stored": True}
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of a packed tensor (pinned, so the copy from the device is a fast DMA)."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t)
+    return host
 
 
 def _params(strategy) -> dict:

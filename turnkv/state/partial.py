@@ -4,6 +4,7 @@ Cake); the split is the same in every layer and calibrated on this machine."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from turnkv.methods.protocols import StateStrategy
 from turnkv.methods.registry import register
@@ -20,6 +21,7 @@ class PartialStrategy(StateStrategy):
         r_c; None calibrates it (min max(T_recompute, T_load) for this history length and tier)."""
 
     recompute_ratio: float | None = None
+    needs_costs: ClassVar[bool] = True
 
     def __post_init__(self):
         if self.recompute_ratio is not None and not 0 <= self.recompute_ratio <= 1:

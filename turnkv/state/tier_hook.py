@@ -37,6 +37,9 @@ class StateTierHook:
         return self.manager.tiers.disk is not None
 
     def begin(self, conv) -> list[str]:
+        # A conversation still being packed in the background raises PackInFlight (its pack moves to
+        # the front): the worker retries once settle() has taken the pack, instead of waiting here.
+        self.manager.check_not_leaving(conv)
         # before_turn restores the state if it left the GPU, making room by demoting idle resident
         # conversations, and puts this one in the manager's busy set: while a request runs on it,
         # making room for another conversation never demotes it (its next decode step reads the pages).
@@ -45,7 +48,7 @@ class StateTierHook:
         nbytes = self.manager.stored_bytes(conv) if stored else 0
         began = time.perf_counter()
         try:
-            self.manager.before_turn(conv, 0)
+            self.manager.before_turn(conv, 0, wait_for_packs=False)  # short of room: KVCacheFullError
         except BaseException:
             self.manager.abort_turn(conv)  # nothing was restored: it stays stored, and idle
             raise
@@ -61,8 +64,10 @@ class StateTierHook:
         start = len(self.manager.events)
         began = time.perf_counter()
         self.manager.after_turn(conv)
-        # A strategy that offloads between turns (state=krul, ...) moved the conversation off the GPU here.
-        if self.on_traffic is not None and self.manager.where(conv) not in (None, "gpu"):
+        # A strategy that offloads between turns (state=krul, ...) moved the conversation off the GPU here
+        # (with a packer, it is leaving: settle() counts it when its pack lands).
+        if (self.on_traffic is not None and self.manager.where(conv) not in (None, "gpu")
+                and conv.id not in self.manager.leaving):
             self.on_traffic("offload", self.manager.stored_bytes(conv), time.perf_counter() - began)
         self._take_events(start)
 
@@ -79,6 +84,18 @@ class StateTierHook:
         # "gpu": the manager never saw the conversation run, so it stored nothing; saying True would
         # lose its KV when the store frees the pages.
         return landed != "gpu"
+
+    def settle(self, block: bool = False) -> int:
+        """Take the packs that finished in the background (with block, wait for one first when none
+        has): their pages go back to the pool. Returns how many conversations it took."""
+        start = len(self.manager.events)
+        landed = self.manager.land_packs(block)
+        self._take_events(start)
+        if self.on_traffic is not None:
+            for x in landed:
+                if x["tier"] != "gpu":  # the worker's time: the pack ran on the packer's thread
+                    self.on_traffic("offload", x["bytes"], 0.0)
+        return len(landed)
 
     def discard(self, conv) -> None:
         self.manager.discard(conv)
