@@ -28,7 +28,7 @@ from turnkv.serve.job import Job, Outcome, check_max_tokens
 from turnkv.serve.metrics import Metrics
 from turnkv.serve.scheduler import Scheduler
 from turnkv.serve.store import ConversationStore, TierHook
-from turnkv.state.tier_hook import StateTierHook
+from turnkv.serve.tier_hook import StateTierHook
 
 log = logging.getLogger("turnkv.serve")
 
