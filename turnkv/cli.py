@@ -249,7 +249,7 @@ def cmd_chat(args) -> int:
         sys.stdout.reconfigure(line_buffering=True)  # piped: every line as soon as it is complete
     _show_progress_logs()
     llm = _load(args)
-    llm._require_tokenizer()  # a chat needs one: say so now, not at every turn
+    llm.turn_parts.require_tokenizer()  # a chat needs one: say so now, not at every turn
     conv = llm.conversation(system=args.system)
     interactive = sys.stdin.isatty()
     if interactive:

@@ -142,11 +142,11 @@ class Conversation:
         `force` feeds the given reply tokens instead of sampling them (teacher forcing), and
         `logprobs` keeps each step's log-softmax in the Reply: together they measure how far a
         compressed conversation's distributions drift from a reference along the same answer."""
-        params = self.llm._sampling_params(**sampling)
+        params = self.llm.turn_parts.sampling_params(**sampling)
         inputs = self._turn_input(message, context)
         if force is not None and (not force or not all(isinstance(t, int) for t in force)):
             raise InvalidRequestError("force must be a non-empty list of token ids")
-        gen = self.llm._new_generation(self.kv, params, forced=force, keep_logprobs=logprobs)
+        gen = self.llm.turn_parts.new_generation(self.kv, params, forced=force, keep_logprobs=logprobs)
         return self._run(TurnRun(self, inputs, gen, self.llm.state))
 
     def _turn_input(self, message: str, context: str | None = None) -> TurnInput:
@@ -157,7 +157,7 @@ class Conversation:
             raise InvalidRequestError("the message is empty")
         if context is not None and (not isinstance(context, str) or not context.strip()):
             raise InvalidRequestError("the context is empty")
-        tokenizer = self.llm._require_tokenizer()
+        tokenizer = self.llm.turn_parts.require_tokenizer()
         content = message if context is None else f"{context}\n\n{message}"
         messages = [*self.messages, {"role": "user", "content": content}]
         full_text = chat_template.render(tokenizer, messages)
@@ -168,7 +168,7 @@ class Conversation:
         if context is not None:
             cuts.append(full_text.index(content) + len(context))
         new_ids, boundaries = self._split_at(full_text, keep, new_ids, cuts)
-        self.llm._check_ids(new_ids)
+        self.llm.turn_parts.check_ids(new_ids)
         total = keep + len(new_ids)
         if total + 1 > self.llm.max_model_len:
             raise ContextLengthError(

@@ -112,7 +112,7 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
             raise APIError(400, str(e), param="recipe", code="invalid_recipe") from None
         try:
             max_tokens = check_max_tokens(req.requested_max_tokens(), llm.max_model_len)
-            llm._sampling_params(**req.sampling())  # bad sampling values fail here, before queueing
+            llm.turn_parts.sampling_params(**req.sampling())  # bad sampling values fail here, before queueing
         except InvalidRequestError as e:
             raise APIError(400, str(e)) from None
         return recipe, key, max_tokens
