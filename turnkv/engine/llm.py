@@ -92,7 +92,14 @@ class LLM:
         self.device = resolve_device(device)
         if self.device.type == "cuda":
             use_expandable_segments()
-        loaded = load_model(model, dtype, self.device, seed)
+        self.kv_dtype = self._choose_kv_dtype(kv_dtype, default_recipe)
+
+        def check_pool(config, dtype) -> None:  # a pool too small for one page per KV head fails before the load
+            if kv_memory is not None:
+                budget = self._kv_budget(kv_memory, config, dtype)
+                PagePool.check_budget(config, budget, page_size, dtype, self.kv_dtype)
+
+        loaded = load_model(model, dtype, self.device, seed, check_config=check_pool)
         self.model, self.name, self.source = loaded.model, loaded.name, loaded.source
         self.config = self.model.config
         self.dtype = next(self.model.parameters()).dtype
@@ -108,9 +115,8 @@ class LLM:
                 self.tokenizer = None
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
-        self.kv_dtype = self._choose_kv_dtype(kv_dtype, default_recipe)
-        self.pool = PagePool.for_budget(self.config, self._kv_budget(kv_memory), page_size, self.dtype, self.device,
-                                        self.kv_dtype)
+        budget = self._kv_budget(kv_memory, self.config, self.dtype)
+        self.pool = PagePool.for_budget(self.config, budget, page_size, self.dtype, self.device, self.kv_dtype)
         # FlashAttention-4's kernels compile here (once per machine with its disk cache), not inside the
         # first long prompt (attention/flash.py); a no-op where it is not used.
         flash.warm_up(self.device, self.dtype, self.config.num_heads, self.config.num_kv_heads, self.config.head_dim,
@@ -157,9 +163,9 @@ class LLM:
             raise InvalidRequestError(f"kv_dtype={asked} and the recipe's kv_dtype={recipe.kv_dtype} disagree")
         return asked or recipe.kv_dtype or "none"
 
-    def _kv_budget(self, kv_memory) -> int:
-        if callable(kv_memory):  # sized from the loaded model: kv_memory(config, dtype) -> bytes
-            return int(kv_memory(self.config, self.dtype))
+    def _kv_budget(self, kv_memory, config, dtype) -> int:
+        if callable(kv_memory):  # sized from the model: kv_memory(config, dtype) -> bytes
+            return int(kv_memory(config, dtype))
         if kv_memory is not None:
             return parse_bytes(kv_memory)
         per_token = self.kv_bytes_per_token()
@@ -228,7 +234,8 @@ class LLM:
         takes them; with an evicting recipe each prompt is compressed after its prefill
         (question-aware). The other `options` are sampling parameters (SamplingParams):
         max_new_tokens=256, temperature=0.0 (greedy), top_p=1.0, top_k=0 (no cut), seed=None,
-        stop=[] (strings that end the reply), ignore_eos=False."""
+        stop=[] (strings that end the reply), ignore_eos=False. ContextLengthError when a prompt and
+        max_new_tokens (when given) do not fit the context; without it, a reply stops at the context's end."""
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
         if not batch:
@@ -240,6 +247,8 @@ class LLM:
         for ids in encoded:
             if len(ids) + 1 > self.max_model_len:
                 raise ContextLengthError(f"a prompt of {len(ids)} tokens does not fit the context of {self.max_model_len}")
+            if "max_new_tokens" in options:  # as /v1/completions refuses a max_tokens the context has no room for
+                self.turn_parts.check_room(len(ids), params.max_new_tokens)
         convs = [Conversation(self, None, recipe) for _ in batch]  # containers for the KV and recipe state
         try:
             replies = self.turn_parts.run_prompts(convs, encoded, params)
