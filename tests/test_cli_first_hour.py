@@ -1,7 +1,7 @@
 """What a new user meets first on the command line: --version, defaults in --help, every mistake
 answered with one line and a non-zero exit (no traceback), chat commands, piped chat output line by
 line, whole method descriptions, the loading line, calibration messages, and the state tier named
-for the machine."""
+by the name every command uses."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def test_version(capsys):
 
 
 def test_help_shows_the_defaults(capsys):
-    for argv, defaults in ((["chat"], ["(default: 256)", "(default: 0.0)", "(default: 1.0)"]),
+    for argv, defaults in ((["chat"], ["(default: 256, or what the context has left)", "(default: 0.0)",
+                                       "(default: 1.0)"]),
                            (["serve"], ["(default: 8000)", "(default: 32)", "(default: 30.0)"]),
                            (["bench", "speed"], ["(default: 1024,4096)", "(default: benchmarks/decode/results/latest)"])):
         with pytest.raises(SystemExit):
@@ -110,8 +111,9 @@ def test_chat_commands_and_the_tier_by_device(monkeypatch, capsys, chat_model_di
     # Neither /help nor /bogus went to the model; "//etc ..." did, as one turn.
     assert len(re.findall(r"reused tokens", out)) == 1 and "turns: 1" in out
     assert re.search(r"loading .*: \d+\.\d s", err)
-    tier = "gpu" if torch.cuda.is_available() else "resident"
-    assert f"state={tier}" in out and f"state: {tier}" in out
+    # One name for the KV pool's tier, as the recipe, `methods --presets` and `serve` spell it.
+    assert "state=gpu" in out and "state=resident" not in out
+    assert re.search(r"^state: gpu", out, flags=re.MULTILINE)
 
 
 def test_krul_says_when_it_calibrates(monkeypatch, capsys, chat_model_dir):
@@ -188,3 +190,73 @@ def test_stats_say_when_a_budget_has_not_acted_yet(monkeypatch, capsys, chat_mod
         assert code == 0, err
         said[budget] = "nothing evicted yet" in out and "within budget=1024" in out
     assert said == {"1024": True, "8": False}
+
+
+def test_mistakes_are_refused_before_the_model_loads(monkeypatch, capsys, tmp_path, chat_model_dir):
+    """Each names the limit or the minimum, and no weight is read: a model load takes a minute on a
+    small machine."""
+    import socket
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the model's weights were read")
+
+    monkeypatch.setattr("turnkv.model.safetensors_folder.read_tensors", no_weights)
+    model = str(chat_model_dir)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    # The tiny model: 2 layers x 2 KV heads x one page of 16 tokens x K and V of 16 fp32 values.
+    smallest = 2 * 2 * 16 * 2 * 16 * 4
+    cases = [
+        (["serve", "--model", model, "--port", str(port)],
+         f"port {port} on 127.0.0.1 is already in use (another server?); stop it or choose another with --port"),
+        (["chat", "--model", model, "--kv-memory", "1KiB"],
+         f"a KV pool of 1 KiB cannot hold one page of 16 tokens per KV head in every layer; this model needs at "
+         f"least 8 KiB ({smallest} bytes)"),
+        (["generate", "", "--model", model], "the prompt is empty"),
+        (["generate", "hi", "--model", model, "--max-new-tokens", "512"],
+         f"--max-new-tokens 512 does not fit {model}'s context of 512 tokens: a reply can take at most 511"),
+        (["serve", "--model", model, "--max-tokens", "100000"], "--max-tokens 100000 does not fit"),
+    ]
+    try:
+        for argv, says in cases:
+            code, _, err = run_cli(monkeypatch, capsys, argv)
+            assert code == 2 and err.splitlines()[-1].startswith("error: ") and says in err, (argv, err)
+            assert "loading" not in err and "Traceback" not in err, (argv, err)
+    finally:
+        taken.close()
+    with pytest.raises(turnkv.KVCacheFullError, match=rf"needs at least 8 KiB \({smallest} bytes\)"):
+        turnkv.LLM(model, device="cpu", kv_memory="1KiB")
+    with pytest.raises(turnkv.KVCacheFullError, match="needs at least"):
+        turnkv.LLM(model, device="cpu", kv_memory=lambda config, dtype: 100)  # sized from the config, before weights
+
+
+def test_ctrl_c_while_torch_imports_prints_one_line():
+    """An interrupt raised inside `import torch`, in a process that runs as the `turnkv` command: one
+    line on stderr, no traceback, and the process dies of SIGINT as an interrupted command does."""
+    code = ("import sys\n"
+            "sys.argv[0] = 'turnkv'\n"
+            "class Interrupt:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'torch':\n"
+            "            raise KeyboardInterrupt\n"
+            "sys.meta_path.insert(0, Interrupt())\n"
+            "from turnkv.cli import main\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert run.stderr == "interrupted\n" and run.returncode == -2, (run.returncode, run.stderr)
+
+
+@pytest.mark.parametrize("delay", [0.5, 2.0])
+def test_ctrl_c_at_any_time_prints_at_most_one_line(delay):
+    """SIGINT while `python -m turnkv info` starts, imports or runs: never a traceback."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "turnkv", "info", "--model", "llama-3.1-8b"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert "Traceback" not in err and len(err.splitlines()) <= 1, err
+    assert err in ("", "interrupted\n") or proc.returncode == 0, (proc.returncode, err)

@@ -11,25 +11,34 @@ import textwrap
 import time
 from contextlib import contextmanager
 
-import numpy as np
-import torch
-from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from turnkv.interrupt import MESSAGE as INTERRUPTED
+from turnkv.interrupt import one_line_on_exit
 
-from turnkv import heap
-from turnkv.bench.cli import add_quality_parser, add_speed_parser
-from turnkv.engine.info import model_info
-from turnkv.engine.llm import LLM, PREFIX_MODES
-from turnkv.errors import InvalidRequestError, TurnkvError
-from turnkv.methods.evict.eviction import SCHEDULES
-from turnkv.methods.recipe import PRESET_DOCS, Recipe, presets
-from turnkv.methods.registry import describe
-from turnkv.serve.config import API_KEY_ENV, ServeConfig, parse_head_pattern
-from turnkv.serve.server import serve
-from turnkv.sizes import parse_bytes
-from turnkv.version import __version__
+try:  # torch, the server's and the benchmarks' modules: seconds, during which Ctrl-C prints one line
+    import numpy as np
+    import torch
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from turnkv import heap
+    from turnkv.bench.cli import add_quality_parser, add_speed_parser
+    from turnkv.engine.info import model_info, read_config
+    from turnkv.engine.llm import LLM, PREFIX_MODES
+    from turnkv.engine.sampling import SamplingParams
+    from turnkv.errors import InvalidRequestError, TurnkvError
+    from turnkv.methods.evict.eviction import SCHEDULES
+    from turnkv.methods.recipe import PRESET_DOCS, Recipe, presets
+    from turnkv.methods.registry import describe
+    from turnkv.serve.config import API_KEY_ENV, ServeConfig, parse_head_pattern
+    from turnkv.serve.server import bind_listener, serve
+    from turnkv.sizes import parse_bytes
+    from turnkv.version import __version__
+except KeyboardInterrupt as interrupt:
+    one_line_on_exit(interrupt)
+    raise
 
 MB = 1 << 20
+DEFAULT_REPLY_TOKENS = SamplingParams.max_new_tokens  # a reply's length limit when the command line sets none
 CHAT_COMMANDS = {
     "/help": "list these commands",
     "/stats": "the conversation's KV: tokens held per layer and head, bytes, the pool, the last compression",
@@ -120,7 +129,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=256, help="reply length limit")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=None,
+                   help=f"reply length limit (default: {DEFAULT_REPLY_TOKENS}, or what the context has left)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 means greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
                                                             "holding this probability; 1 keeps all")
@@ -130,8 +140,23 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling(args) -> dict:
-    return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-            "top_k": args.top_k, "seed": args.seed, "stop": args.stop}
+    """The sampling options of the command line. A --max-new-tokens the context has no room for fails
+    the turn, as max_tokens does over HTTP; without it, a reply stops at the context's end."""
+    limit = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
+    return {**limit, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
+            "stop": args.stop}
+
+
+def _check_reply_limit(args, flag: str, value: int | None) -> None:
+    """A reply length the model's context cannot hold (`flag` given as `value`), refused from the
+    model's config before its weights load."""
+    if value is None:
+        return
+    name, _, config = read_config(args.model)
+    context = config.max_position_embeddings
+    if value >= context:
+        raise InvalidRequestError(f"{flag} {value} does not fit {name}'s context of {context} tokens: a reply "
+                                  f"can take at most {context - 1} (the prompt takes at least one)")
 
 
 def _recipe(args):
@@ -184,18 +209,16 @@ def _turn_stats(reply) -> str:
 
 
 def _tier(llm, where: str | None) -> str:
-    """Where a conversation's state is, named for this machine: the KV pool is "gpu" on a GPU and
-    "resident" (in host memory) on a CPU; "cpu" and "disk" are the tiers below it."""
+    """Where a conversation's state is, by the tier names of `serve`'s /metrics and the recipe's
+    state=gpu: "gpu" is the KV pool (in host memory on a CPU engine); "cpu" and "disk" the tiers below."""
     if where == "gpu" and llm.device.type != "cuda":
-        return "resident"
+        return "gpu (the KV pool, in host memory on this CPU engine)"
     return where or "nowhere yet (no turn)"
 
 
 def _conversation_stats(llm, conv) -> str:
     kv = conv.kv
     recipe = str(conv.recipe)
-    if llm.device.type != "cuda":
-        recipe = recipe.replace("state=gpu", "state=resident")
     per_layer = kv.bytes_per_layer() / MB
     pool = llm.pool
     lines = [
@@ -216,7 +239,8 @@ def _conversation_stats(llm, conv) -> str:
         per_segment = conv.segment_counts().mean(axis=(1, 2))
         lines.append("tokens per head by segment (system, turn 1, ...): " + " ".join(f"{x:.0f}" for x in per_segment))
     evict = conv.recipe.evict
-    if evict is not None and conv.turns and kv.tokens() == kv.next_position * pool.num_layers * pool.num_kv_heads:
+    held_all = kv.tokens() == kv.next_position * pool.num_layers * pool.num_kv_heads
+    if evict is not None and conv.turns and held_all and not conv.compression_log:
         amount = f"budget={evict.budget}" if evict.budget is not None else f"keep_ratio={evict.keep_ratio}"
         lines.append(f"nothing evicted yet: the {kv.next_position} positions held are within {amount} "
                      f"(a budget acts once earlier turns hold more than it per head)")
@@ -248,8 +272,9 @@ def cmd_chat(args) -> int:
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)  # piped: every line as soon as it is complete
     _show_progress_logs()
+    _check_reply_limit(args, "--max-new-tokens", args.max_new_tokens)
     llm = _load(args)
-    llm._require_tokenizer()  # a chat needs one: say so now, not at every turn
+    llm.turn_parts.require_tokenizer()  # a chat needs one: say so now, not at every turn
     conv = llm.conversation(system=args.system)
     interactive = sys.stdin.isatty()
     if interactive:
@@ -275,7 +300,8 @@ def cmd_chat(args) -> int:
             for piece in conv.stream(message, **_sampling(args)):
                 print(piece, end="", flush=True)
             print(flush=True)
-            print(_turn_stats(conv.last_reply), file=sys.stderr if args.quiet_stats else sys.stdout, flush=True)
+            if not args.quiet_stats:
+                print(_turn_stats(conv.last_reply), flush=True)
         except KeyboardInterrupt:
             print("\n(turn interrupted; the conversation is as it was before it)", flush=True)
         except TurnkvError as e:
@@ -285,6 +311,9 @@ def cmd_chat(args) -> int:
 
 def cmd_generate(args) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt:  # LLM.encode's error, before the model loads
+        raise InvalidRequestError("the prompt is empty" + (": stdin gave nothing" if args.prompt is None else ""))
+    _check_reply_limit(args, "--max-new-tokens", args.max_new_tokens)
     llm = _load(args)
     reply = llm.generate(prompt, **_sampling(args))
     print(reply.text)
@@ -305,16 +334,23 @@ def cmd_serve(args) -> int:
                          served_model_name=args.served_model_name, max_running=args.max_running,
                          max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk,
                          max_step_tokens=args.max_step_tokens, max_body_bytes=args.max_body_bytes,
-                         default_max_tokens=args.max_tokens,
+                         default_max_tokens=args.max_tokens or DEFAULT_REPLY_TOKENS,
                          reuse=not args.no_reuse, drain_timeout_s=args.drain_timeout,
                          background_packs=not args.inline_packs, head_patterns=dict(args.head_pattern or []))
 
-    # _load's engine plus the state tiers idle conversations move to when the KV pool fills.
-    prefix_cache = "off" if args.no_prefix_cache else args.prefix_cache
-    llm = _load(args, prefix_cache=prefix_cache, prefix_cache_memory=args.prefix_cache_memory,
-                state_cpu_memory=args.state_cpu_memory, state_disk_dir=args.state_disk_dir,
-                state_disk_memory=args.state_disk_memory)
-    serve(llm, config, idle_ttl_s=args.idle_ttl, log_level=args.log_level, tiers=None if args.no_tiers else "state")
+    _check_reply_limit(args, "--max-tokens", args.max_tokens)
+    # The address is taken before the model loads (a port in use fails at once) and handed to uvicorn.
+    listener = bind_listener(config.host, config.port)
+    try:
+        # _load's engine plus the state tiers idle conversations move to when the KV pool fills.
+        prefix_cache = "off" if args.no_prefix_cache else args.prefix_cache
+        llm = _load(args, prefix_cache=prefix_cache, prefix_cache_memory=args.prefix_cache_memory,
+                    state_cpu_memory=args.state_cpu_memory, state_disk_dir=args.state_disk_dir,
+                    state_disk_memory=args.state_disk_memory)
+        serve(llm, config, idle_ttl_s=args.idle_ttl, log_level=args.log_level, tiers=None if args.no_tiers else "state",
+              listener=listener)
+    finally:
+        listener.close()
     return 0
 
 
@@ -380,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(chat)
     _sampling_args(chat)
     chat.add_argument("--system", default=None, help="system prompt")
-    chat.add_argument("--quiet-stats", action="store_true", help="print per-turn stats on stderr")
+    chat.add_argument("--quiet-stats", action="store_true", help="leave out the stats line after each reply")
     chat.set_defaults(func=cmd_chat)
 
     gen = sub.add_parser("generate", help="complete one raw prompt")
@@ -414,7 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokens per forward while requests decode: their next tokens plus whole prefill slices "
                           "(at least one); 0 runs each slice as its own forward between decode steps")
     srv.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body; beyond it 413")
-    srv.add_argument("--max-tokens", type=int, default=256, help="reply length when a request sets no max_tokens")
+    srv.add_argument("--max-tokens", type=_positive_int, default=None,
+                     help=f"reply length when a request sets no max_tokens (default: {DEFAULT_REPLY_TOKENS}, or what "
+                          f"the context has left)")
     srv.add_argument("--no-reuse", action="store_true",
                      help="prefill every request from scratch (a baseline): no request takes KV from a kept "
                           "conversation or from the prefix index")
@@ -462,8 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line `argv` (default: sys.argv[1:]); returns the exit status. Errors turnkv
     raises on purpose and files that cannot be read or written end the command with one line on
     stderr and status 2, an interrupt with status 130."""
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except TurnkvError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -472,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print(INTERRUPTED, file=sys.stderr)
         return 130
 
 

@@ -15,7 +15,7 @@ class DeviceError(TurnkvError):
 
 
 class InvalidRequestError(TurnkvError, ValueError):
-    """A request is malformed: an empty message, a bad sampling parameter, an unknown option."""
+    """A request is malformed: an empty raw prompt, a bad sampling parameter, an unknown option."""
 
 
 class ContextLengthError(InvalidRequestError):

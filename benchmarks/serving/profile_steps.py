@@ -26,9 +26,9 @@ from turnkv.engine.turn import TurnInput, TurnRun
 
 def new_turn(llm, ids: list[int], max_new: int) -> TurnRun:
     conv = Conversation(llm, None, llm.recipe)
-    params = llm._sampling_params(max_new_tokens=max_new, ignore_eos=True)
+    params = llm.turn_parts.sampling_params(max_new_tokens=max_new, ignore_eos=True)
     return TurnRun(conv, TurnInput(0, ids, len(ids), None, None, "", prefix_end=0),
-                   llm._new_generation(conv.kv, params)).begin()
+                   llm.turn_parts.new_generation(conv.kv, params)).begin()
 
 
 def timed(fn, steps: int, sync) -> float:

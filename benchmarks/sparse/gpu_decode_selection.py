@@ -188,12 +188,13 @@ def floor_bytes(llm, recipe: Recipe, ctx: int, batch: int, weight_bytes: int) ->
 
 
 def run_turns(llm, recipe: Recipe, prompts: list[list[int]], new_tokens: int):
-    """One turn per prompt through the engine's turn driver and step loop (LLM._run_prompts, as
+    """One turn per prompt through the engine's turn driver and step loop (TurnParts.run_prompts, as
     LLM.generate runs them); the conversations stay open (their selection state is read afterwards).
     -> (replies, convs)."""
     convs = [Conversation(llm, None, recipe) for _ in prompts]
     try:
-        return llm._run_prompts(convs, prompts, llm._sampling_params(max_new_tokens=new_tokens, ignore_eos=True)), convs
+        parts = llm.turn_parts
+        return parts.run_prompts(convs, prompts, parts.sampling_params(max_new_tokens=new_tokens, ignore_eos=True)), convs
     except BaseException:
         for c in convs:
             c.close()

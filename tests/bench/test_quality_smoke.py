@@ -32,7 +32,7 @@ def snapshot_of(records: list[dict]) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_bench_quality_smoke_preset_on_smollm2(tmp_path):
+def test_bench_quality_smoke_preset_on_smollm2(tmp_path, embedded_model):
     out = tmp_path / "q"
     assert main(["bench", "quality", "--preset", "smoke", "--out", str(out)]) == 0
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]

@@ -135,6 +135,17 @@ def test_run_speed_measures_every_planned_figure(tiny, tmp_path):
     assert (tmp_path / "tpot.png").stat().st_size > 0 and (tmp_path / "ttft.png").stat().st_size > 0
 
 
+def test_plots_of_a_run_without_a_figure_are_drawn_without_warnings(tmp_path):
+    import warnings
+
+    result = {"model": "tiny", "hardware": {"device": "cpu"},
+              "rows": [{"engine": "turnkv", "recipe": "full", "context": 24, "batch": 1, "tpot_s": 0.01}]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an empty legend (ttft_s is missing) warns
+        paths = speed_report.plots(result, tmp_path)
+    assert [p.name for p in paths] == ["tpot.png", "ttft.png"] and all(p.stat().st_size > 0 for p in paths)
+
+
 def test_a_peer_that_cannot_run_is_reported(tiny, monkeypatch):
     def unavailable(llm):
         raise peers.PeerUnavailable("transformers is not installed")

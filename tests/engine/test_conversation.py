@@ -151,10 +151,10 @@ def test_abandoned_stream_undoes_the_turn(chat_llm):
     conv.close()
 
 
-def test_empty_message_and_bad_sampling_are_clear_errors(chat_llm):
+def test_a_message_that_is_not_text_and_bad_sampling_are_clear_errors(chat_llm):
     conv = chat_llm.conversation()
-    for bad in ("", "   ", None):
-        with pytest.raises(InvalidRequestError, match="empty"):
+    for bad in (None, 3, ["hi"]):
+        with pytest.raises(InvalidRequestError, match="the message must be text"):
             conv.send(bad)
     for kwargs, match in [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"),
                           ({"max_new_tokens": 0}, "max_new_tokens"), ({"seed": "x"}, "seed"),
@@ -175,7 +175,11 @@ def test_context_overflow_leaves_the_conversation_usable(chat_model_dir):
     with pytest.raises(ContextLengthError, match="120"):
         conv.send("word " * 200)
     assert (conv.tokens, conv.messages, conv.kv.next_position) == snapshot
-    reply = conv.send("Short?", max_new_tokens=200)  # generation stops at the context edge
+    with pytest.raises(ContextLengthError, match=r"max_new_tokens is 200 but the prompt \(\d+ tokens\) leaves room "
+                                                 r"for \d+ in the model's context of 120"):
+        conv.send("Short?", max_new_tokens=200)  # as the server's 400 for such a max_tokens
+    assert (conv.tokens, conv.messages, conv.kv.next_position) == snapshot
+    reply = conv.send("Short?")  # no limit given: generation stops at the context edge
     assert reply.finish_reason == "length" and conv.kv.next_position == 119
     conv.close()
 

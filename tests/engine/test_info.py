@@ -73,7 +73,7 @@ def test_the_command_prints_the_same_figures(monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_a_gguf_file_is_read_from_its_header(monkeypatch):
+def test_a_gguf_file_is_read_from_its_header(monkeypatch, embedded_model):
     monkeypatch.setattr("turnkv.model.gguf_file.read_tensors", lambda *a: pytest.fail("read the tensors"))
     info = model_info(None, dtype="float32", device="cpu")
     assert info["source"] == "gguf" and info["parameters"] == shape_config("smollm2-135m").num_parameters()

@@ -45,11 +45,12 @@ def test_a_generation_under_a_grammar_writes_what_the_schema_allows(chat_llm):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                              "maximum": 9}},
               "required": ["ok", "n"], "additionalProperties": False}
-    compiled = chat_llm._grammars().json_schema(schema)
+    compiled = chat_llm.turn_parts.grammars().json_schema(schema)
     conv = chat_llm.conversation()
-    params = chat_llm._sampling_params(max_new_tokens=40, temperature=1.0, seed=3)
+    params = chat_llm.turn_parts.sampling_params(max_new_tokens=40, temperature=1.0, seed=3)
     inputs = conv._turn_input("Hello.", None)
-    turn = TurnRun(conv, inputs, chat_llm._new_generation(conv.kv, params, constraint=compiled.constraint())).begin()
+    gen = chat_llm.turn_parts.new_generation(conv.kv, params, constraint=compiled.constraint())
+    turn = TurnRun(conv, inputs, gen).begin()
     turn.take(turn.prefill())
     for _ in decode_loop.decode(chat_llm, [turn]):
         pass

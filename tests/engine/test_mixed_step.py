@@ -22,8 +22,8 @@ MAX_NEW = 12
 
 def _turn(llm, ids, recipe):
     conv = Conversation(llm, None, recipe)
-    params = llm._sampling_params(temperature=0, max_new_tokens=MAX_NEW, ignore_eos=True)
-    return TurnRun(conv, TurnInput(0, ids, len(ids)), llm._new_generation(conv.kv, params)).begin()
+    params = llm.turn_parts.sampling_params(temperature=0, max_new_tokens=MAX_NEW, ignore_eos=True)
+    return TurnRun(conv, TurnInput(0, ids, len(ids)), llm.turn_parts.new_generation(conv.kv, params)).begin()
 
 
 def _alone(llm, ids, recipe) -> list[int]:

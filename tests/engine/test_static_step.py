@@ -9,16 +9,18 @@ import pytest
 import turnkv
 
 
+@pytest.fixture(scope="module")
+def pair(chat_model_dir):
+    """(eager engine, engine whose decode steps run the graphs' host side without a graph)."""
+    from turnkv.engine.cuda_graphs import GraphedDecode
+
+    a = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="64MiB", page_size=4)
+    b = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="64MiB", page_size=4)
+    b.runner.graphs = GraphedDecode(b.model, b.pool, b.max_model_len, max_batch=8)
+    return a, b
+
+
 class TestStaticStepOnCPU:
-
-    @pytest.fixture(scope="class")
-    def pair(self, chat_model_dir):
-        from turnkv.engine.cuda_graphs import GraphedDecode
-
-        a = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="64MiB", page_size=4)
-        b = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="64MiB", page_size=4)
-        b.runner.graphs = GraphedDecode(b.model, b.pool, b.max_model_len, max_batch=8)
-        return a, b
 
     def test_batch_whose_rows_finish_at_different_times(self, pair):
         eager, static = pair

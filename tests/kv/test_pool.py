@@ -69,8 +69,10 @@ def test_for_budget_sizes_pool_within_budget():
 def test_for_budget_too_small_raises_kv_full():
     config = SimpleNamespace(num_layers=2, num_kv_heads=3, head_dim=8)
     page_bytes = 2 * 4 * 8 * 4
-    # 2 pages per layer < 3 KV heads
-    with pytest.raises(KVCacheFullError, match="one page per KV head"):
+    # 2 pages per layer < 3 KV heads; the message names the smallest pool, 3 pages x 2 layers
+    assert PagePool.smallest_budget(config, 4, torch.float32) == 3 * page_bytes * 2 == 1536
+    with pytest.raises(KVCacheFullError, match=r"a KV pool of 1 KiB cannot hold one page of 4 tokens per KV head in "
+                                               r"every layer; this model needs at least 1\.5 KiB \(1536 bytes\)"):
         PagePool.for_budget(config, 2 * page_bytes * 2, page_size=4, dtype=torch.float32, device="cpu")
     # exactly 3 pages per layer is enough
     pool = PagePool.for_budget(config, 3 * page_bytes * 2, page_size=4, dtype=torch.float32, device="cpu")

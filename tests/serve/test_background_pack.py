@@ -98,7 +98,7 @@ def test_admission_counts_the_pages_of_a_conversation_being_packed_as_used(llm):
     (which admission would count as available); once the pack lands, they are free."""
     from turnkv.serve.admission import MemoryGate
     from turnkv.serve.store import ConversationStore, Entry
-    from turnkv.state.tier_hook import StateTierHook
+    from turnkv.serve.tier_hook import StateTierHook
 
     packer = HeldPacker(llm.device)
     llm.state.pack_in_background(packer)

@@ -12,7 +12,7 @@ import turnkv
 from tests.serve.conftest import MODEL, running
 from tests.serve.test_load import converse
 from turnkv.serve.store import ConversationStore
-from turnkv.state.tier_hook import StateTierHook
+from turnkv.serve.tier_hook import StateTierHook
 
 SMALL_POOL = "96KiB"  # about three of these conversations
 

@@ -278,7 +278,7 @@ def test_the_servers_restore_short_of_room_does_not_wait_for_a_pack_in_flight(mo
     packed raises KVCacheFullError at once (the scheduler keeps the request in line), and succeeds
     once the pack has landed."""
     from turnkv.errors import KVCacheFullError
-    from turnkv.state.tier_hook import StateTierHook
+    from turnkv.serve.tier_hook import StateTierHook
 
     small = turnkv.LLM(str(model_dir), device="cpu", kv_memory=7 * 2048 * LAYERS, page_size=16)
     small.state.ctx.set_cost("cpu", CostModel(2e-6, 1e-9, 5e8))

@@ -156,8 +156,8 @@ class LockstepConversation(Conversation):
         recipe's after-prompt hook and take the first token. A forced turn of a chunkable recipe is
         complete on return. `watch` sees every token before it is accepted (TurnRun.watch)."""
         inputs = self._turn_input(message)
-        params = self.llm._sampling_params(max_new_tokens=max_new_tokens)
-        gen = self.llm._new_generation(self.kv, params, forced=force, keep_logprobs=logprobs)
+        params = self.llm.turn_parts.sampling_params(max_new_tokens=max_new_tokens)
+        gen = self.llm.turn_parts.new_generation(self.kv, params, forced=force, keep_logprobs=logprobs)
         pending = PendingTurn(self, inputs, gen, self.llm.state).begin()
         pending.watch = watch
         try:
@@ -189,8 +189,9 @@ class LockstepConversation(Conversation):
             raise ValueError(f"a conversation with recipe {self.recipe} cannot be forked")
         twin = self.clone(copy_decode=_decode_kind(self.method_state.decode) == "copy")
         twin.llm.state.before_turn(twin, 0)
-        gen = self.llm._new_generation(twin.kv, self.llm._sampling_params(max_new_tokens=len(forced)), forced=forced,
-                                      keep_logprobs=True)
+        parts = self.llm.turn_parts
+        gen = parts.new_generation(twin.kv, parts.sampling_params(max_new_tokens=len(forced)), forced=forced,
+                                   keep_logprobs=True)
         done = len(pending.gen.token_ids)
         for token in pending.gen.token_ids:
             gen.accept(token)

@@ -85,7 +85,8 @@ def plots(result: dict, out: Path) -> list[Path]:
         ax.set_ylabel(label)
         ax_floor.set_ylabel("fraction of the hardware floor")
         ax_floor.set_ylim(0, 1.1)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # a run whose rows lack this figure draws no lines
+            ax.legend(fontsize=7)
         fig.suptitle(f"{result['model']} on {result['hardware']['device']}")
         fig.tight_layout()
         path = out / f"{metric.removesuffix('_s')}.png"

@@ -53,6 +53,7 @@ class Conversation:
         self.recipe = llm.resolve_recipe(recipe)
         self.id = uuid.uuid4().hex  # the key of its stored state in the CPU and disk tiers
         self.kv = SequenceKV(llm.pool)
+        self.closed = False  # close() frees everything; a closed conversation takes no more turns
         self.reset()
 
     def reset(self) -> None:
@@ -94,9 +95,11 @@ class Conversation:
         return out
 
     def close(self) -> None:
-        """Free the KV and whatever the state tiers hold of this conversation."""
+        """Free the KV and whatever the state tiers hold of this conversation; a later send or stream
+        raises InvalidRequestError."""
         self.llm.state.discard(self)  # first: a pack of the pages running in the background ends
         self.kv.free()
+        self.closed = True
 
     def offload(self, tier: str = "cpu") -> str:
         """Move this conversation's state off the GPU now, to "cpu" or "disk", in the form the
@@ -126,7 +129,10 @@ class Conversation:
         kv_bytes, ...). Takes stream()'s keywords: sampling parameters (SamplingParams)
         max_new_tokens=256, temperature=0.0 (greedy), top_p=1.0, top_k=0 (no cut), seed=None,
         stop=[] (strings that end the reply), ignore_eos=False; and context, force, logprobs.
-        A turn that fails (InvalidRequestError, ContextLengthError, KVCacheFullError) is undone."""
+        A turn that fails (InvalidRequestError, ContextLengthError, KVCacheFullError) is undone.
+        An empty message is a turn like any other (as over HTTP). ContextLengthError when the history,
+        the message and max_new_tokens (when given) do not fit the model's context; without it, the
+        reply stops at the context's end (finish_reason "length")."""
         for _ in self.stream(message, **sampling):
             pass
         return self.last_reply
@@ -142,22 +148,29 @@ class Conversation:
         `force` feeds the given reply tokens instead of sampling them (teacher forcing), and
         `logprobs` keeps each step's log-softmax in the Reply: together they measure how far a
         compressed conversation's distributions drift from a reference along the same answer."""
-        params = self.llm._sampling_params(**sampling)
+        parts = self.llm.turn_parts
+        params = parts.sampling_params(**sampling)
         inputs = self._turn_input(message, context)
+        if "max_new_tokens" in sampling:  # as the server refuses a max_tokens the context has no room for
+            parts.check_room(inputs.keep + len(inputs.new_ids), params.max_new_tokens)
         if force is not None and (not force or not all(isinstance(t, int) for t in force)):
             raise InvalidRequestError("force must be a non-empty list of token ids")
-        gen = self.llm._new_generation(self.kv, params, forced=force, keep_logprobs=logprobs)
+        gen = parts.new_generation(self.kv, params, forced=force, keep_logprobs=logprobs)
         return self._run(TurnRun(self, inputs, gen, self.llm.state))
 
     def _turn_input(self, message: str, context: str | None = None) -> TurnInput:
         """What a turn with this user message (and separate context) adds to the history: the
         kept tokens it reuses and the new tokens, split where the system prompt and the context end.
-        Raises InvalidRequestError (empty message) or ContextLengthError (over the model's context)."""
-        if not isinstance(message, str) or not message.strip():
-            raise InvalidRequestError("the message is empty")
+        Raises InvalidRequestError (a closed conversation, a message that is not text, an empty
+        context) or ContextLengthError (over the model's context)."""
+        if self.closed:
+            raise InvalidRequestError("this conversation is closed: close() freed its KV and stored state; start a "
+                                      "new one with llm.conversation()")
+        if not isinstance(message, str):
+            raise InvalidRequestError(f"the message must be text, not {type(message).__name__}")
         if context is not None and (not isinstance(context, str) or not context.strip()):
             raise InvalidRequestError("the context is empty")
-        tokenizer = self.llm._require_tokenizer()
+        tokenizer = self.llm.turn_parts.require_tokenizer()
         content = message if context is None else f"{context}\n\n{message}"
         messages = [*self.messages, {"role": "user", "content": content}]
         full_text = chat_template.render(tokenizer, messages)
@@ -168,7 +181,7 @@ class Conversation:
         if context is not None:
             cuts.append(full_text.index(content) + len(context))
         new_ids, boundaries = self._split_at(full_text, keep, new_ids, cuts)
-        self.llm._check_ids(new_ids)
+        self.llm.turn_parts.check_ids(new_ids)
         total = keep + len(new_ids)
         if total + 1 > self.llm.max_model_len:
             raise ContextLengthError(

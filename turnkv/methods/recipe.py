@@ -358,7 +358,8 @@ class Recipe:
         entry = self.evict.compress(kv, self.turns, lo, hi, st.window, inv_freq)
         st.frozen_upto = max(st.frozen_upto, hi)
         st.since_compression = 0
-        st.log.append({"turn": turn, "event": event, **entry})
+        if entry is not None:  # the log holds the compressions that evicted something
+            st.log.append({"turn": turn, "event": event, **entry})
 
 
 # ---- presets ----------------------------------------------------------------------------------------

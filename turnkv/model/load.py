@@ -137,21 +137,28 @@ def locate_model(model: str | Path | None) -> tuple[str, Path | None]:
     return name, path
 
 
-def load_model(model: str | Path | None = None, dtype=None, device="cpu", seed: int = 0) -> LoadedModel:
+def load_model(model: str | Path | None = None, dtype=None, device="cpu", seed: int = 0,
+               check_config=None) -> LoadedModel:
     """Load `model`: None or "smollm2-135m-instruct" (the embedded default), a GGUF file, a Hugging Face
-    safetensors folder, or a shape name (random weights) such as "llama-3.1-8b"."""
+    safetensors folder, or a shape name (random weights) such as "llama-3.1-8b". check_config, when
+    given, is called as check_config(config, dtype) once the config is read and before any weight is
+    read or built, so that a request the model cannot meet fails without the load."""
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     name, path = locate_model(model)
+    check = check_config or (lambda config, dtype: None)
     if path is None:
+        check(shape_config(name), dtype)
         return _random(name, dtype, device, seed)
     if path.is_dir():
         config = safetensors_folder.read_config(path)
+        check(config, dtype)
         tensors = safetensors_folder.read_tensors(path)
         tokenizer, source = load_folder_tokenizer(path), "safetensors"
     else:
         reader = gguf_file.open_reader(path)
         config = gguf_file.read_config(reader)
+        check(config, dtype)
         tensors = gguf_file.read_tensors(reader, config)
         tokenizer, source = load_gguf_tokenizer(path), "gguf"
     decoder = empty_model(config, dtype, device)

@@ -28,8 +28,8 @@ from turnkv.serve.job import Job, Outcome, check_max_tokens
 from turnkv.serve.metrics import Metrics
 from turnkv.serve.scheduler import Scheduler
 from turnkv.serve.store import ConversationStore, TierHook
+from turnkv.serve.tier_hook import StateTierHook
 from turnkv.serve.token_bytes import CompletionText, TokenBytes
-from turnkv.state.tier_hook import StateTierHook
 
 log = logging.getLogger("turnkv.serve")
 
@@ -125,7 +125,7 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=req.max_tokens_field) from None
         try:
-            llm._sampling_params(**req.sampling())  # bad sampling values fail here, before queueing
+            llm.turn_parts.sampling_params(**req.sampling())  # bad sampling values fail here, before queueing
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=req.sampling_field(str(e))) from None
         return recipe, key, max_tokens

@@ -27,7 +27,7 @@ class ChatPlan:
 
 def plan(llm, req: ChatCompletionRequest) -> ChatPlan:
     """Render the request and compile its grammar (runs in a worker thread of the HTTP side)."""
-    tokenizer = llm._require_tokenizer()
+    tokenizer = llm.turn_parts.require_tokenizer()
     fmt = tool_calls.detect(getattr(tokenizer, "chat_template", None))
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     messages = tool_calls.template_messages([m.as_template_message() for m in req.messages], fmt, tools)
@@ -51,14 +51,14 @@ def _grammar(llm, req: ChatCompletionRequest, fmt, tools):
     choice = req.tool_choice
     if tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
         only = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        return llm._grammars().wrapped(*tool_calls.call_grammar(tools, fmt, only))
+        return llm.turn_parts.grammars().wrapped(*tool_calls.call_grammar(tools, fmt, only))
     rf = req.response_format
     if rf is None or rf.type == "text":
         return None
     if rf.type == "json_object":
-        return llm._grammars().json_object()
+        return llm.turn_parts.grammars().json_object()
     schema = rf.json_schema.schema_ or {}
-    return llm._grammars().json_schema(schema, strict=bool(rf.json_schema.strict))
+    return llm.turn_parts.grammars().json_schema(schema, strict=bool(rf.json_schema.strict))
 
 
 def message(plan_: ChatPlan, text: str, finish_reason: str) -> tuple[dict, str]:

@@ -96,7 +96,7 @@ class Job:
             self.conv = Conversation(llm, None, self.recipe)  # a container for the KV and recipe state
             self.keep, self.system_chars, self.pieces = 0, None, [self.prompt_input]
             return
-        llm._require_tokenizer()
+        llm.turn_parts.require_tokenizer()
         text, system = self.rendered.text, self.rendered.system_text
         claim = store.claim(text, self.recipe, self.recipe_key, self.session)
         self.entry, self.conv, self.keep = claim.entry, claim.entry.conv, claim.keep
@@ -113,7 +113,7 @@ class Job:
         """The token ids of each piece claim() left (encoder thread; touches nothing shared)."""
         if not self.is_chat:
             return [llm.encode(self.pieces[0])]
-        return [llm._check_ids(chat_template.encode(llm.tokenizer, piece)) for piece in self.pieces]
+        return [llm.turn_parts.check_ids(chat_template.encode(llm.tokenizer, piece)) for piece in self.pieces]
 
     def ready(self, llm, encoded: list[list[int]]) -> None:
         """Check the tokens fit and begin the turn (worker thread)."""
@@ -136,7 +136,8 @@ class Job:
         if self.system_chars is not None:
             self.system_mark = (self.keep + len(encoded[0]), self.system_chars)
         self.full_text = self.rendered.text if self.is_chat else ""
-        params = llm._sampling_params(**self.sampling, max_new_tokens=self.max_tokens or min(self.default_max_tokens, room))
+        parts = llm.turn_parts
+        params = parts.sampling_params(**self.sampling, max_new_tokens=self.max_tokens or min(self.default_max_tokens, room))
         if self.is_chat:
             segment_end = self.system_mark[0] if self.system_mark else 0
         else:
@@ -145,7 +146,7 @@ class Job:
         inputs = TurnInput(self.keep, self.new_ids, segment_end, None, self.messages if self.is_chat else None,
                            self.full_text, prefix_end=prefix_end, share_prefixes=self.share_prefixes)
         constraint = None if self.grammar is None else self.grammar.constraint()
-        self.turn = TurnRun(self.conv, inputs, llm._new_generation(self.conv.kv, params, constraint=constraint)).begin()
+        self.turn = TurnRun(self.conv, inputs, parts.new_generation(self.conv.kv, params, constraint=constraint)).begin()
 
     # ---- running -----------------------------------------------------------------------------------
     @property

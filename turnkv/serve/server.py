@@ -5,13 +5,16 @@ started over the same directory continues them), and the process exits 0."""
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import signal
+import socket
 import threading
 
 import uvicorn
 
+from turnkv.errors import InvalidRequestError
 from turnkv.serve.app import create_app
 from turnkv.serve.config import ServeConfig
 
@@ -58,6 +61,24 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) as uvicorn binds one (SO_REUSEADDR, IPv6 for an address
+    with a colon), for serve(listener=...); InvalidRequestError naming the port when it is in use or
+    the address cannot be bound. `turnkv serve` binds it before the model loads."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise InvalidRequestError(f"port {port} on {host} is already in use (another server?); stop it or "
+                                      f"choose another with --port") from None
+        raise InvalidRequestError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def startup_summary(llm, config: ServeConfig) -> str:
     """One line on what a server serves and where: model, device, dtype, KV pool, recipe, address."""
     info = llm.info()
@@ -69,7 +90,9 @@ def startup_summary(llm, config: ServeConfig) -> str:
 
 
 def serve(llm, config: ServeConfig, idle_ttl_s: float | None = None, log_level: str = "info",
-          tiers="state") -> None:
+          tiers="state", listener: socket.socket | None = None) -> None:
+    """Run the app until a signal drains it. listener: a socket from bind_listener to serve on (else
+    uvicorn binds config.host and config.port itself)."""
     app = create_app(llm, config, tiers=tiers, idle_ttl_s=idle_ttl_s)
     log.info("%s", startup_summary(llm, config))
     if not is_loopback(config.host) and config.api_key is None:
@@ -77,4 +100,8 @@ def serve(llm, config: ServeConfig, idle_ttl_s: float | None = None, log_level: 
                     config.host)
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
                         timeout_graceful_shutdown=int(config.drain_timeout_s))
-    DrainingServer(uv, app.state.scheduler, config.drain_timeout_s).run()
+    server = DrainingServer(uv, app.state.scheduler, config.drain_timeout_s)
+    if listener is None:
+        server.run()
+    else:
+        server.run(sockets=[listener])

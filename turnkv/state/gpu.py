@@ -21,5 +21,5 @@ class GPUStrategy(LoadStrategy):
 @register("state", "resident")
 @dataclass
 class ResidentStrategy(GPUStrategy):
-    """The `gpu` strategy under the name a CPU-only engine shows: the KV stays in the page pool (in
-    host memory there) between turns."""
+    """Another name for the `gpu` strategy: the KV stays in the page pool between turns (in host memory
+    on a CPU engine, where the pool's tier is still called gpu)."""

@@ -83,8 +83,9 @@ class Eviction:
         return self.scorer.layer_target(base, layer, num_layers, available)
 
     def compress(self, kv: SequenceKV, turns: Turns, lo: int, hi: int, window: QueryWindow | None,
-                 inv_freq: torch.Tensor) -> dict:
-        """Evict among tokens at positions [lo, hi) in every layer. Returns what was kept, for the log.
+                 inv_freq: torch.Tensor) -> dict | None:
+        """Evict among tokens at positions [lo, hi) in every layer. Returns what was kept, for the log,
+        or None when every layer's budget holds all its candidates (nothing was evicted).
 
         One pass over all layers: one read back of every head's counts gives every layer's budget;
         the layers that lose tokens are scored (a stacking scorer scores groups of them in one call),
@@ -102,17 +103,18 @@ class Eviction:
             budget[layer] = turns.keep_total(H, targets[layer], int(kept_before[layer].sum()), n_cand, self.keep_ratio)
             if budget[layer] < n_cand:
                 todo.append(layer)
-        if todo:
-            rows = torch.tensor(todo).to(device)
-            candidate = candidate[rows]
-            scores = self._scores(kv, todo, targets, window, inv_freq, S).masked_fill(~candidate, float("-inf"))
-            scores = _rank_surplus_protected(scores, pos[rows], torch.from_numpy(budget[todo]).to(device))
-            # The allocator reads its per-head counts back once; its work over all S stays on the device.
-            counts = self.allocator.allocate_layers(scores, budget[todo].tolist()).to(device)  # [T, H]
-            order = scores.argsort(dim=-1, descending=True, stable=True)
-            chosen = torch.zeros_like(candidate)
-            chosen.scatter_(-1, order, torch.arange(S, device=device) < counts[..., None])
-            kv.keep_masks(todo, (valid[rows] & ~candidate) | (chosen & candidate))
+        if not todo:
+            return None
+        rows = torch.tensor(todo).to(device)
+        candidate = candidate[rows]
+        scores = self._scores(kv, todo, targets, window, inv_freq, S).masked_fill(~candidate, float("-inf"))
+        scores = _rank_surplus_protected(scores, pos[rows], torch.from_numpy(budget[todo]).to(device))
+        # The allocator reads its per-head counts back once; its work over all S stays on the device.
+        counts = self.allocator.allocate_layers(scores, budget[todo].tolist()).to(device)  # [T, H]
+        order = scores.argsort(dim=-1, descending=True, stable=True)
+        chosen = torch.zeros_like(candidate)
+        chosen.scatter_(-1, order, torch.arange(S, device=device) < counts[..., None])
+        kv.keep_masks(todo, (valid[rows] & ~candidate) | (chosen & candidate))
         return {"span": [lo, hi], "budget_per_layer": budget.tolist(), "kept_per_head": kv.lengths.tolist(),
                 "kv_bytes": kv.bytes()}
 

@@ -1,4 +1,4 @@
-"""The serving store's TierHook (turnkv/serve/store.py) over the state manager (`llm.state`).
+"""The serving store's TierHook (turnkv/serve/store.py) over the engine's state manager (`llm.state`).
 
 Idle conversations the store evicts from the KV pool go to the CPU tier (and from there to the disk,
 least recently used first), in the form their recipe's state strategy stores; they come back when a
