@@ -304,10 +304,23 @@ def test_all_lines_equal_dense_prefill(chat_llm):
     torch.testing.assert_close(sparse, dense, rtol=1e-4, atol=1e-4)
     assert len(st.pattern_stats) == 3 * chat_llm.config.num_layers
     assert all(float(e["computed"].sum()) == float(e["causal"].sum()) for e in st.pattern_stats)
-    # A lower alpha computes fewer cells and changes the logits.
-    sparse, st = prefill_logits(chat_llm, ids, Recipe.parse("loopserve-p prefill=loopserve(alpha=0.5,samples=8)"), chunks)
-    assert sum(float(e["computed"].sum()) for e in st.pattern_stats) < sum(float(e["causal"].sum()) for e in st.pattern_stats)
+    # A lower alpha computes fewer cells and changes the logits (on the lines, whatever they cover).
+    lower = "loopserve-p prefill=loopserve(alpha=0.5,samples=8,dense_above=None)"
+    sparse, st = prefill_logits(chat_llm, ids, Recipe.parse(lower), chunks)
+    computed = sum(float(e["computed"].sum()) for e in st.pattern_stats)
+    causal = sum(float(e["causal"].sum()) for e in st.pattern_stats)
+    assert computed < causal
     assert not torch.allclose(sparse, dense, atol=1e-3)
+    # Lines that cover at least dense_above of a layer's cells give way to dense attention: the
+    # same logits as the full cache, every cell counted, and the selection still recorded.
+    covered = [float(e["computed"].sum()) / float(e["causal"].sum()) for e in st.pattern_stats]
+    threshold = sorted(covered)[len(covered) // 2]  # about half the layers' chunks go dense
+    mixed, st_mixed = prefill_logits(chat_llm, ids, Recipe.parse(lower.replace("None", str(threshold))), chunks)
+    went_dense = [float(e["computed"].sum()) == float(e["causal"].sum()) for e in st_mixed.pattern_stats]
+    assert went_dense == [c >= threshold for c in covered] and any(went_dense) and not all(went_dense)
+    assert all("vertical" in e and "recovered" in e for e in st_mixed.pattern_stats)
+    everything, _ = prefill_logits(chat_llm, ids, Recipe.parse(lower.replace("None", "0")), chunks)
+    torch.testing.assert_close(everything, dense, rtol=1e-4, atol=1e-4)
 
 
 def spy_reads(monkeypatch):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from turnkv.attention import lines
+from turnkv.attention import lines, reference
 from turnkv.methods.loopserve.greedy import chosen, greedy
 from turnkv.methods.prefill.pattern_hook import clock as _clock
 from turnkv.methods.protocols import Prefill
@@ -31,7 +31,9 @@ class LoopServePrefill(Prefill):
     vertical lines; force_local: offsets below it are forced slash lines (1: the diagonal, which keeps
     every row's key set non-empty). max_lines: cap per head, None for none. granularity: "query"
     (lines per query head) or "kv" (per KV head, from the group's summed attention). profile: time the
-    stages (synchronises the GPU between them)."""
+    stages (synchronises the GPU between them). dense_above: a layer whose selected lines cover at least
+    this fraction of the chunk's causal cells attends densely instead (every cell, on the dense kernel:
+    the line kernel would compute nearly as many cells, each slower); None: always the lines."""
 
     alpha: float = 0.955
     samples: int = 48
@@ -44,7 +46,8 @@ class LoopServePrefill(Prefill):
     force_local: int = 1
     max_lines: int | None = None
     granularity: str = "query"
-    profile: bool = True
+    profile: bool = False
+    dense_above: float | None = 0.25
 
     def __post_init__(self):
         choices = dict(sampling=("random", "strided"), wmax=("max", "zero"), lengths=("full", "sampled"),
@@ -58,6 +61,8 @@ class LoopServePrefill(Prefill):
             raise ValueError("samples must be >= 1, force_sink and force_local >= 0")
         if self.max_lines is not None and self.max_lines < 1:
             raise ValueError("max_lines must be >= 1 or None")
+        if self.dense_above is not None and not 0 <= self.dense_above <= 1:
+            raise ValueError(f"dense_above is a fraction of the causal cells in [0, 1] or None, not {self.dense_above}")
 
     # ---- the stages -------------------------------------------------------------------------------
     def sample_rows(self, num_rows: int, layer: int, first_position: int, device) -> torch.Tensor:
@@ -136,8 +141,12 @@ class LoopServePrefill(Prefill):
         times = {}
         vertical, slash, weights, rows, estimate, mass = self.select(keys, layer, times)
         t2 = _clock(device, self.profile)
-        # The Triton line kernel on CUDA, the reference mask path elsewhere (lines.line_attention).
-        out, computed, causal = lines.line_attention(keys, vertical, slash, per_q)
+        dense = self._dense_cells(keys, vertical, slash, per_q)
+        if dense is not None:  # the lines cover nearly every cell: the dense kernel computes them faster
+            out, (computed, causal) = reference.causal_suffix(keys.q, keys.k, keys.v), dense
+        else:
+            # The Triton line kernel on CUDA, the reference mask path elsewhere (lines.line_attention).
+            out, computed, causal = lines.line_attention(keys, vertical, slash, per_q)
         t3 = _clock(device, self.profile)
         covered = (weights * lines.line_mask(keys, vertical, slash, per_q, rows)).sum(dim=(2, 3))
         stats = dict(layer=layer, computed=computed, causal=causal,
@@ -146,3 +155,17 @@ class LoopServePrefill(Prefill):
                      time_random_select=times["random_select"] - t0, time_search=t2 - times["random_select"],
                      time_sparse_attention=t3 - t2)
         return out, stats
+
+    def _dense_cells(self, keys: lines.Keys, vertical, slash, per_q: bool):
+        """(computed, causal) cells [B, U] of the dense attention that replaces the lines, both the
+        causal count, when the lines cover at least dense_above of it; else None. Dense needs every
+        head to hold the same keys at their positions (no window): lines.kernel_layout's case."""
+        if self.dense_above is None or keys.window is not None or keys.valid is not None:
+            return None
+        layout = lines.kernel_layout(keys)
+        if layout is None:
+            return None
+        computed, causal = lines.contiguous_counts(keys, vertical, slash, per_q, *layout)
+        if float(computed.sum()) < self.dense_above * float(causal.sum()):
+            return None
+        return causal, causal
