@@ -103,3 +103,33 @@ def test_compressed_conversations_leave_room_for_more(pool):
         compressed.append(job(pool, "ada-snapkv keep_ratio=0.1", held=100, prompt=0, max_new=100))
     assert len(dense) == 2
     assert len(compressed) >= 5 * len(dense)
+
+
+def test_streaming_heads_count_what_their_trim_leaves(pool, tmp_path):
+    """LServe's streaming heads keep their sink and a ring (during the prompt, the prefill window and
+    the slice in flight): a request counts that much for them, every token for the dense heads, in
+    the layer with the most dense heads; and so more LServe conversations fit than full-cache ones."""
+    import numpy as np
+
+    from turnkv.methods.lserve.pattern import HeadPattern
+
+    HeadPattern(np.array([[True, False], [False, True]])).save_json(tmp_path / "pattern.json")
+    text = f"prefill=streaming_heads(pattern={tmp_path / 'pattern.json'},sink=16,local=32,prefill_local=64)"
+    whole = 1  # one dense head in every layer
+    gate = MemoryGate(pool, FakeStore(), slice_tokens=32)
+    pages = lambda tokens: -(-tokens // PAGE)  # noqa: E731 (one head)
+    streaming = pool.num_kv_heads - whole
+    during = whole * pages(1000) + streaming * pages(16 + 64 + PAGE - 1 + 32)
+    after = whole * pages(1100) + streaming * pages(16 + 32 + PAGE - 1)
+    assert gate.headroom(job(pool, text, held=0, prompt=1000, max_new=100)) == max(during, after)
+    assert gate.headroom(job(pool, None, held=0, prompt=1000, max_new=100)) == pool.num_kv_heads * pages(1100)
+    # A short conversation keeps everything either way.
+    assert gate.headroom(job(pool, text, held=0, prompt=20, max_new=10)) == pool.num_kv_heads * pages(30)
+    dense, streamed = [], []
+    while gate.fits(job(pool, None, held=0, prompt=1000, max_new=100), dense):
+        dense.append(job(pool, None, held=1000, prompt=0, max_new=100))
+    for j in dense:
+        j.conv.kv.free()
+    while gate.fits(job(pool, text, held=0, prompt=1000, max_new=100), streamed):
+        streamed.append(job(pool, text, held=600, prompt=0, max_new=100))
+    assert len(streamed) > len(dense)

@@ -125,6 +125,11 @@ class StaticSparsity(ABC):
         """Drop the tokens the flagged heads no longer keep; their pages go back to the pool.
         prompt_open: more of the turn's prompt is still to be prefilled (keep what its rows see)."""
 
+    def kept_at_most(self, prompt_open: bool, page_size: int) -> int | None:
+        """Tokens a flagged head holds at most after a trim (prompt_open: between a prompt's slices),
+        for admission by memory; None: no bound known (count every token)."""
+        return None
+
 
 # ---- eviction: scorer, allocator, turn policy -------------------------------------------------------
 class Scorer(ABC):

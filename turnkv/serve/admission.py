@@ -19,8 +19,10 @@ arrival order: one that does not fit holds the longer ones behind it, so a long 
 starved by long ones, and only short prompts (one prefill chunk at most) pass it; the scheduler
 (scheduler.py) says why they do not delay it.
 
-Conservative where a recipe frees less than its budget says: LServe's streaming heads and the
-decode-schedule eviction count as keeping everything they are given.
+LServe's streaming heads count as what their trim leaves at most (sink and a ring; during the prompt
+the prefill window and the slice being prefilled), dense heads as every token, in the layer with the
+most dense heads. Conservative where a recipe frees less than its budget says: decode-schedule
+eviction counts as keeping everything it is given.
 """
 
 from __future__ import annotations
@@ -45,12 +47,23 @@ def resident_tokens(recipe, positions: int, prompt: int) -> int:
 class MemoryGate:
     """Reads the pool and the store; changes nothing. `job` is a serve Job after ready()."""
 
-    def __init__(self, pool, store):
+    def __init__(self, pool, store, slice_tokens: int = 0):
         self.pool, self.store = pool, store
+        self.slice_tokens = slice_tokens  # the longest prefill slice: what a trimmed head adds before its next trim
 
-    def pages(self, tokens: int) -> int:
-        """Pages per layer that `tokens` tokens in every KV head take."""
-        return self.pool.num_kv_heads * -(-tokens // self.pool.page_size)
+    def pages(self, tokens: int, recipe=None, prompt_open: bool = False) -> int:
+        """Pages per layer that `tokens` tokens in every KV head take (under `recipe`'s static
+        heads, which keep at most their trim's bound: in the layer with the most heads that keep all)."""
+        ps = self.pool.page_size
+        static = recipe.static_sparsity if recipe is not None else None
+        bound = static.kept_at_most(prompt_open, ps) if static is not None else None
+        if bound is None:
+            return self.pool.num_kv_heads * -(-tokens // ps)
+        if prompt_open:
+            bound += self.slice_tokens
+        streaming = static.flags(self.pool.num_layers, self.pool.num_kv_heads).sum(axis=1)
+        most = int(self.pool.num_kv_heads - streaming.min())  # whole heads in the layer with the most
+        return most * -(-tokens // ps) + (self.pool.num_kv_heads - most) * -(-min(tokens, bound) // ps)
 
     def held(self, job) -> int:
         """Pages per layer the request's conversation holds now (its most-used layer)."""
@@ -65,7 +78,8 @@ class MemoryGate:
         prompt = turn.prefill_left
         after = resident_tokens(turn.recipe, turn.seq.next_position + prompt, prompt)
         grow = max(0, turn.gen.params.max_new_tokens - len(turn.gen.token_ids))
-        return self.pages(max(held + prompt, after + grow))
+        recipe = turn.recipe
+        return max(self.pages(held + prompt, recipe, prompt_open=prompt > 0), self.pages(after + grow, recipe))
 
     def headroom(self, job) -> int:
         return max(0, self.peak(job) - self.held(job))

@@ -72,7 +72,7 @@ class Scheduler:
         self._flush_count = (0, 0)
         self._expired_at = time.monotonic()
         self.thread: threading.Thread | None = None
-        self.gate = MemoryGate(llm.pool, store)
+        self.gate = MemoryGate(llm.pool, store, slice_tokens=min(self.config.prefill_chunk, llm.runner.prefill_chunk))
 
     # ---- HTTP side -----------------------------------------------------------------------------------
     @property

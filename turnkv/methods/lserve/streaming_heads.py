@@ -256,6 +256,11 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
             known[streaming & ~ring] = -1  # checked again at every trim
             self._rings[kv] = known
 
+    def kept_at_most(self, prompt_open: bool, page_size: int) -> int:
+        """A streaming head after `trim`: its sink and a ring of whole pages holding the last `local`
+        (prompt_open: `prefill_local`) tokens and fewer than a page more."""
+        return self.sink + (self.prefill_local if prompt_open else self.local) + page_size - 1
+
     def _check(self, kv, heads: np.ndarray, local: int) -> np.ndarray:
         """Read the positions of the layers where `heads` [L, H] are marked (one device read for all of
         them) and say per head whether it is sink + ring: positions [0, sink) then a run ending at
