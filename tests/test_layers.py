@@ -2,7 +2,7 @@
 that only point down, and turnkv imports at module level.
 
 Layers, lowest first: the top-level modules (turnkv/errors.py ...), model, attention, kv, methods,
-engine and state, serve and bench, then cli.py and the package's own __init__.py (the public facade:
+engine, state and parallel, serve and bench, then cli.py and the package's own __init__.py (the public facade:
 it re-exports the engine, so code inside the package imports from the defining module instead). A
 module may import from its own layer or a lower one.
 
@@ -25,8 +25,8 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE = "turnkv"
 
 # Layer rank of a module: by its first package under turnkv/; top-level modules are rank 0.
-LAYER_RANKS = {"model": 1, "attention": 2, "kv": 3, "methods": 4, "engine": 5, "state": 5, "serve": 6,
-               "bench": 6, "cli": 7, "__main__": 7}  # __main__: `python -m turnkv`, the command line
+LAYER_RANKS = {"model": 1, "attention": 2, "kv": 3, "methods": 4, "engine": 5, "state": 5, "parallel": 5,
+               "serve": 6, "bench": 6, "cli": 7, "__main__": 7}  # __main__: `python -m turnkv`, the command line
 FACADE_RANK = 7  # turnkv/__init__.py, beside cli.py at the top
 
 # Modules a function may import: each needs an optional dependency, so importing it at module level
