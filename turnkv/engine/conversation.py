@@ -68,7 +68,8 @@ class Conversation:
         self.text = ""  # what `tokens` render to
         self.turns: list[Turn] = []
         self.last_reply: Reply | None = None
-        self.method_state = self.recipe.new_state(self.llm.config.num_layers, self.llm.model.inv_freq)
+        self.method_state = self.recipe.new_state(self.llm.config.num_layers, self.llm.model.inv_freq,
+                                                   self.llm.pool.shard)
 
     @property
     def compression_log(self) -> list[dict]:

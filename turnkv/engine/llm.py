@@ -128,6 +128,7 @@ class LLM:
         self.kv_dtype = self._choose_kv_dtype(kv_dtype, default_recipe)
         self.pool = PagePool.for_budget(self.config, self._kv_budget(kv_memory), page_size, self.dtype, self.device,
                                         self.kv_dtype)
+        self.pool.shard = getattr(self.model, "shard", None)
         # FlashAttention-4's kernels compile here (once per machine with its disk cache), not inside the
         # first long prompt (attention/flash.py); a no-op where it is not used.
         flash.warm_up(self.device, self.dtype, self.config.num_heads, self.config.num_kv_heads, self.config.head_dim,

@@ -21,6 +21,7 @@ from turnkv.attention.reference import gather_pages
 from turnkv.errors import KVCacheFullError
 from turnkv.kv import quant
 from turnkv.model import ops
+from turnkv.model.parallel import Shard
 
 
 def layer_pages(per_page: torch.Tensor, layer: int | torch.Tensor,
@@ -33,6 +34,10 @@ def layer_pages(per_page: torch.Tensor, layer: int | torch.Tensor,
 
 
 class PagePool:
+    # The tensor-parallel shard (turnkv/model/parallel.py) whose KV heads the pool holds, set by the
+    # engine; None on one device. Layer-wide decisions over heads (an eviction's) gather across ranks.
+    shard: Shard | None = None
+
     def __init__(
         self,
         num_layers: int,

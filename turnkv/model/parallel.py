@@ -168,6 +168,7 @@ def shard_model(model: Transformer, shard: Shard) -> Transformer:
             block.mlp.down_proj = RowParallelLinear(config.intermediate_size, full.hidden_size, shard)
     local = local.to(dtype=dtype).to_empty(device=device)
     local.inv_freq = model.inv_freq.clone()
+    local.shard = shard  # which part of the whole model this is (a plain Transformer has no `shard`)
 
     D, Hq, Hkv, I = full.head_dim, full.num_heads, full.num_kv_heads, full.intermediate_size
     kv = shard.kv_heads
@@ -199,3 +200,22 @@ def _vocab_rows(weight: torch.Tensor, vocab: range) -> torch.Tensor:
     """weight's rows in `vocab`, with zero rows where it runs past the vocabulary."""
     rows = weight[vocab.start : vocab.stop]
     return F.pad(rows, (0, 0, 0, len(vocab) - rows.shape[0]))
+
+
+def gather_heads(x: torch.Tensor, shard: Shard, dim: int) -> torch.Tensor:
+    """x holds this rank's KV heads along `dim` (the same shape on every rank) -> the whole model's KV
+    heads along `dim`, each taken from the first rank that holds it. Every rank gets the same tensor."""
+    parts = [torch.empty_like(x) for _ in range(shard.size)]
+    dist.all_gather(parts, x.contiguous(), group=shard.group)
+    if shard.replicas == 1:
+        return torch.cat(parts, dim=dim)
+    # Each rank holds one KV head, which ranks [h * replicas, (h + 1) * replicas) share.
+    return torch.cat(parts[:: shard.replicas], dim=dim)
+
+
+def all_max(value: int, shard: Shard, device: torch.device) -> int:
+    """The largest of every rank's `value`, through a tensor on `device` (the backend's: NCCL takes CUDA
+    tensors only)."""
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=shard.group)
+    return int(t)

@@ -44,6 +44,25 @@ def mirrored(method):
     return call
 
 
+def gather(obj, fn, *args) -> list:
+    """fn(obj, *args) on every rank, each on its own copy of `obj` (the engine, or an object of it):
+    the results in rank order, pickled back from the workers. fn is a module-level function (it is
+    pickled by name) that only reads. One device: [fn(obj, *args)]."""
+    leader = _leader_of(obj)
+    if leader is None:
+        return [fn(obj, *args)]
+    if leader.streaming or leader.depth:
+        raise InvalidRequestError("a tensor-parallel engine runs one call at a time")
+    leader.send(("apply", ENGINE if getattr(obj, "llm", None) is None else obj.id, fn, args))
+    mine = fn(obj, *args)
+    results = [mine]
+    for rank, (kind, detail) in sorted(leader.answers().items()):
+        if kind != "done":
+            leader.fail(f"rank {rank} raised {detail[0]}: {detail[1]} in {fn.__name__}")
+        results.append(detail)
+    return results
+
+
 def _leader_of(obj):
     engine = getattr(obj, "llm", obj)
     membership = getattr(engine, "parallel", None)

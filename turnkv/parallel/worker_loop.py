@@ -7,6 +7,7 @@ Commands (tuples on the worker's queue, from turnkv/parallel/mirror.py):
 - ("adopt", id): the last call's result is the object rank 0 knows by `id` (a conversation: its `id`
   is set to it, so that every rank stores its shard under one key). No answer.
 - ("drop", id): rank 0 let go of that object. No answer.
+- ("apply", target, fn, args): answers (rank, "done", fn(target object, *args)), or "raised".
 - None: stop.
 """
 
@@ -38,6 +39,12 @@ def serve(rank: int, engine, commands, acks) -> None:
             last.id = command[1]
         elif kind == "drop":
             objects.pop(command[1], None)
+        elif kind == "apply":
+            _, target, fn, args = command
+            try:
+                acks.put((rank, "done", fn(objects[target], *args)))
+            except Exception as e:  # noqa: BLE001 - rank 0 raises it
+                acks.put((rank, "raised", (type(e).__name__, str(e))))
         elif kind == "call":
             _, target, name, args, kwargs = command
             last = None

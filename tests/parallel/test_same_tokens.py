@@ -1,0 +1,93 @@
+"""N=2 over gloo on CPU (fp32, a tiny random chat model) gives the tokens of N=1 over three turns, and
+keeps the same (layer, KV head, position) sets, for each recipe below."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.methods.turn_helpers import MESSAGES, SYSTEM
+from tests.parallel.conftest import three_turns
+
+# Small windows and budgets, so that each method acts on turns of about 60 tokens.
+STREAMING = "prefill=streaming_heads(pattern=random,ratio={ratio},sink=4,local=16,prefill_local=16)"
+RECIPES = [
+    "full",
+    "snapkv keep_ratio=0.5",
+    "pyramidkv keep_ratio=0.5",
+    "streaming-llm budget=32",
+    "h2o keep_ratio=0.5",
+    "knorm keep_ratio=0.5",
+    "expected-attention keep_ratio=0.5",
+    # Layer-wide allocation: the scores of every rank's heads are gathered (methods/evict/across_ranks.py).
+    "ada-snapkv keep_ratio=0.5",
+    "ada-pyramidkv keep_ratio=0.5",
+    "ada-expected-attention keep_ratio=0.5",
+    "flowkv keep_ratio=0.5",
+    "flowkv-ada-snapkv keep_ratio=0.5",
+    # Streaming heads: each rank takes its heads' columns of the whole model's random pattern. At 0.75
+    # a layer mixes streaming and dense heads, so the columns must be the rank's own.
+    STREAMING.format(ratio=0.5) + " decode=lserve(budget=32,physical_page=16,logical_page=16)",
+    STREAMING.format(ratio=0.75),
+    "loopserve-d decode=loopserve(budget=16,warmup=2,interval=4)",
+    "quest decode=quest(budget=32,dense_layers=0)",
+]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_two_ranks_match_one(tp_engines, recipe):
+    single, pair = tp_engines
+    tokens_1, kept_1 = three_turns(single, recipe)
+    tokens_2, kept_2 = three_turns(pair, recipe)
+    assert tokens_2 == tokens_1
+    assert kept_2 == kept_1
+    assert len(kept_1) == single.config.num_layers * single.config.num_kv_heads  # every head compared
+
+
+def test_the_recipes_act(tp_engines):
+    """The compressing recipes above drop tokens (the comparison is not of full caches), and the mixed
+    streaming pattern holds different counts within a layer."""
+    single, _ = tp_engines
+    _, full = three_turns(single, "full")
+    _, snap = three_turns(single, "ada-snapkv keep_ratio=0.5")
+    _, mixed = three_turns(single, STREAMING.format(ratio=0.75))
+    held = lambda kept: {key: len(positions) for key, positions in kept.items()}  # noqa: E731
+    assert sum(held(snap).values()) < 0.75 * sum(held(full).values())
+    assert len(set(held(snap).values())) > 1  # Ada-KV gave heads different budgets
+    layers = {layer for layer, _ in mixed}
+    assert any(len({n for (l, _), n in held(mixed).items() if l == layer}) > 1 for layer in layers)
+
+
+def test_logprobs_agree(tp_engines):
+    """The log-probabilities of each step differ from N=1's by float rounding only (the all-reduce adds
+    the heads' partial sums in another order)."""
+    single, pair = tp_engines
+    out = []
+    for llm in (single, pair):
+        conv = llm.conversation(system=SYSTEM)
+        out.append([conv.send(m, max_new_tokens=4, ignore_eos=True, logprobs=True).logprobs for m in MESSAGES[:2]])
+        conv.close()
+    for a, b in zip(*out):
+        assert a.shape == b.shape == (4, single.config.vocab_size)
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
+
+
+def test_a_batch_of_prompts(tp_engines):
+    """LLM.generate decodes prompts of different lengths as one batch on every rank."""
+    single, pair = tp_engines
+    prompts = [list(range(5, 40)), list(range(100, 117)), list(range(300, 361))]
+    for recipe in ("full", "ada-snapkv budget=12"):
+        expected = [r.token_ids for r in single.generate(prompts, recipe=recipe, max_new_tokens=6, ignore_eos=True)]
+        got = [r.token_ids for r in pair.generate(prompts, recipe=recipe, max_new_tokens=6, ignore_eos=True)]
+        assert got == expected
+
+
+def test_sampling(tp_engines):
+    """A seeded sample is N=1's; an unseeded one is drawn alike on every rank (rank 0 picks the seed),
+    so the engine goes on."""
+    single, pair = tp_engines
+    prompt = list(range(7, 30))
+    seeded = dict(max_new_tokens=8, ignore_eos=True, temperature=1.0, seed=1234)
+    assert pair.generate(prompt, **seeded).token_ids == single.generate(prompt, **seeded).token_ids
+    assert len(pair.generate(prompt, max_new_tokens=8, ignore_eos=True, temperature=1.0).token_ids) == 8
+    assert pair.generate(prompt, max_new_tokens=4).token_ids == single.generate(prompt, max_new_tokens=4).token_ids
