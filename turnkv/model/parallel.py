@@ -13,13 +13,13 @@ Norms and RoPE frequencies are whole on every rank.
 The shard's model is a Transformer built from `shard_config` (its heads and intermediate size are
 the rank's, its vocabulary the whole model's, since the logits it returns are whole), so everything
 downstream (the page pool, the attention step, the methods) sees the rank's KV heads as the model's.
-The collectives run over `Shard.group` (None: torch.distributed's default group), which the caller
-has initialised.
+The collectives run over `Shard.group`, a process group of the N ranks (None: torch.distributed's
+default group).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -39,7 +39,10 @@ class Shard:
     rank: int
     size: int
     config: ModelConfig
-    group: object = None  # a torch.distributed process group; None: the default one
+    group: object = field(default=None, compare=False, repr=False)  # a process group; None: the default one
+
+    def __deepcopy__(self, memo):
+        return self  # immutable, and its process group cannot be copied (a conversation's clone copies it)
 
     def __post_init__(self):
         c, n = self.config, self.size

@@ -10,10 +10,13 @@ waits for each worker's answer to every call with the same limit, checking every
 worker lives: a dead or hung worker, or one that failed where rank 0 did not, raises ParallelError on
 rank 0 and marks the engine broken (every later call raises it too).
 
+The ranks' process group is their own (a TCP store on rank 0 and a gloo or NCCL group over it), not
+torch.distributed's default group: a process may hold several engines, one after the other or at
+once, and a caller's own default group is left alone.
+
 Shutdown (`Leader.shutdown`, also at exit and when the engine is collected): each worker is told to
 stop, joined for a few seconds, then terminated and killed if it lingers. Workers leave with
-os._exit and never call destroy_process_group, which hung after CUDA graphs with NCCL; rank 0 calls
-it in a thread it waits a few seconds for.
+os._exit and tear nothing down (destroy_process_group hung after CUDA graphs with NCCL).
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from __future__ import annotations
 import os
 import queue
 import socket
-import threading
 import time
 import traceback
 import weakref
@@ -39,7 +41,10 @@ from turnkv.parallel.worker_loop import serve
 
 TIMEOUT_ENV = "TURNKV_TP_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0
-STOP_WAIT_S = 5.0  # how long a stopping worker, and rank 0's destroy_process_group, may take
+STOP_WAIT_S = 5.0  # how long a stopping worker may take before it is terminated
+# How long rank 0 waits for the workers to start (imports) and to build their engines (loading the
+# model), checking meanwhile that they live: longer than a collective may take.
+STARTUP_WAIT_S = 1800.0
 POLL_S = 0.2
 
 
@@ -57,15 +62,18 @@ def collective_timeout() -> float:
 
 @dataclass
 class Membership:
-    """This process's place in a tensor-parallel engine. leader: rank 0's link to the workers (None on a worker)."""
+    """This process's place in a tensor-parallel engine: its rank, device and process group (over
+    `store`); leader: rank 0's link to the workers (None on a worker)."""
 
     rank: int
     size: int
     device: torch.device
+    group: object
+    store: object
     leader: Leader | None = None
 
     def shard(self, config: ModelConfig) -> Shard:
-        return Shard(self.rank, self.size, config)
+        return Shard(self.rank, self.size, config, self.group)
 
     def disk_dir(self, state_disk_dir: str | None) -> str | None:
         """The rank's own folder under the engine's disk tier: each rank stores its shard of a conversation."""
@@ -82,6 +90,7 @@ class _Seat:
     size: int
     port: int
     timeout: float
+    acks: object  # the queue of the workers' answers to rank 0
 
 
 _SEAT: _Seat | None = None  # set in a worker process: it serves one rank of one engine for its whole life
@@ -98,11 +107,9 @@ def start(size: int, device: torch.device, engine_class: type, launch_args: dict
         return None
     rank_device = _rank_device(device, size, _SEAT.rank if _SEAT is not None else 0)
     if _SEAT is not None:
-        _join(_SEAT.rank, size, _SEAT.port, rank_device, _SEAT.timeout)
-        return Membership(_SEAT.rank, size, rank_device)
-    if dist.is_initialized():
-        raise ParallelError("this process already belongs to a torch.distributed process group; a tensor-parallel "
-                            "engine forms its own, in a process that has none")
+        _SEAT.acks.put((_SEAT.rank, "joining", None))
+        return Membership(_SEAT.rank, size, rank_device, *_join(_SEAT.rank, size, _SEAT.port, rank_device,
+                                                                _SEAT.timeout))
     timeout = collective_timeout()
     port = _free_port()
     context = mp.get_context("spawn")
@@ -116,11 +123,14 @@ def start(size: int, device: torch.device, engine_class: type, launch_args: dict
         processes.append(process)
     leader = Leader(processes, commands, acks, timeout)
     try:
-        _join(0, size, port, rank_device, timeout)
+        # Every worker is about to join before rank 0 does: one that dies on its way there is
+        # reported now, instead of making the rendezvous wait out its timeout.
+        leader.expect("joining", "could not start")
+        group, store = _join(0, size, port, rank_device, timeout)
     except BaseException:
         leader.shutdown()
         raise
-    return Membership(0, size, rank_device, leader)
+    return Membership(0, size, rank_device, group, store, leader)
 
 
 def _rank_device(device: torch.device, size: int, rank: int) -> torch.device:
@@ -136,11 +146,16 @@ def _rank_device(device: torch.device, size: int, rank: int) -> torch.device:
     return torch.device("cuda", rank)
 
 
-def _join(rank: int, size: int, port: int, device: torch.device, timeout: float) -> None:
+def _join(rank: int, size: int, port: int, device: torch.device, timeout: float) -> tuple[object, object]:
+    """(process group, its store) of the engine's ranks; rank 0 serves the store."""
+    limit = timedelta(seconds=timeout)
+    store = dist.TCPStore("127.0.0.1", port, size, rank == 0, limit)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=size, timeout=timedelta(seconds=timeout))
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = limit
+        return dist.ProcessGroupNCCL(store, rank, size, options), store
+    return dist.ProcessGroupGloo(store, rank, size, limit), store
 
 
 def _free_port() -> int:
@@ -186,11 +201,12 @@ class Leader:
             for q in self.commands:
                 q.put(command)
 
-    def answers(self) -> dict[int, tuple[str, object]]:
+    def answers(self, timeout: float | None = None) -> dict[int, tuple[str, object]]:
         """Each worker's answer to the last command: {rank: (kind, detail)}. ParallelError when a worker
-        exits or stays silent past the timeout."""
+        exits or stays silent past `timeout` seconds (default: the collective timeout)."""
         got: dict[int, tuple[str, object]] = {}
-        deadline = time.monotonic() + self.timeout
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         while len(got) < len(self.processes):
             try:
                 rank, kind, detail = self.acks.get(timeout=POLL_S)
@@ -203,7 +219,7 @@ class Leader:
                     self.fail(f"rank {rank} exited (exit code {process.exitcode})")
             if time.monotonic() > deadline:
                 silent = sorted(set(range(1, len(self.processes) + 1)) - set(got))
-                self.fail(f"rank(s) {silent} did not answer within {self.timeout:.0f} s ({TIMEOUT_ENV})")
+                self.fail(f"rank(s) {silent} did not answer within {timeout:.0f} s")
         return got
 
     def fail(self, why: str) -> None:
@@ -212,9 +228,13 @@ class Leader:
 
     def wait_ready(self) -> None:
         """Wait for every worker's engine to be built; ParallelError naming the first that failed."""
-        for rank, (kind, detail) in sorted(self.answers().items()):
-            if kind != "ready":
-                self.fail(f"rank {rank} could not build its engine: {detail}")
+        self.expect("ready", "could not build its engine")
+
+    def expect(self, kind: str, failure: str) -> None:
+        """Wait (up to STARTUP_WAIT_S) for every worker's answer; ParallelError unless each is `kind`."""
+        for rank, (got, detail) in sorted(self.answers(STARTUP_WAIT_S).items()):
+            if got != kind:
+                self.fail(f"rank {rank} {failure}: {detail}")
 
     def shutdown(self) -> None:
         """Stop the workers and leave the process group; safe to call twice."""
@@ -237,10 +257,6 @@ def _stop(processes: list, commands: list) -> None:
         if process.is_alive():
             process.kill()
             process.join()
-    if dist.is_initialized():
-        done = threading.Thread(target=dist.destroy_process_group, daemon=True)
-        done.start()
-        done.join(STOP_WAIT_S)
 
 
 def _describe(error: BaseException) -> str:
@@ -252,7 +268,7 @@ def _worker_main(rank: int, size: int, port: int, timeout: float, engine_class: 
     """A worker's life: build the engine for its rank, then run rank 0's commands until told to stop
     or rank 0's process is gone."""
     global _SEAT
-    _SEAT = _Seat(rank, size, port, timeout)
+    _SEAT = _Seat(rank, size, port, timeout, acks)
     code = 0
     try:
         try:
