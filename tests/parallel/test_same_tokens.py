@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.methods.turn_helpers import MESSAGES, SYSTEM
+from tests.methods.turn_helpers import MESSAGES, NEW, SYSTEM
 from tests.parallel.conftest import three_turns
+from turnkv.parallel.kept import kept
 
 # Small windows and budgets, so that each method acts on turns of about 60 tokens.
 STREAMING = "prefill=streaming_heads(pattern=random,ratio={ratio},sink=4,local=16,prefill_local=16)"
@@ -44,6 +45,37 @@ def test_two_ranks_match_one(tp_engines, recipe):
     assert len(kept_1) == single.config.num_layers * single.config.num_kv_heads  # every head compared
 
 
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+@pytest.mark.parametrize("recipe", ["full", "ada-snapkv keep_ratio=0.5", "snapkv keep_ratio=0.5 state=krul"])
+def test_a_trip_to_a_tier_and_back(tp_engines, recipe, tier):
+    """Each rank stores its shard of the conversation under the conversation's id, and brings it back."""
+    single, pair = tp_engines
+    assert three_turns(pair, recipe, offload=tier) == three_turns(single, recipe, offload=tier)
+
+
+def test_an_engine_started_again_continues_a_stored_conversation(tp_engines, chat_model_dir):
+    """A conversation stored on disk by an engine at N=2 is continued by a new engine at N=2 over the same
+    folder (each rank reads its own shard), as N=1 would have continued it."""
+    import turnkv
+
+    single, pair = tp_engines
+    recipe = "ada-snapkv keep_ratio=0.5"
+    ref = single.conversation(system=SYSTEM, recipe=recipe)
+    expected = [ref.send(m, max_new_tokens=NEW, ignore_eos=True).token_ids for m in MESSAGES[:2]]
+    conv = pair.conversation(system=SYSTEM, recipe=recipe)
+    assert conv.send(MESSAGES[0], max_new_tokens=NEW, ignore_eos=True).token_ids == expected[0]
+    assert conv.offload("disk") == "disk"
+    again = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="16MiB", tensor_parallel=2,
+                       state_disk_dir=pair.disk_dir)
+    try:
+        resumed = again.resume(conv.id)
+        assert resumed.send(MESSAGES[1], max_new_tokens=NEW, ignore_eos=True).token_ids == expected[1]
+        assert kept(resumed) == kept(ref)
+    finally:
+        again.shutdown()
+        ref.close()
+
+
 def test_the_recipes_act(tp_engines):
     """The compressing recipes above drop tokens (the comparison is not of full caches), and the mixed
     streaming pattern holds different counts within a layer."""
@@ -56,6 +88,16 @@ def test_the_recipes_act(tp_engines):
     assert len(set(held(snap).values())) > 1  # Ada-KV gave heads different budgets
     layers = {layer for layer, _ in mixed}
     assert any(len({n for (l, _), n in held(mixed).items() if l == layer}) > 1 for layer in layers)
+
+
+def test_the_prefix_index_serves_every_rank(tp_engines):
+    """The engines keep the prefix index on: a new conversation takes the system prompt from it, on
+    every rank alike (the tests above compare conversations that do)."""
+    _, pair = tp_engines
+    three_turns(pair, "full")
+    conv = pair.conversation(system=SYSTEM)
+    assert conv.send(MESSAGES[0], max_new_tokens=2).cached_tokens > 0
+    conv.close()
 
 
 def test_logprobs_agree(tp_engines):
