@@ -25,6 +25,7 @@ from turnkv.model.load import DEFAULT_MODEL, embedded_model_path, load_model, re
 from turnkv.model.parallel import shard_model
 from turnkv.model.tokenizer import load_folder_tokenizer, load_gguf_tokenizer
 from turnkv.parallel import launch
+from turnkv.parallel.limits import check_recipe
 from turnkv.parallel.mirror import mirrored
 from turnkv.paths import user_path
 from turnkv.sizes import parse_bytes
@@ -167,6 +168,7 @@ class LLM:
                 f"the recipe asks for kv_dtype={recipe.kv_dtype}, but this engine's KV pool holds "
                 f"kv_dtype={self.pool.kv_dtype_name} ({str(self.pool.kv_dtype).removeprefix('torch.')}); the pool's "
                 f"storage is chosen when the engine is built: LLM(kv_dtype=...) or LLM(recipe=...)")
+        check_recipe(recipe, getattr(self.model, "shard", None))
         return recipe
 
     @staticmethod
