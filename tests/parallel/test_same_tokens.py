@@ -32,7 +32,18 @@ RECIPES = [
     STREAMING.format(ratio=0.75),
     "loopserve-d decode=loopserve(budget=16,warmup=2,interval=4)",
     "quest decode=quest(budget=32,dense_layers=0)",
+    "lserve-dynamic decode=lserve(budget=32,physical_page=16,logical_page=16,group=max)",
+    "tova keep_ratio=0.5 evict=tova(group=kv_head)",
 ]
+# Sparse prefill patterns, each of which changes the replies of the full cache on these turns.
+PATTERNS = [
+    "loopserve-p",
+    "loopserve decode=loopserve(budget=16,warmup=2,interval=4)",
+    "prefill=a_shape(sink=4,local=16)",
+    "prefill=tri_shape(sink=4,local=16,last=8)",
+    "prefill=minference(vertical=8,slash=16,last=8,force_sink=2,force_local=4)",
+]
+RECIPES += PATTERNS
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -88,6 +99,8 @@ def test_the_recipes_act(tp_engines):
     assert len(set(held(snap).values())) > 1  # Ada-KV gave heads different budgets
     layers = {layer for layer, _ in mixed}
     assert any(len({n for (l, _), n in held(mixed).items() if l == layer}) > 1 for layer in layers)
+    full_tokens = three_turns(single, "full")[0]
+    assert all(three_turns(single, recipe)[0] != full_tokens for recipe in PATTERNS)
 
 
 def test_the_prefix_index_serves_every_rank(tp_engines):

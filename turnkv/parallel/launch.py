@@ -22,6 +22,7 @@ os._exit and tear nothing down (destroy_process_group hung after CUDA graphs wit
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -116,12 +117,17 @@ def start(size: int, device: torch.device, engine_class: type, launch_args: dict
     commands = [context.Queue() for _ in range(size - 1)]
     acks = context.Queue()
     processes = []
+    leader = Leader(processes, commands, acks, timeout)
     for rank in range(1, size):
         process = context.Process(target=_worker_main, daemon=True, name=f"turnkv-tp-rank{rank}",
                                   args=(rank, size, port, timeout, engine_class, launch_args, commands[rank - 1], acks))
-        process.start()
+        try:
+            process.start()  # pickles the arguments
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            leader.shutdown()
+            raise ParallelError(f"the engine's arguments go to the worker processes pickled, and one cannot be: "
+                                f"{e}") from None
         processes.append(process)
-    leader = Leader(processes, commands, acks, timeout)
     try:
         # Every worker is about to join before rank 0 does: one that dies on its way there is
         # reported now, instead of making the rendezvous wait out its timeout.
