@@ -10,7 +10,7 @@ import pytest
 
 from tests.methods.turn_helpers import MESSAGES, NEW, SYSTEM
 from tests.parallel import faults
-from turnkv.errors import InvalidRequestError, ParallelError
+from turnkv.errors import InvalidRequestError, ModelLoadError, ParallelError
 from turnkv.parallel.kept import kept
 from turnkv.parallel.mirror import gather
 
@@ -73,3 +73,20 @@ def test_a_failed_rank_raises_on_rank_0(chat_model_dir, monkeypatch, fault, time
         llm.shutdown()
         assert time.monotonic() - start < 20
     assert not any(p.is_alive() for p in processes)
+
+
+def test_arguments_that_cannot_reach_the_workers(chat_model_dir):
+    import turnkv
+
+    with pytest.raises(ParallelError, match="pickled"):
+        turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory=lambda config, dtype: 1 << 24, tensor_parallel=2)
+
+
+@pytest.mark.parametrize("size, error, message", [(0, ParallelError, "integer >= 1"), (3, ModelLoadError, "query heads")])
+def test_a_size_the_model_cannot_take(chat_model_dir, size, error, message):
+    """Checked before any worker starts (0), or by every rank when it shards the model (3 ranks of 4
+    query heads): rank 0 raises, naming the cause."""
+    import turnkv
+
+    with pytest.raises(error, match=message):
+        turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="16MiB", tensor_parallel=size)

@@ -54,9 +54,11 @@ def gather(obj, fn, *args) -> list:
     if leader.streaming or leader.depth:
         raise InvalidRequestError("a tensor-parallel engine runs one call at a time")
     leader.send(("apply", ENGINE if getattr(obj, "llm", None) is None else obj.id, fn, args))
-    mine = fn(obj, *args)
-    results = [mine]
-    for rank, (kind, detail) in sorted(leader.answers().items()):
+    try:
+        results = [fn(obj, *args)]
+    finally:
+        answers = leader.answers()  # read even when rank 0's call raised: the next call's answers come next
+    for rank, (kind, detail) in sorted(answers.items()):
         if kind != "done":
             leader.fail(f"rank {rank} raised {detail[0]}: {detail[1]} in {fn.__name__}")
         results.append(detail)
