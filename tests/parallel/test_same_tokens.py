@@ -34,6 +34,9 @@ RECIPES = [
     "quest decode=quest(budget=32,dense_layers=0)",
     "lserve-dynamic decode=lserve(budget=32,physical_page=16,logical_page=16,group=max)",
     "tova keep_ratio=0.5 evict=tova(group=kv_head)",
+    # Layer-wide scores: TOVA's mean over every query head of the layer, random's draw over every head.
+    "tova keep_ratio=0.5",
+    "random keep_ratio=0.5",
 ]
 # Sparse prefill patterns, each of which changes the replies of the full cache on these turns.
 PATTERNS = [

@@ -158,6 +158,7 @@ class Eviction:
             attention_mass=kv.gather_attention_mass(layer) if self.scorer.accumulates_attention else None,
             inv_freq=inv_freq, next_position=kv.next_position, target=targets[layer],
             moments=window.moments.layer(layer) if window is not None and window.moments is not None else None,
+            shard=kv.pool.shard,
         )
 
     def _groups(self, kv: SequenceKV, layers: list[int], window: QueryWindow | None) -> list[list[int]]:
