@@ -222,3 +222,10 @@ def all_max(value: int, shard: Shard, device: torch.device) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=shard.group)
     return int(t)
+
+
+def rank0_values(values: list[float], shard: Shard, device: torch.device) -> list[float]:
+    """Rank 0's `values` on every rank (an all-reduce of float64 in which the other ranks add zeros), for
+    decisions that must agree across ranks but derive from each rank's own measurements."""
+    mine = values if shard.rank == 0 else [0.0] * len(values)
+    return all_reduce(torch.tensor(mine, dtype=torch.float64, device=device), shard).tolist()
