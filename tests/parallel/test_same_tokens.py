@@ -149,3 +149,22 @@ def test_sampling(tp_engines):
     assert pair.generate(prompt, **seeded).token_ids == single.generate(prompt, **seeded).token_ids
     assert len(pair.generate(prompt, max_new_tokens=8, ignore_eos=True, temperature=1.0).token_ids) == 8
     assert pair.generate(prompt, max_new_tokens=4).token_ids == single.generate(prompt, max_new_tokens=4).token_ids
+
+
+def test_clone_and_reset(tp_engines):
+    """A clone is made on every rank and known by one id; a reset forgets every rank's shard."""
+    runs = []
+    for llm in tp_engines:
+        conv = llm.conversation(system=SYSTEM, recipe="ada-snapkv keep_ratio=0.5")
+        tokens = [conv.send(MESSAGES[0], max_new_tokens=NEW, ignore_eos=True).token_ids]
+        twin = conv.clone()
+        tokens.append(twin.send(MESSAGES[1], max_new_tokens=NEW, ignore_eos=True).token_ids)
+        tokens.append(conv.send(MESSAGES[2], max_new_tokens=NEW, ignore_eos=True).token_ids)
+        twin_kept = kept(twin)
+        conv.reset()
+        tokens.append(conv.send(MESSAGES[0], max_new_tokens=NEW, ignore_eos=True).token_ids)
+        runs.append((tokens, twin_kept, kept(conv)))
+        twin.close()
+        conv.close()
+    assert runs[1] == runs[0]
+    assert runs[0][0][3] == runs[0][0][0]  # after the reset, the first turn again
