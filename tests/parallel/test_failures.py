@@ -90,3 +90,16 @@ def test_a_size_the_model_cannot_take(chat_model_dir, size, error, message):
 
     with pytest.raises(error, match=message):
         turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="16MiB", tensor_parallel=size)
+
+
+def test_arguments_of_a_call_that_cannot_be_sent(tp_engines):
+    """A Recipe object holding what cannot be pickled (streaming heads' weak references) is refused
+    before anything is sent; its string form works."""
+    from turnkv.methods.recipe import Recipe
+
+    single, pair = tp_engines
+    recipe = Recipe.of("lserve-random")
+    with pytest.raises(InvalidRequestError, match="pickled"):
+        pair.conversation(recipe=recipe)
+    assert pair.generate(PROMPT, recipe=str(recipe), max_new_tokens=3).token_ids == \
+        single.generate(PROMPT, recipe=recipe, max_new_tokens=3).token_ids

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from turnkv.errors import DeviceError, ParallelError
+from turnkv.errors import DeviceError, InvalidRequestError, ParallelError
 from turnkv.model.config import ModelConfig
 from turnkv.model.parallel import Shard
 from turnkv.parallel.worker_loop import serve
@@ -197,9 +197,16 @@ class Leader:
             raise ParallelError(f"the tensor-parallel engine is broken: {self.broken}; make a new engine")
 
     def send(self, command: tuple) -> None:
+        """Send a command to every worker. InvalidRequestError, with nothing sent, when its arguments
+        cannot be pickled (a queue would fail to send it later, in its own thread, unseen)."""
         self.check()
+        try:
+            payload = pickle.dumps(command)
+        except Exception as e:  # noqa: BLE001 - whatever pickling raises, the caller gets one error
+            raise InvalidRequestError(f"the arguments of a call to a tensor-parallel engine go to its workers pickled, "
+                                      f"and these cannot be ({e}); give a recipe as a string") from None
         for q in self.commands:
-            q.put(command)
+            q.put(payload)
 
     def post(self, command: tuple) -> None:
         """Send a command that answers nothing, unless the engine is already broken or stopped."""

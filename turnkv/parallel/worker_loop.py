@@ -14,6 +14,7 @@ Commands (tuples on the worker's queue, from turnkv/parallel/mirror.py):
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 import queue
 from collections.abc import Iterator
 
@@ -33,6 +34,8 @@ def serve(rank: int, engine, commands, acks) -> None:
             continue
         if command is None:
             return
+        if isinstance(command, bytes):  # Leader.send pickles the command itself
+            command = pickle.loads(command)
         kind = command[0]
         if kind == "adopt":
             objects[command[1]] = last
