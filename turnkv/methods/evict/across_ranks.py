@@ -10,16 +10,10 @@ decisions over the whole model's heads, and keeps its own heads' part. The gathe
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from turnkv.model.parallel import Shard, all_max, gather_heads
-
-
-def whole_heads(per_head: np.ndarray, shard: Shard, device: torch.device) -> np.ndarray:
-    """[L, local heads] integers -> [L, heads] of the whole model, the same on every rank."""
-    return gather_heads(torch.from_numpy(per_head).to(device), shard, dim=1).cpu().numpy()
 
 
 def gathered_scores(scores: torch.Tensor, pos: torch.Tensor, shard: Shard) -> tuple[torch.Tensor, torch.Tensor]:
