@@ -103,3 +103,12 @@ def test_arguments_of_a_call_that_cannot_be_sent(tp_engines):
         pair.conversation(recipe=recipe)
     assert pair.generate(PROMPT, recipe=str(recipe), max_new_tokens=3).token_ids == \
         single.generate(PROMPT, recipe=recipe, max_new_tokens=3).token_ids
+
+
+def test_the_server_refuses_a_tensor_parallel_engine(tp_engines):
+    """Its scheduler drives turns itself, which rank 0 would not send to the workers."""
+    from turnkv.serve.app import create_app
+
+    _, pair = tp_engines
+    with pytest.raises(InvalidRequestError, match="tensor-parallel"):
+        create_app(pair)
