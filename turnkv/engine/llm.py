@@ -127,7 +127,10 @@ class LLM:
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         self.kv_dtype = self._choose_kv_dtype(kv_dtype, default_recipe)
-        self.pool = PagePool.for_budget(self.config, self._kv_budget(kv_memory), page_size, self.dtype, self.device,
+        kv_budget = self._kv_budget(kv_memory)
+        if self.parallel is not None:  # pools of one size on every rank: the smallest free memory decides
+            kv_budget = self.parallel.smallest(kv_budget)
+        self.pool = PagePool.for_budget(self.config, kv_budget, page_size, self.dtype, self.device,
                                         self.kv_dtype)
         self.pool.shard = getattr(self.model, "shard", None)
         # FlashAttention-4's kernels compile here (once per machine with its disk cache), not inside the

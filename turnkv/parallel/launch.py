@@ -76,6 +76,18 @@ class Membership:
     def shard(self, config: ModelConfig) -> Shard:
         return Shard(self.rank, self.size, config, self.group)
 
+    def smallest(self, value: int) -> int:
+        """The smallest of every rank's `value` (a collective: every rank calls it at the same point, while
+        building its engine). On rank 0, ParallelError naming a worker that failed before it."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        except RuntimeError as e:
+            if self.leader is not None:
+                self.leader.wait_ready()  # raises the worker's own error where one failed
+            raise ParallelError(f"a rank of the tensor-parallel engine failed while it was built: {e}") from e
+        return int(t)
+
     def disk_dir(self, state_disk_dir: str | None) -> str | None:
         """The rank's own folder under the engine's disk tier: each rank stores its shard of a conversation."""
         if state_disk_dir is None:
