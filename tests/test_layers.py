@@ -2,8 +2,8 @@
 that only point down, and turnkv imports at module level.
 
 Layers, lowest first: the top-level modules (turnkv/errors.py ...), model, attention, kv, methods,
-state (the strategies between turns and their manager), engine, serve and bench, then cli.py and the
-package's own __init__.py (the public facade: it re-exports the engine, so code inside the package
+state (the strategies between turns and their manager) and parallel (tensor parallelism's processes),
+engine, serve and bench, then cli.py and the package's own __init__.py (the public facade: it re-exports the engine, so code inside the package
 imports from the defining module instead). A module may import from its own layer or a lower one.
 
 An edge is an import of a turnkv module: `import turnkv.x`, `from turnkv.x import y` (to the module
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE = "turnkv"
 
 # Layer rank of a module: by its first package under turnkv/; top-level modules are rank 0.
-LAYER_RANKS = {"model": 1, "attention": 2, "kv": 3, "methods": 4, "state": 5, "engine": 6, "serve": 7,
+LAYER_RANKS = {"model": 1, "attention": 2, "kv": 3, "methods": 4, "state": 5, "parallel": 5, "engine": 6, "serve": 7,
                "bench": 7, "cli": 8, "__main__": 8}  # __main__: `python -m turnkv`, the command line
 FACADE_RANK = 8  # turnkv/__init__.py, beside cli.py at the top
 

@@ -24,3 +24,8 @@ class ContextLengthError(InvalidRequestError):
 
 class KVCacheFullError(TurnkvError):
     """The KV page pool has no room for a request. Nothing was written; every conversation is intact."""
+
+
+class ParallelError(TurnkvError):
+    """A rank of a tensor-parallel engine died, hung past the collective timeout, or failed where rank 0
+    did not. The engine cannot go on (make a new one); what the state tiers wrote stays written."""

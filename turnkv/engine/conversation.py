@@ -16,6 +16,7 @@ from turnkv.engine.turn import TurnInput, TurnRun
 from turnkv.errors import ContextLengthError, InvalidRequestError
 from turnkv.kv.sequence import SequenceKV
 from turnkv.kv.snapshot import export_kv, import_kv
+from turnkv.parallel.mirror import mirrored
 
 if TYPE_CHECKING:
     from turnkv.engine.llm import LLM
@@ -56,6 +57,7 @@ class Conversation:
         self.closed = False  # close() frees everything; a closed conversation takes no more turns
         self.reset()
 
+    @mirrored
     def reset(self) -> None:
         """Forget every turn and free the KV, wherever it is stored (back to the system prompt and the
         history it was made with)."""
@@ -67,7 +69,8 @@ class Conversation:
         self.text = ""  # what `tokens` render to
         self.turns: list[Turn] = []
         self.last_reply: Reply | None = None
-        self.method_state = self.recipe.new_state(self.llm.config.num_layers, self.llm.model.inv_freq)
+        self.method_state = self.recipe.new_state(self.llm.config.num_layers, self.llm.model.inv_freq,
+                                                   self.llm.pool.shard)
 
     @property
     def compression_log(self) -> list[dict]:
@@ -94,6 +97,7 @@ class Conversation:
                 out[i, layer] = self.kv.count_positions(layer, bounds[i], bounds[i + 1])
         return out
 
+    @mirrored
     def close(self) -> None:
         """Free the KV and whatever the state tiers hold of this conversation; a later send or stream
         raises InvalidRequestError."""
@@ -101,6 +105,7 @@ class Conversation:
         self.kv.free()
         self.closed = True
 
+    @mirrored
     def offload(self, tier: str = "cpu") -> str:
         """Move this conversation's state off the GPU now, to "cpu" or "disk", in the form the
         recipe's state strategy stores; the next turn brings it back. Returns the tier it is in."""
@@ -123,6 +128,7 @@ class Conversation:
         of pages it holds with other conversations or the prefix index (a page's bytes over its holders)."""
         return self.kv.sharing()
 
+    @mirrored
     def send(self, message: str, **sampling) -> Reply:
         """Add a user message, generate the reply, and return it with its stats (Reply: text,
         token_ids, finish_reason, prompt_tokens prefilled, cached_tokens reused, ttft_s, tokens_per_s,
@@ -137,6 +143,7 @@ class Conversation:
             pass
         return self.last_reply
 
+    @mirrored
     def stream(self, message: str, context: str | None = None, force: list[int] | None = None,
                logprobs: bool = False, **sampling) -> Iterator[str]:
         """Like send, yielding the reply's text as it is generated; the Reply lands in last_reply.
@@ -281,6 +288,7 @@ class Conversation:
         end = decode(ids[-1:], skip_special_tokens=False) if ids and ids[-1] in self.llm.eos_ids else ""
         return reply.text + (end if end and self.llm.reply_end.startswith(end) else "")
 
+    @mirrored
     def clone(self, copy_decode: bool = False) -> Conversation:
         """A new conversation of the same class in this one's state: the KV copied into its own pages,
         the observation window, the recipe's bookkeeping and the history (as of the last finished

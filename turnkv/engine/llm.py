@@ -17,7 +17,11 @@ from turnkv.kv.prefix_index import PrefixIndex
 from turnkv.kv.quant import kv_dtype_name
 from turnkv.methods.recipe import RECIPE_KEYS, Recipe
 from turnkv.model.load import DEFAULT_MODEL, embedded_model_path, load_model, resolve_device, use_expandable_segments
+from turnkv.model.parallel import shard_model
 from turnkv.model.tokenizer import load_folder_tokenizer, load_gguf_tokenizer
+from turnkv.parallel import launch
+from turnkv.parallel.limits import check_recipe
+from turnkv.parallel.mirror import mirrored
 from turnkv.paths import user_path
 from turnkv.sizes import parse_bytes
 from turnkv.state.manager import StateManager
@@ -81,7 +85,9 @@ class LLM:
                  cuda_graphs: bool = True, state_cpu_memory: int | str = "1GiB", state_disk_dir: str | None = None,
                  state_disk_memory: int | str | None = None, state_gpu_memory: int | str | None = None,
                  kv_dtype: str | torch.dtype | None = None, prefix_cache: bool | str = "turns",
-                 prefix_cache_memory: int | str | None = None, **recipe_options):
+                 prefix_cache_memory: int | str | None = None, tensor_parallel: int = 1, **recipe_options):
+        # What a worker of a tensor-parallel engine builds its own rank's engine from.
+        launch_args = {**{k: v for k, v in locals().items() if k not in ("self", "recipe_options")}, **recipe_options}
         unknown = sorted(set(recipe_options) - RECIPE_KEYS)
         if unknown:
             raise InvalidRequestError(f"LLM() got an unknown argument {unknown[0]!r}: neither an engine argument nor "
@@ -99,7 +105,15 @@ class LLM:
                 budget = self._kv_budget(kv_memory, config, dtype)
                 PagePool.check_budget(config, budget, page_size, dtype, self.kv_dtype)
 
+        # Tensor parallelism (turnkv/parallel/launch.py): rank 0 (this process) spawns the workers, each
+        # building this engine over its shard of the model; every rank's pool holds its own KV heads.
+        self.parallel = launch.start(tensor_parallel, self.device, type(self), launch_args)
+        if self.parallel is not None:
+            self.device = self.parallel.device
+            state_disk_dir = self.parallel.disk_dir(state_disk_dir)
         loaded = load_model(model, dtype, self.device, seed, check_config=check_pool)
+        if self.parallel is not None:
+            loaded.model = shard_model(loaded.model, self.parallel.shard(loaded.model.config))
         self.model, self.name, self.source = loaded.model, loaded.name, loaded.source
         self.config = self.model.config
         self.dtype = next(self.model.parameters()).dtype
@@ -116,7 +130,10 @@ class LLM:
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         budget = self._kv_budget(kv_memory, self.config, self.dtype)
+        if self.parallel is not None:  # pools of one size on every rank: the smallest free memory decides
+            budget = self.parallel.smallest(budget)
         self.pool = PagePool.for_budget(self.config, budget, page_size, self.dtype, self.device, self.kv_dtype)
+        self.pool.shard = getattr(self.model, "shard", None)
         # FlashAttention-4's kernels compile here (once per machine with its disk cache), not inside the
         # first long prompt (attention/flash.py); a no-op where it is not used.
         flash.warm_up(self.device, self.dtype, self.config.num_heads, self.config.num_kv_heads, self.config.head_dim,
@@ -142,6 +159,8 @@ class LLM:
         self.recipe = self.resolve_recipe(default_recipe)
         self.state = StateManager(self, parse_bytes(state_cpu_memory), state_disk_dir,
                                   _optional_bytes(state_disk_memory), _optional_bytes(state_gpu_memory))
+        if self.parallel is not None and self.parallel.leader is not None:
+            self.parallel.leader.wait_ready()
 
     def resolve_recipe(self, recipe=None, **options) -> Recipe:
         """The Recipe that `recipe` and `options` name (see Recipe.of), over this engine's default
@@ -153,6 +172,7 @@ class LLM:
                 f"the recipe asks for kv_dtype={recipe.kv_dtype}, but this engine's KV pool holds "
                 f"kv_dtype={self.pool.kv_dtype_name} ({str(self.pool.kv_dtype).removeprefix('torch.')}); the pool's "
                 f"storage is chosen when the engine is built: LLM(kv_dtype=...) or LLM(recipe=...)")
+        check_recipe(recipe, getattr(self.model, "shard", None))
         return recipe
 
     @staticmethod
@@ -188,6 +208,7 @@ class LLM:
         return torch.tensor(tokens, dtype=torch.int64, device=self.device)
 
     # ---- public API -----------------------------------------------------------------------------
+    @mirrored
     def conversation(self, system: str | None = None, recipe=None, history: list[dict] | None = None,
                      **recipe_options) -> Conversation:
         """A new conversation that keeps its KV between turns (send/stream a message per turn).
@@ -203,6 +224,7 @@ class LLM:
         InvalidRequestError for an unknown preset, key or value, as in the string form."""
         return Conversation(self, system, self.resolve_recipe(recipe, **recipe_options), history)
 
+    @mirrored
     def resume(self, conversation_id: str) -> Conversation:
         """The conversation stored in the state tiers under `conversation_id` (Conversation.id; the
         disk tier, state_disk_dir, survives restarts), with its history; its KV comes back at its
@@ -226,6 +248,7 @@ class LLM:
             raise InvalidRequestError(f"a token-id prompt must be a non-empty list of ids in [0, {self.config.vocab_size})")
         return list(prompt)
 
+    @mirrored
     def generate(self, prompts: str | list[int] | list[str | list[int]], recipe=None, **options) -> Reply | list[Reply]:
         """One-shot completion of raw prompts (text or token ids; no chat template), decoded together
         as a batch. Returns a Reply, or a list of them for a list of prompts.
@@ -256,6 +279,12 @@ class LLM:
             for conv in convs:
                 conv.close()
         return replies[0] if single else replies
+
+    def shutdown(self) -> None:
+        """Stop a tensor-parallel engine's worker processes (it is unusable afterwards); nothing on one
+        device. Also done at exit and when the engine is collected."""
+        if self.parallel is not None and self.parallel.leader is not None:
+            self.parallel.leader.shutdown()
 
     def info(self) -> dict:
         """The model's shape, dtype and device, and the KV pool's storage, size and bytes per token."""

@@ -22,6 +22,7 @@ from turnkv.errors import KVCacheFullError
 from turnkv.kv import quant
 from turnkv.model import ops
 from turnkv.sizes import format_bytes
+from turnkv.model.parallel import Shard
 
 
 def layer_pages(per_page: torch.Tensor, layer: int | torch.Tensor,
@@ -34,6 +35,10 @@ def layer_pages(per_page: torch.Tensor, layer: int | torch.Tensor,
 
 
 class PagePool:
+    # The tensor-parallel shard (turnkv/model/parallel.py) whose KV heads the pool holds, set by the
+    # engine; None on one device. Layer-wide decisions over heads (an eviction's) gather across ranks.
+    shard: Shard | None = None
+
     def __init__(
         self,
         num_layers: int,

@@ -32,6 +32,7 @@ from turnkv.attention.lines import Keys
 from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.evict.layer_view import LayerView
 from turnkv.methods.window import QueryWindow
+from turnkv.model.parallel import Shard
 
 
 # ---- prefill pattern --------------------------------------------------------------------------------
@@ -52,9 +53,10 @@ class Prefill(ABC):
     # last queries depends on where the chunks start.
     path_independent: ClassVar[bool] = False
 
-    def bind(self, num_layers: int) -> None:
+    def bind(self, num_layers: int, shard: Shard | None = None) -> None:
         """Called once per conversation, before its first `attend`, with the model's layer count
-        (a chunk only shows one layer). Default: nothing."""
+        (a chunk only shows one layer) and, under tensor parallelism, the shard whose KV heads the
+        chunks show (turnkv/model/parallel.py; None on one device). Default: nothing."""
 
     def chunk_windows(self, seqs: Sequence[SequenceKV], num_new: int, windowed: bool) -> ChunkWindows | None:
         """For a chunk of `num_new` tokens that `seqs` have just reserved (their lengths count them):

@@ -37,6 +37,7 @@ from turnkv.methods.step_context import StepContext
 from turnkv.methods.terms import format_term, option_string, parse_term, parse_value, split_top_level
 from turnkv.methods.turns.recompress import RecompressTurns
 from turnkv.methods.window import QueryMoments, QueryWindow
+from turnkv.model.parallel import Shard
 from turnkv.paths import user_path
 
 EVICTION_KEYS = {"budget", "keep_ratio", "compression_ratio", "schedule", "every"}
@@ -240,12 +241,14 @@ class Recipe:
         return " ".join(parts)
 
     # ---- engine hooks -----------------------------------------------------------------------------
-    def new_state(self, num_layers: int, inv_freq: torch.Tensor | None = None) -> MethodState:
+    def new_state(self, num_layers: int, inv_freq: torch.Tensor | None = None,
+                  shard: Shard | None = None) -> MethodState:
         """A conversation's method state; `inv_freq` (the model's RoPE frequencies) is needed by a
-        scorer that reads query moments (Scorer.query_moments)."""
+        scorer that reads query moments (Scorer.query_moments); `shard`, under tensor parallelism, the
+        model's part whose KV heads the conversation holds."""
         window = self.evict.scorer.window if self.evict is not None else 0
         moments_from = self.evict.scorer.query_moments if self.evict is not None else None
-        self.prefill.bind(num_layers)
+        self.prefill.bind(num_layers, shard)
         decode = self.decode.new_state(num_layers) if self.selects_decode else None
         if decode is not None and self.static_sparsity is not None:
             decode.exclude_static(self.static_sparsity)  # LServe: streaming heads never select

@@ -43,6 +43,10 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
     """The app over `llm`. tiers: where idle conversations go when the KV pool fills: "state" (the
     engine's CPU and disk tiers, `llm.state`; conversations a server left in its disk directory are
     taken back now), another TierHook, or None (they are dropped)."""
+    if getattr(llm, "parallel", None) is not None:
+        # The scheduler drives turns itself, not through the calls rank 0 sends its workers.
+        raise InvalidRequestError("the server does not run a tensor-parallel engine yet (LLM(tensor_parallel=...) "
+                                  "serves the Python API only)")
     config = config or ServeConfig()
     model_name = config.served_model_name or llm.name
     metrics = Metrics(model_name)

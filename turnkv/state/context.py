@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
+from turnkv.model.parallel import rank0_values
 from turnkv.state.schedule import CostModel, best_ratio, measure_bandwidth, measure_compute
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,14 @@ class RestoreContext:
                 self._compute = measure_compute(self.model, self.pool.device)
             # The disk tier reads the file into host memory first (pageable), then copies it.
             bandwidth = measure_bandwidth(self.pool.device, pinned=(tier == "cpu") if self.pool.device.type == "cuda" else False)
-            self._costs[tier] = CostModel(*self._compute, bandwidth)
+            cost = CostModel(*self._compute, bandwidth)
+            shard = self.pool.shard
+            if shard is not None:
+                # Tensor parallel: every rank plans its restores by rank 0's measurements, so that the
+                # ranks recompute the same tokens (a recompute runs the model's collectives).
+                cost = CostModel(*rank0_values([cost.per_token_layer_s, cost.per_token2_layer_s, cost.bytes_per_s],
+                                               shard, self.pool.device))
+            self._costs[tier] = cost
             log.info("calibrated state restores for the %s tier in %.1f s", tier, time.perf_counter() - start)
         return self._costs[tier]
 

@@ -16,6 +16,7 @@ import torch
 
 from turnkv.attention.reference import gather_pages
 from turnkv.methods.window import QueryWindow
+from turnkv.model.parallel import all_reduce
 
 # fp32 attention rows per chunk over all layers and heads (the peak extra memory): large on a GPU
 # (fewer, larger GEMMs), small on a CPU (cache-friendly).
@@ -226,6 +227,13 @@ def attention_statistics(seq, queries: list[torch.Tensor], positions: torch.Tens
     gram, ir = gram.cpu(), ir.cpu()
     norms = torch.diagonal(gram, dim1=1, dim2=2)  # [Hq, N]
     sq = (norms[:, :, None] + norms[:, None, :] - 2 * gram).clamp_min(0)  # cancellation can go below 0
-    distance = (scale * sq).sqrt().mean(0)
-    rows = max(1, len(positions)) * queries[0].shape[1]
+    per_head = (scale * sq).sqrt()  # [Hq, N, N]
+    heads, shard = queries[0].shape[1], seq.pool.shard
+    if shard is None:
+        distance = per_head.mean(0)
+    else:  # tensor parallel: the sums over every rank's query heads (each query head is on one rank)
+        summed = all_reduce(torch.cat([per_head.sum(0).double().flatten(), ir.double()]).to(device), shard).cpu()
+        heads, N = shard.config.num_heads, len(ir)
+        distance, ir = (summed[: N * N].view(N, N) / heads).to(per_head.dtype), summed[N * N :].to(ir.dtype)
+    rows = max(1, len(positions)) * heads
     return (ir / rows).float(), distance

@@ -15,9 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from turnkv.kv.sequence import SequenceKV
+from turnkv.methods.evict import across_ranks
 from turnkv.methods.evict.layer_view import LayerView, stack_layers
 from turnkv.methods.evict.uniform import UniformAllocator
 from turnkv.methods.protocols import Allocator, Scorer, Turns
+from turnkv.model.parallel import gather_heads
 from turnkv.methods.window import QueryWindow
 
 # Per device type, the (layer x longest head) rows a stacking scorer's group of layers holds at most
@@ -95,7 +97,11 @@ class Eviction:
         S, device = pos.shape[-1], pos.device
         valid = kv.held(list(range(L)), S, device)
         candidate = valid & (pos >= lo) & (pos < hi)
-        kept_before, per_head = torch.stack([((pos < lo) & valid).sum(dim=-1), candidate.sum(dim=-1)]).cpu().numpy()
+        per_head = torch.stack([((pos < lo) & valid).sum(dim=-1), candidate.sum(dim=-1)])  # [2, L, H]
+        shard = kv.pool.shard
+        if shard is not None:  # tensor parallel: every rank decides over the whole model's heads
+            per_head, H = gather_heads(per_head, shard, dim=2), shard.config.num_kv_heads
+        kept_before, per_head = per_head.cpu().numpy()
         budget, targets, todo = np.zeros(L, np.int64), {}, []
         for layer in range(L):
             n_cand = int(per_head[layer].sum())
@@ -108,9 +114,16 @@ class Eviction:
         rows = torch.tensor(todo).to(device)
         candidate = candidate[rows]
         scores = self._scores(kv, todo, targets, window, inv_freq, S).masked_fill(~candidate, float("-inf"))
-        scores = _rank_surplus_protected(scores, pos[rows], torch.from_numpy(budget[todo]).to(device))
-        # The allocator reads its per-head counts back once; its work over all S stays on the device.
-        counts = self.allocator.allocate_layers(scores, budget[todo].tolist()).to(device)  # [T, H]
+        totals = torch.from_numpy(budget[todo]).to(device)
+        if shard is None:
+            scores = _rank_surplus_protected(scores, pos[rows], totals)
+            # The allocator reads its per-head counts back once; its work over all S stays on the device.
+            counts = self.allocator.allocate_layers(scores, budget[todo].tolist()).to(device)  # [T, H]
+        else:
+            whole, whole_pos = across_ranks.gathered_scores(scores, pos[rows], shard)
+            whole = _rank_surplus_protected(whole, whole_pos, totals)
+            counts = self.allocator.allocate_layers(whole, budget[todo].tolist()).to(device)
+            counts, scores = across_ranks.own_heads(counts, shard), across_ranks.own_heads(whole, shard, S)
         order = scores.argsort(dim=-1, descending=True, stable=True)
         chosen = torch.zeros_like(candidate)
         chosen.scatter_(-1, order, torch.arange(S, device=device) < counts[..., None])
@@ -147,6 +160,7 @@ class Eviction:
             attention_mass=kv.gather_attention_mass(layer) if self.scorer.accumulates_attention else None,
             inv_freq=inv_freq, next_position=kv.next_position, target=targets[layer],
             moments=window.moments.layer(layer) if window is not None and window.moments is not None else None,
+            shard=kv.pool.shard,
         )
 
     def _groups(self, kv: SequenceKV, layers: list[int], window: QueryWindow | None) -> list[list[int]]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from turnkv.attention.reference import attention_weights
+from turnkv.model.parallel import Shard
 
 
 @dataclass
@@ -19,6 +20,9 @@ class LayerView:
     target: the per-head token count this layer will keep (for scorers that split it, e.g. H2O).
     moments: (count [], sum [Hq, D], sum of outer products [Hq, D, D]) of every pre-RoPE query the
     conversation computed at positions >= Scorer.query_moments (float64), or None.
+    shard: under tensor parallelism, the model's part whose KV heads the view holds (a scorer that
+    reads across all heads of the layer gathers from the other ranks, methods/evict/across_ranks.py);
+    None on one device, and in a view of stacked layers.
     """
 
     layer: int
@@ -34,6 +38,7 @@ class LayerView:
     next_position: int
     target: int
     moments: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    shard: Shard | None = None
 
     def window_attention(self) -> torch.Tensor:
         """Softmax weights [Hq, W, S] of the window's queries over every key they could see (fp32)."""

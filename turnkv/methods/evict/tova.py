@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from turnkv.methods.evict import across_ranks
 from turnkv.methods.evict.compat import COMPATS
 from turnkv.methods.evict.layer_view import LayerView
 from turnkv.methods.protocols import Scorer
@@ -61,12 +62,19 @@ class TOVAScorer(Scorer):
 
 def layer_mean_by_position(view: LayerView, per_query_head: torch.Tensor) -> torch.Tensor:
     """[Hq, S] weights -> [H, S]: for each entry, the mean over all Hq query heads of the weight they
-    give that entry's position (0 from a head whose KV head no longer holds it)."""
+    give that entry's position (0 from a head whose KV head no longer holds it). Under tensor
+    parallelism the mean is over every rank's query heads."""
     H, S = view.positions.shape
     G = per_query_head.shape[0] // H
     per_kv = per_query_head.view(H, G, S).sum(dim=1)  # [H, S], summed over each group
     pos = torch.where(view.valid, view.positions, -1)
+    num_query_heads = per_query_head.shape[0]
+    if view.shard is not None:
+        per_kv, pos = across_ranks.gathered_scores(per_kv[None], pos[None], view.shard)
+        per_kv, pos = per_kv[0].masked_fill(pos[0] < 0, 0.0), pos[0]
+        num_query_heads = view.shard.config.num_heads
     flat_pos, flat_w = pos.reshape(-1), per_kv.reshape(-1)
     uniq, inverse = torch.unique(flat_pos, return_inverse=True)
     total = torch.zeros(uniq.numel(), dtype=flat_w.dtype, device=flat_w.device).index_add_(0, inverse, flat_w)
-    return (total[inverse] / per_query_head.shape[0]).view(H, S)
+    mean = (total[inverse] / num_query_heads).view(pos.shape)
+    return mean if view.shard is None else across_ranks.own_heads(mean[None], view.shard, S)[0]

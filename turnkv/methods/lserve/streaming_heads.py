@@ -91,7 +91,11 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
 
     # ---- the pattern ----------------------------------------------------------------------------
     def flags(self, num_layers: int, num_kv_heads: int) -> np.ndarray:
-        """[layers, kv_heads] bool, True = streaming; loaded once per model shape."""
+        """[layers, kv_heads] bool, True = streaming; loaded once per model shape. Under tensor
+        parallelism (bind's shard), the rank's KV heads' columns of the whole model's pattern."""
+        shard = getattr(self, "_shard", None)
+        if shard is not None and num_kv_heads != shard.config.num_kv_heads:
+            return self.flags(num_layers, shard.config.num_kv_heads)[:, shard.kv_heads]
         shape = (num_layers, num_kv_heads)
         if shape not in self._flags:
             pattern = self._load(*shape)
@@ -210,9 +214,10 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
         return out, {"layer": layer, "computed": counts[0], "causal": counts[1],
                      "time_sparse_attention": clock(keys.q.device) - t0}
 
-    def bind(self, num_layers: int) -> None:
-        """The model's layer count (Recipe.new_state): a prefill chunk sees only its KV heads."""
-        self._num_layers = num_layers
+    def bind(self, num_layers: int, shard=None) -> None:
+        """The model's layer count (Recipe.new_state): a prefill chunk sees only its KV heads; and the
+        tensor-parallel shard whose heads those are (None on one device)."""
+        self._num_layers, self._shard = num_layers, shard
 
     def _layer_flags(self, layer: int, num_kv_heads: int) -> np.ndarray:
         if getattr(self, "_num_layers", None) is None:

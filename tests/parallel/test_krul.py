@@ -1,0 +1,47 @@
+"""Krul's layer pairing under N=2 is computed from every rank's query heads: each rank pairs the layers
+as N=1 does, on a model with layers enough to choose (6), and the replies and kept positions are N=1's."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import save_tiny
+from tests.methods.turn_helpers import MESSAGES, NEW, SYSTEM
+from tests.parallel.conftest import TIMEOUT_S
+from tests.parallel.probes import krul_pairs
+from turnkv.parallel.kept import kept
+from turnkv.parallel.mirror import gather
+
+
+@pytest.fixture(scope="module")
+def six_layers(tmp_path_factory, smol_tokenizer):
+    import turnkv
+
+    path = tmp_path_factory.mktemp("tiny-chat-six-layers")
+    save_tiny(path, "llama", vocab_size=len(smol_tokenizer), tokenizer=smol_tokenizer, num_hidden_layers=6)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TURNKV_TP_TIMEOUT", TIMEOUT_S)
+    single = turnkv.LLM(str(path), device="cpu", kv_memory="32MiB")
+    pair = turnkv.LLM(str(path), device="cpu", kv_memory="16MiB", tensor_parallel=2)
+    yield single, pair
+    pair.shutdown()
+    mp.undo()
+
+
+@pytest.mark.parametrize("recipe", ["state=krul(ir_threshold=0.0)", "snapkv keep_ratio=0.5 state=krul(ir_threshold=0.0)"])
+def test_pairs_are_chosen_from_every_head(six_layers, recipe):
+    runs = []
+    for llm in six_layers:
+        conv = llm.conversation(system=SYSTEM, recipe=recipe)
+        tokens, pairs = [], []
+        for message in MESSAGES[:3]:
+            tokens.append(conv.send(message, max_new_tokens=NEW, ignore_eos=True).token_ids)
+            if len(tokens) < 3:
+                assert conv.offload("cpu") == "cpu"
+                pairs.append(gather(conv, krul_pairs))
+        runs.append((tokens, pairs, kept(conv)))
+        conv.close()
+    (tokens_1, pairs_1, kept_1), (tokens_2, pairs_2, kept_2) = runs
+    assert tokens_2 == tokens_1 and kept_2 == kept_1
+    assert all(p for (p,) in pairs_1)  # pairs were chosen at each store
+    assert pairs_2 == [[p, p] for (p,) in pairs_1]  # by both ranks, as N=1
