@@ -40,8 +40,8 @@ RECIPES = [
 ]
 # Sparse prefill patterns, each of which changes the replies of the full cache on these turns.
 PATTERNS = [
-    "loopserve-p",
-    "loopserve decode=loopserve(budget=16,warmup=2,interval=4)",
+    "loopserve-p prefill=loopserve(dense_above=None)",  # the lines everywhere
+    "loopserve prefill=loopserve(dense_above=0.5) decode=loopserve(budget=16,warmup=2,interval=4)",
     "prefill=a_shape(sink=4,local=16)",
     "prefill=tri_shape(sink=4,local=16,last=8)",
     "prefill=minference(vertical=8,slash=16,last=8,force_sink=2,force_local=4)",
