@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import sys
-import textwrap
 import time
 from contextlib import contextmanager
 
@@ -26,8 +25,8 @@ try:  # torch, the server's and the benchmarks' modules: seconds, during which C
     from turnkv.engine.llm import LLM, PREFIX_MODES
     from turnkv.engine.sampling import SamplingParams
     from turnkv.errors import InvalidRequestError, TurnkvError
-    from turnkv.methods.evict.eviction import SCHEDULES
-    from turnkv.methods.recipe import PRESET_DOCS, Recipe, presets
+    from turnkv.methods.listing import methods_text, preset_rows, presets_text
+    from turnkv.methods.recipe import Recipe
     from turnkv.methods.registry import describe
     from turnkv.serve.config import API_KEY_ENV, ServeConfig, parse_head_pattern
     from turnkv.serve.server import bind_listener, serve
@@ -369,40 +368,11 @@ def cmd_info(args) -> int:
 
 def cmd_methods(args) -> int:
     width = max(60, min(120, os.get_terminal_size(sys.stdout.fileno()).columns if sys.stdout.isatty() else 100))
-    if args.presets:
-        rows = {name: {"recipe": str(recipe), "about": PRESET_DOCS.get(name, "")} for name, recipe in presets().items()}
-        if args.json:
-            print(json.dumps(rows, indent=2))
-        else:
-            for name, row in rows.items():
-                print(_wrapped(name, row["about"], 0, 25, width))
-                print(_wrapped("", row["recipe"], 0, 25, width))
-        return 0
-    rows = describe()
     if args.json:
-        print(json.dumps(rows, indent=2, default=str))
-        return 0
-    kind = None
-    for row in rows:
-        if row["kind"] != kind:
-            kind = row["kind"]
-            print(f"\n[{kind}]" if kind == row["axis"] else f"\n[{row['axis']}: {kind}]")
-        params = ", ".join(f"{k}={v!r}" for k, v in row["params"].items())
-        print(_wrapped(row["name"], row["doc"], 2, 23, width))
-        if params:
-            print(_wrapped("", f"({params})", 2, 23, width))
-
-    print("\n[evict options] budget=N (tokens per KV head) | keep_ratio=F | compression_ratio=F | every=N")
-    for name, doc in SCHEDULES.items():
-        print(_wrapped(f"schedule={name}", doc, 2, 23, width))
+        print(json.dumps(preset_rows() if args.presets else describe(), indent=2, default=str))
+    else:
+        print(presets_text(width) if args.presets else methods_text(width))
     return 0
-
-
-def _wrapped(name: str, text: str, indent: int, column: int, width: int) -> str:
-    """`name` at `indent`, then `text` from `column`, wrapped to `width` with its lines aligned there."""
-    head = " " * indent + name
-    head = head + " " * (column - len(head)) if len(head) < column else head + "\n" + " " * column
-    return textwrap.fill(text, width, initial_indent=head, subsequent_indent=" " * column, break_on_hyphens=False)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -176,7 +176,7 @@ def test_left_padded_rows_leave_the_real_rows_as_they_were(splits):
     garbage = torch.randn(1, 4, pad, 16, generator=torch.Generator().manual_seed(1)).to(q.device)
     padded = torch.cat([garbage, q], dim=2)
     out = chunk_attention(padded, pool["k"], pool["v"], table, lengths, splits, config=SMALL)
-    torch.testing.assert_close(out[:, :, pad:], alone, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out[:, :, pad:], alone, rtol=1e-5, atol=1e-5)
     assert relative_error(alone, reference.paged_chunk(q, pool["k"], pool["v"], table, lengths)) < 1e-5
     assert out[:, :2, :pad].eq(0).all()  # head 0's group: no entry below the chunk
     assert out[:, 2:, pad - 2 :].abs().sum() > 0  # head 1's padding rows see some of its 32 kept

@@ -62,7 +62,7 @@ def test_bench_quality_smoke_preset_on_smollm2(tmp_path, embedded_model):
         assert {k: row.get(k) for k in EXACT} == {k: want.get(k) for k in EXACT}
         # KL of nearly equal distributions is fp32 rounding, which the BLAS thread count changes; the
         # KLs that tell recipes apart are orders of magnitude above the tolerance.
-        assert row["kl"] == pytest.approx(want["kl"], rel=1e-5, abs=1e-5)
+        assert row["kl"] == pytest.approx(want["kl"], rel=1e-4, abs=1e-5)
 
 
 if __name__ == "__main__":  # write the snapshot from a smoke run's results.jsonl

@@ -105,6 +105,17 @@ class Metrics:
         self.labels(self.tier_bytes, direction).inc(nbytes)
         self.labels(self.tier_seconds, direction).inc(seconds)
 
+    def request_done(self, outcome, seconds: float) -> None:
+        """A request that finished: its end-to-end seconds, finish reason and token counts."""
+        self.labels(self.e2e).observe(seconds)
+        self.labels(self.success, outcome.finish_reason).inc()
+        self.labels(self.prompt_tokens).inc(outcome.prompt_tokens)
+        self.labels(self.generation_tokens).inc(outcome.completion_tokens)
+        self.labels(self.prefix_queries).inc(outcome.prompt_tokens)
+        self.labels(self.prefix_hits).inc(outcome.cached_tokens)
+        self.labels(self.reused_tokens).inc(outcome.cached_tokens)
+        self.labels(self.prefilled_tokens).inc(outcome.prompt_tokens - outcome.cached_tokens)
+
     def labels(self, metric, *values):
         return metric.labels(self.model_name, *values)
 

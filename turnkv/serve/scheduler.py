@@ -4,34 +4,24 @@ pool has a single writer.
 Each iteration:
 1. requests whose client went away are dropped, and their turn undone;
 2. waiting requests are admitted while fewer than --max-running run: each finds its conversation
-   (the store), then its new tokens are encoded on the encoder thread (a huge request never stalls
-   decode steps; its chat template was rendered on the HTTP side), and once they are, it is checked
-   against the context and the pool, and starts its prefill when the KV pool holds what it will add
-   beside the headroom of the running requests (admission.py; in arrival order);
+   (the store), its new tokens are encoded on the encoder thread (a huge request never stalls decode
+   steps), and it starts its prefill once the KV pool holds what it will add beside the running
+   requests' headroom (admission.py; in arrival order);
 3. while requests decode, ONE forward (a mixed step, engine/mixed.py) carries every decoding
-   request's next token plus whole prefill slices of the prefilling prompts, in arrival order, as
-   many as fit in `max_step_tokens` (at least one; a slice too big for what is left lets a shorter
-   prompt's by): a long prompt adds at most its slices to the running streams' inter-token gap, and
-   a short later turn is not queued behind it. Of the slices that end a prompt its recipe then
-   compresses (an eviction pass the running streams wait for), a step carries one. Requests whose
-   decode selects (LServe, LoopServe, Quest) take a graphed decode step beside it where CUDA graphs
-   run: their selection is batched there, and once per conversation and layer in an eager step. With
-   max_step_tokens 0, one slice runs as its own forward, then one batched decode step (one
-   runner.decode call per group of recipes that agree on what the step records). Pure-decode steps
-   go through runner.decode, which replays CUDA graphs;
+   request's next token plus whole prefill slices, in arrival order, as many as fit in
+   `max_step_tokens` (at least one): a long prompt adds at most its slices to the running streams'
+   inter-token gap. A step carries at most one slice that ends a prompt its recipe compresses.
+   Selecting decodes (LServe, LoopServe, Quest) take a graphed decode step beside it. With
+   max_step_tokens 0, a slice runs alone, then one batched decode step (runner.decode, CUDA graphs);
 4. when nothing decodes, prompts prefill slice by slice until the first of them decodes. Slice
-   boundaries are multiples of `prefill_chunk` in the prompt whatever the load, so a request's
-   tokens do not depend on it.
-A recipe that stores a conversation after every turn (state=krul, ...) packs it on a thread of its
-own (state/background.py), not inside the turn's end: each iteration first takes the finished packs,
-whose pages then go back to the pool; until then they count as used. A request whose conversation is
-still being packed keeps its place in the queue until the pack lands (no running stream waits for
-it), then restores what the pack stored, as it would after a pack on the worker.
-When the KV pool is full, idle conversations leave it, least recently used first, and the step is
-retried; with no idle one left in the pool, the step waits for a pack in flight to land. With none
-of those either, a prompt waits for running requests to finish, and a decode step ends its
-newest request where it is (finish_reason "length", its reply kept) so that the others go on. A
-prompt that no pool of this size can hold is refused at admission (400).
+   boundaries are multiples of `prefill_chunk` whatever the load, so a request's tokens do not
+   depend on it.
+Packs of conversations leaving the GPU (state=krul, ...) run beside the worker (state/background.py;
+docs/architecture.md): each iteration takes the finished ones, whose pages count as used until then,
+and a request whose conversation is still being packed keeps its place until its pack lands.
+A full pool sends idle conversations to the tiers (least recently used first), then waits for a pack
+in flight; with neither, a prompt waits for running requests, and a decode step ends its newest
+request (finish_reason "length", reply kept). A prompt no pool of this size holds is a 400.
 """
 
 from __future__ import annotations
@@ -487,15 +477,7 @@ class Scheduler:
         except Exception as e:
             self._fail(job, e)
             return
-        m = self.metrics
-        m.labels(m.e2e).observe(time.perf_counter() - job.arrived)
-        m.labels(m.success, outcome.finish_reason).inc()
-        m.labels(m.prompt_tokens).inc(outcome.prompt_tokens)
-        m.labels(m.generation_tokens).inc(outcome.completion_tokens)
-        m.labels(m.prefix_queries).inc(outcome.prompt_tokens)
-        m.labels(m.prefix_hits).inc(outcome.cached_tokens)
-        m.labels(m.reused_tokens).inc(outcome.cached_tokens)
-        m.labels(m.prefilled_tokens).inc(outcome.prompt_tokens - outcome.cached_tokens)
+        self.metrics.request_done(outcome, time.perf_counter() - job.arrived)
         job.sink("done", outcome)
 
     def _fail(self, job: Job, error: Exception) -> None:
