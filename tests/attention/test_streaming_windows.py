@@ -76,7 +76,8 @@ def test_a_row_whose_window_is_one_key_sees_itself_and_the_sink():
     q, k, v = torch.randn(1, 2, 7, 8), torch.randn(1, 1, 7, 8), torch.randn(1, 1, 7, 8)
     q_pos = torch.arange(7)[None]
     out = streaming.windowed_chunk(q, k, v, q_pos, 1, 2)
-    expected = masked_reference(q, k, v, q_pos[:, None].expand(1, 1, 7), q_pos, 1, 2, torch.ones(1, 1, 7, dtype=torch.bool))
+    everything = torch.ones(1, 1, 7, dtype=torch.bool)
+    expected = masked_reference(q, k, v, q_pos[:, None].expand(1, 1, 7), q_pos, 1, 2, everything)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 

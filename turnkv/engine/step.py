@@ -21,11 +21,10 @@ WINDOWED_CHUNK_ROWS = 4096
 
 
 class _Heads(NamedTuple):
-    """Some KV heads of one layer: their columns and indices (None: every head), page tables [B, n, P] (None in a
+    """Some KV heads of one layer: their columns (None: every head), page tables [B, n, P] (None in a
     fresh step), lengths [B, n] on the device, the longest length and whether lengths differ (host)."""
 
     index: slice | None
-    host: np.ndarray | None
     tables: torch.Tensor | None
     lengths: torch.Tensor
     max_len: int
@@ -181,11 +180,11 @@ class Step:
     def _heads(self, layer: int, head: int | None = None) -> _Heads:
         """The layer's page tables and lengths for one KV head (None: all of them), as views."""
         if head is None:
-            return _Heads(None, None, None if self.fresh else self.tables[layer], self.lengths[layer],
+            return _Heads(None, None if self.fresh else self.tables[layer], self.lengths[layer],
                           self.max_len[layer], self.padded[layer])
         index = slice(head, head + 1)
         lengths = self._lengths_np[layer][:, index]
-        return _Heads(index, np.array([head]), None if self.fresh else self.tables[layer][:, index],
+        return _Heads(index, None if self.fresh else self.tables[layer][:, index],
                       self.lengths[layer][:, index], int(lengths.max()), bool(lengths.min() != lengths.max()))
 
     def _dense_attention(self, layer: int, q, k, v, heads: _Heads) -> torch.Tensor:
@@ -259,7 +258,8 @@ class Step:
         q_heads = q.view(B, H, G, T, D)
         windows = self._windows_np[layer]
         for h in np.flatnonzero(windows >= NO_WINDOW).tolist():
-            part = self._dense_attention(layer, q_heads[:, h], k[:, :, h : h + 1], v[:, :, h : h + 1], self._heads(layer, h))
+            k_h, v_h = k[:, :, h : h + 1], v[:, :, h : h + 1]
+            part = self._dense_attention(layer, q_heads[:, h], k_h, v_h, self._heads(layer, h))
             per_head[:, :, h] = part.transpose(1, 2)
         for window in np.unique(windows[windows < NO_WINDOW]).tolist():
             # The windowed heads together: their calls' shapes do not depend on the chunk's length.
