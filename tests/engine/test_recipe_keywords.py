@@ -68,7 +68,7 @@ def test_generate_takes_recipe_keywords_beside_sampling(chat_llm):
 
 PUBLIC = {
     turnkv.LLM: {"conversation", "encode", "generate", "info", "kv_bytes_per_token", "prefix_cache_bytes", "resolve_recipe",
-                 "resume"},
+                 "resume", "shutdown"},
     turnkv.Conversation: {"clone", "close", "compression_log", "from_record", "kv_bytes", "kv_sharing", "location",
                           "method_stats", "offload", "reset", "segment_counts", "send", "stream", "to_record"},
 }
