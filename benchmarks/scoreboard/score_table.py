@@ -59,7 +59,7 @@ def markdown(result: dict) -> str:
     weights = " (random weights)" if result.get("weights") == "random" else ""
     lines += ["", f"{hw['device']}, {result['model']}{weights}, {result['dtype']}; copy bandwidth "
                   f"{hw['copy_bandwidth'] / 1e9:.4g} GB/s, matmul {hw['matmul_rate'] / 1e12:.3g} TFLOP/s measured in "
-                  f"the run; {result['wall_s']:.0f} s in all, code at {result['code']}.",
+                  f"the run; {result['wall_s']:.0f} s in all (the JSON names the code it ran).",
               f"Command: `{result['command']}`", "",
               "Serving at capacity (through `turnkv serve`, too long for the scoreboard), committed:"]
     lines += [f"- {what}: `{path}`" for what, path in SERVING.items()]
