@@ -4,7 +4,6 @@ stats of a budget that has not evicted, the name of the KV pool's tier, and --qu
 
 from __future__ import annotations
 
-import io
 import re
 
 import httpx
@@ -12,20 +11,13 @@ import pytest
 
 import turnkv
 from tests.serve.conftest import running
-from turnkv.cli import main
+from tests.test_cli_first_hour import run_cli
 from turnkv.serve.config import ServeConfig
 from turnkv.serve.server import startup_summary
 
 CONTEXT = 512  # the tiny chat model's (tests/conftest.py TINY)
 HELLO = [{"role": "user", "content": "Hello."}]
 RAW = "Hello there. " * 8  # a raw prompt long enough that CONTEXT - 5 new tokens do not fit after it
-
-
-def run_cli(monkeypatch, capsys, argv, stdin=""):
-    monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
-    code = main(argv)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")

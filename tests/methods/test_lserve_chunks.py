@@ -63,7 +63,7 @@ def test_chunks_take_the_engine_causal_path(chat_llm, chat_model_dir, pattern_fi
 
         monkeypatch.setattr(StreamingHeadsPrefill, "attend", attend)
         if not plain:
-            monkeypatch.setattr(StreamingHeadsPrefill, "chunk_windows", lambda self, seqs, n, windowed: None)
+            monkeypatch.setattr(StreamingHeadsPrefill, "chunk_windows", lambda self, seqs, n: None)
         conv = llm.conversation(system="Answer briefly.", recipe=recipe)
         try:
             out = []
@@ -129,8 +129,7 @@ def test_chunk_windows_by_position_and_their_cells(pattern_file):
     seq = SequenceKV(PagePool(2, 2, 8, 64, page_size=4))
 
     def check(T, windowed):
-        windows = method.chunk_windows([seq], T, True)
-        assert (method.chunk_windows([seq], T, False) is None) == windowed  # windows the caller cannot apply
+        windows = method.chunk_windows([seq], T)
         assert (windows.windows is not None) == windowed
         if windowed:
             assert windows.windows.tolist() == [[20, NO_WINDOW], [NO_WINDOW, 20]] and windows.sink == 4
@@ -148,15 +147,15 @@ def test_chunk_windows_by_position_and_their_cells(pattern_file):
     seq.reserve(30)  # a later turn's long chunk over the ring
     check(30, True)
     seq.moves[0, 0] += 1  # layer 0 head 0 streams: something moved it since the trim
-    assert method.chunk_windows([seq], 1, True) is None
+    assert method.chunk_windows([seq], 1) is None
     seq.moves[0, 1] += 1  # a dense head moving does not matter
     seq.moves[0, 0] -= 1
     check(1, True)
-    assert StreamingHeadsPrefill(pattern=pattern_file, dense="a_shape").chunk_windows([seq], 1, True) is None
+    assert StreamingHeadsPrefill(pattern=pattern_file, dense="a_shape").chunk_windows([seq], 1) is None
     seq.truncate(seq.next_position - 2)  # a rollback cuts the newest tokens: still sink + one run
     seq.reserve(2)
     check(2, True)
     n = int(seq.lengths[1, 1])  # layer 1 head 1 streams: a hole in its run is a reorder
     seq.keep(1, [list(range(int(seq.lengths[1, 0]))), [i for i in range(n) if i != n - 3]])
-    assert method.chunk_windows([seq], 1, True) is None
+    assert method.chunk_windows([seq], 1) is None
     seq.free()

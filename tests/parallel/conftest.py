@@ -11,22 +11,32 @@ from turnkv.parallel.kept import kept
 TIMEOUT_S = "120"  # collectives and answers: generous for a loaded CI machine, short of a hang
 
 
-@pytest.fixture(scope="session")
-def tp_engines(chat_model_dir, tmp_path_factory):
-    """(engine at N=1, engine at N=2): the same weights, each rank of N=2 with half the pool; each with
-    a disk tier of its own (pair.disk_dir: N=2's)."""
+def engine_pair(path, single_memory: str, pair_memory: str, single_options=None, pair_options=None):
+    """Yields (engine at N=1, engine at N=2) over the model at `path`, the collectives' timeout set;
+    stops N=2's workers after (a fixture's body: `yield from engine_pair(...)`)."""
     import turnkv
 
     mp = pytest.MonkeyPatch()
     mp.setenv("TURNKV_TP_TIMEOUT", TIMEOUT_S)
-    single = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="32MiB",
-                        state_disk_dir=str(tmp_path_factory.mktemp("disk-1")))
+    single = turnkv.LLM(str(path), device="cpu", kv_memory=single_memory, **(single_options or {}))
+    pair = turnkv.LLM(str(path), device="cpu", kv_memory=pair_memory, tensor_parallel=2, **(pair_options or {}))
+    try:
+        yield single, pair
+    finally:
+        pair.shutdown()
+        mp.undo()
+
+
+@pytest.fixture(scope="session")
+def tp_engines(chat_model_dir, tmp_path_factory):
+    """(engine at N=1, engine at N=2): the same weights, each rank of N=2 with half the pool; each with
+    a disk tier of its own (pair.disk_dir: N=2's)."""
     disk = str(tmp_path_factory.mktemp("disk-2"))
-    pair = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="16MiB", tensor_parallel=2, state_disk_dir=disk)
-    pair.disk_dir = disk
-    yield single, pair
-    pair.shutdown()
-    mp.undo()
+    for single, pair in engine_pair(chat_model_dir, "32MiB", "16MiB",
+                                    {"state_disk_dir": str(tmp_path_factory.mktemp("disk-1"))},
+                                    {"state_disk_dir": disk}):
+        pair.disk_dir = disk
+        yield single, pair
 
 
 def three_turns(llm, recipe: str, offload: str | None = None):

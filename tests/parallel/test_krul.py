@@ -7,7 +7,7 @@ import pytest
 
 from tests.conftest import save_tiny
 from tests.methods.turn_helpers import MESSAGES, NEW, SYSTEM
-from tests.parallel.conftest import TIMEOUT_S
+from tests.parallel.conftest import engine_pair
 from tests.parallel.probes import krul_pairs
 from turnkv.parallel.kept import kept
 from turnkv.parallel.mirror import gather
@@ -15,17 +15,9 @@ from turnkv.parallel.mirror import gather
 
 @pytest.fixture(scope="module")
 def six_layers(tmp_path_factory, smol_tokenizer):
-    import turnkv
-
     path = tmp_path_factory.mktemp("tiny-chat-six-layers")
     save_tiny(path, "llama", vocab_size=len(smol_tokenizer), tokenizer=smol_tokenizer, num_hidden_layers=6)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TURNKV_TP_TIMEOUT", TIMEOUT_S)
-    single = turnkv.LLM(str(path), device="cpu", kv_memory="32MiB")
-    pair = turnkv.LLM(str(path), device="cpu", kv_memory="16MiB", tensor_parallel=2)
-    yield single, pair
-    pair.shutdown()
-    mp.undo()
+    yield from engine_pair(path, "32MiB", "16MiB")
 
 
 @pytest.mark.parametrize("recipe", ["state=krul(ir_threshold=0.0)", "snapkv keep_ratio=0.5 state=krul(ir_threshold=0.0)"])

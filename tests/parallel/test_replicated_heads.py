@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import save_tiny
-from tests.parallel.conftest import TIMEOUT_S, three_turns
+from tests.parallel.conftest import engine_pair, three_turns
 from turnkv.errors import InvalidRequestError
 
 STREAMING = "prefill=streaming_heads(pattern=random,sink=4,local=16,prefill_local=16)"
@@ -21,17 +21,9 @@ RECIPES = [
 
 @pytest.fixture(scope="module")
 def replicated(tmp_path_factory, smol_tokenizer):
-    import turnkv
-
     path = tmp_path_factory.mktemp("tiny-chat-one-kv-head")
     save_tiny(path, "llama", vocab_size=len(smol_tokenizer), tokenizer=smol_tokenizer, num_key_value_heads=1)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TURNKV_TP_TIMEOUT", TIMEOUT_S)
-    single = turnkv.LLM(str(path), device="cpu", kv_memory="8MiB")
-    pair = turnkv.LLM(str(path), device="cpu", kv_memory="8MiB", tensor_parallel=2)
-    yield single, pair
-    pair.shutdown()
-    mp.undo()
+    yield from engine_pair(path, "8MiB", "8MiB")
 
 
 def test_both_ranks_hold_the_kv_head(replicated):

@@ -294,17 +294,18 @@ def contiguous_counts(keys: Keys, vertical: torch.Tensor, slash: torch.Tensor, p
 
 
 def line_attention(keys: Keys, vertical: torch.Tensor, slash: torch.Tensor, per_query_head: bool,
-                   scale: float | None = None, mask_fn=None, force_triton: bool = False, config: dict | None = None):
+                   scale: float | None = None, mask_fn=None, force_triton: bool = False, config: dict | None = None,
+                   layout: tuple | None = None):
     """Attention of the chunk's rows over the selected lines (vertical [N, S], slash [N, num_offsets]),
     with blockwise_attention's return values (out, computed, causal).
 
     The Triton kernel on CUDA (or anywhere with force_triton) when kernel_layout accepts the keys; the
     reference blockwise path otherwise, over mask_fn when given (a pattern's own mask of the same
-    cells) or line_mask."""
+    cells) or line_mask. layout: kernel_layout(keys), where the caller already has it."""
     # Offsets past the flags would need line_mask's clamp (never the case: callers size slash to the
     # chunk's end position).
     if uses_kernel(keys.q.device, force_triton) and slash.shape[1] >= keys.end_position:
-        layout = kernel_layout(keys)
+        layout = kernel_layout(keys) if layout is None else layout
         if layout is not None:
             kernel = _kernel()
             q_start, kv_len = layout

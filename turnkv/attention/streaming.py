@@ -209,5 +209,4 @@ def _merge(a, lse_a, b, lse_b):
         from turnkv.attention.triton import lse_merge
 
         return lse_merge.merge(a, lse_a.contiguous(), b, lse_b.contiguous()), lse
-    wa, wb = (lse_a - lse).exp()[..., None], (lse_b - lse).exp()[..., None]
-    return (a.float() * wa + b.float() * wb).to(a.dtype), lse
+    return chunk._merge_reference(a, lse_a, b, lse_b).to(a.dtype), lse

@@ -93,8 +93,7 @@ class Step:
         self.chunk_kernel = num_new > 1 and not self.fresh and not accumulate and chunk.uses_kernel(pool.device)
         # A pattern that is causal attention within windows per head (streaming heads) runs on the
         # paths below: without windows on any of them, with windows on the chunk kernel for chunks of
-        # up to WINDOWED_CHUNK_ROWS (longer ones run faster on the pattern's own kernels: flash
-        # attention for whole heads, the line kernel for windowed ones).
+        # up to WINDOWED_CHUNK_ROWS, else split_heads.
         self.head_windows, self.sink = None, 0
         # split_heads: the pattern's windowed heads and its whole heads run apart, the whole heads on the
         # dense paths below and the windowed ones on attention/streaming.py's block decomposition (a
@@ -102,7 +101,7 @@ class Step:
         # the kernel's devices).
         self.split_heads, self._windows_np = False, None
         if self.pattern is not None and sliding_window is None and not accumulate:
-            windows = self.pattern.chunk_windows(seqs, num_new, windowed=True)
+            windows = self.pattern.chunk_windows(seqs, num_new)
             if windows is not None:
                 self.pattern, self.sink = None, windows.sink
                 if windows.windows is not None:  # [L, H]

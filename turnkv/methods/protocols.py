@@ -58,13 +58,12 @@ class Prefill(ABC):
         (a chunk only shows one layer) and, under tensor parallelism, the shard whose KV heads the
         chunks show (turnkv/model/parallel.py; None on one device). Default: nothing."""
 
-    def chunk_windows(self, seqs: Sequence[SequenceKV], num_new: int, windowed: bool) -> ChunkWindows | None:
+    def chunk_windows(self, seqs: Sequence[SequenceKV], num_new: int) -> ChunkWindows | None:
         """For a chunk of `num_new` tokens that `seqs` have just reserved (their lengths count them):
         whether each row sees exactly the keys its head keeps up to its own position that lie within
         a per-(layer, KV head) window of it or below a sink. The engine then runs the chunk on its own
-        paged causal path (the chunk kernel on CUDA takes the windows) and does not call `attend`.
-        windowed: whether the engine can apply windows here; without, answer only a chunk that needs
-        none. Host work only. Default: None (call `attend`)."""
+        paths (engine/step.py: the windowed chunk kernel, or whole and windowed heads apart) and does not
+        call `attend`. Host work only. Default: None (call `attend`)."""
         return None
 
 

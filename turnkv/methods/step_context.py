@@ -15,7 +15,7 @@ class StepContext:
     accumulate: add each query's attention weights to the mass kept beside the keys (H2O); a batch
         shares one value.
     pattern: the sparse prefill (a PatternHook), used by prefill chunks (T > 1) only:
-        `pattern.chunk_windows(seqs, T, windowed)` first (the chunk on the engine's causal path, or
+        `pattern.chunk_windows(seqs, T)` first (the chunk on the engine's causal path, or
         None), else `pattern(layer, lines.Keys) -> out [B, Hq, T, D]` per layer.
     selector: the decode-selection state (begin / observe / entries per step, graph_config for the
         CUDA-graph step), or None: decode reads every kept token.

@@ -141,12 +141,13 @@ class LoopServePrefill(Prefill):
         times = {}
         vertical, slash, weights, rows, estimate, mass = self.select(keys, layer, times)
         t2 = _clock(device, self.profile)
-        dense = self._dense_units(keys, vertical, slash, per_q)
+        layout = lines.kernel_layout(keys) if self._may_go_dense(keys) else None
+        dense = self._dense_units(keys, vertical, slash, per_q, layout) if layout is not None else None
         if dense is None:
             # The Triton line kernel on CUDA, the reference mask path elsewhere (lines.line_attention).
-            out, computed, causal = lines.line_attention(keys, vertical, slash, per_q)
+            out, computed, causal = lines.line_attention(keys, vertical, slash, per_q, layout=layout)
         else:
-            out, computed, causal = self._attend_dense_units(keys, vertical, slash, per_q, *dense)
+            out, computed, causal = self._attend_dense_units(keys, vertical, slash, per_q, *dense, layout)
         t3 = _clock(device, self.profile)
         covered = (weights * lines.line_mask(keys, vertical, slash, per_q, rows)).sum(dim=(2, 3))
         stats = dict(layer=layer, computed=computed, causal=causal,
@@ -156,21 +157,20 @@ class LoopServePrefill(Prefill):
                      time_sparse_attention=t3 - t2)
         return out, stats
 
-    def _dense_units(self, keys: lines.Keys, vertical, slash, per_q: bool):
+    def _may_go_dense(self, keys: lines.Keys) -> bool:
+        """Dense attention needs every head to hold the same keys at their positions, and no window
+        (lines.kernel_layout's case, which the caller then reads)."""
+        return self.dense_above is not None and keys.window is None and keys.valid is None
+
+    def _dense_units(self, keys: lines.Keys, vertical, slash, per_q: bool, layout):
         """(dense [B, U] bool, causal [B, U]): the units whose lines cover at least dense_above of their
-        causal cells, and every unit's causal count; None where no unit does, or dense attention does
-        not apply (it needs every head to hold the same keys at their positions, no window:
-        lines.kernel_layout's case). A unit decides alone, so a tensor-parallel rank decides as N=1."""
-        if self.dense_above is None or keys.window is not None or keys.valid is not None:
-            return None
-        layout = lines.kernel_layout(keys)
-        if layout is None:
-            return None
+        causal cells, and every unit's causal count; None where no unit does. A unit decides alone, so
+        a tensor-parallel rank decides as N=1."""
         computed, causal = lines.contiguous_counts(keys, vertical, slash, per_q, *layout)
         dense = computed >= self.dense_above * causal
         return (dense, causal) if bool(dense.any()) else None
 
-    def _attend_dense_units(self, keys: lines.Keys, vertical, slash, per_q: bool, dense, causal):
+    def _attend_dense_units(self, keys: lines.Keys, vertical, slash, per_q: bool, dense, causal, layout):
         """Dense attention for the `dense` units [B, U], their lines elsewhere: (out, computed, causal).
         Where some units keep lines, the dense units' lines shrink to the diagonal for the line pass
         and the dense pass's rows replace them."""
@@ -180,7 +180,7 @@ class LoopServePrefill(Prefill):
         flat = dense.reshape(-1)
         vertical = vertical & ~flat[:, None]
         slash = torch.where(flat[:, None], torch.arange(slash.shape[1], device=slash.device) == 0, slash)
-        sparse_out, computed, _ = lines.line_attention(keys, vertical, slash, per_q)
+        sparse_out, computed, _ = lines.line_attention(keys, vertical, slash, per_q, layout=layout)
         B, Hq = keys.q.shape[:2]
         per_head = dense if per_q else dense.repeat_interleave(Hq // dense.shape[1], dim=1)  # [B, Hq]
         out = torch.where(per_head[:, :, None, None], out, sparse_out)

@@ -150,15 +150,14 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
 
         return fixed_pattern(layer, keys, mask, lines_fn)
 
-    def chunk_windows(self, seqs, num_new: int, windowed: bool) -> ChunkWindows | None:
+    def chunk_windows(self, seqs, num_new: int) -> ChunkWindows | None:
         """Streaming heads see their sink and the last `prefill_local` positions, dense heads every
         kept key: windows by position, which the engine's paged path applies to whatever is kept. The
         cells are counted on the host where every streaming head is the sink plus one run ending at
         the newest token (a ring nothing but appends and cuts touched since `trim`); otherwise None,
         and `attend` counts them. None with `dense`, whose method picks the dense heads' cells."""
         if self._dense_method is None and all(self._ring_form(kv) for kv in seqs):
-            return _ring_windows(seqs, num_new, self.flags(*seqs[0].lengths.shape), self.sink, self.prefill_local,
-                                 windowed)
+            return _ring_windows(seqs, num_new, self.flags(*seqs[0].lengths.shape), self.sink, self.prefill_local)
         return None
 
     def _ring_form(self, kv) -> np.ndarray:
@@ -307,11 +306,10 @@ def _reorders(kv) -> np.ndarray:
     return kv.moves - kv.ordered_moves
 
 
-def _ring_windows(seqs, T: int, streaming: np.ndarray, sink: int, local: int, windowed: bool) -> ChunkWindows | None:
+def _ring_windows(seqs, T: int, streaming: np.ndarray, sink: int, local: int) -> ChunkWindows:
     """ChunkWindows of a chunk of T rows whose streaming heads ([L, H] flags) each hold positions
     [0, s0) and [N - r, N) (s0 = min(n, sink), r = n - s0, n its kept count, N next_position). Windows
-    are None when no streaming head's run is longer than `local` (no row misses a kept key); with
-    windows and not `windowed`, None."""
+    are None when no streaming head's run is longer than `local` (no row misses a kept key)."""
     lengths = np.stack([kv.lengths for kv in seqs], axis=1).astype(np.int64)  # [L, B, H]
     # Every head's T new keys are its last entries, after every kept one: T rows ending at the last of n.
     causal = (T * (lengths - T) + T * (T + 1) // 2).astype(np.float64)
@@ -320,8 +318,6 @@ def _ring_windows(seqs, T: int, streaming: np.ndarray, sink: int, local: int, wi
     run = n - np.minimum(n, sink)
     if not (run > local).any():  # the newest row, the one that sees least far back, misses nothing
         return ChunkWindows(None, sink, causal, causal)
-    if not windowed:
-        return None
     N = np.broadcast_to(np.array([kv.next_position for kv in seqs])[None, :, None], lengths.shape)[flags]
     p = N[:, None] - T + np.arange(T)[None, :]  # [X, T] the rows' positions
     in_sink = np.minimum(np.minimum(n, sink)[:, None], p + 1)

@@ -45,10 +45,10 @@ class PatternHook:
         self.sink.append(stats)
         return out
 
-    def chunk_windows(self, seqs, num_new: int, windowed: bool):
+    def chunk_windows(self, seqs, num_new: int):
         """The method's ChunkWindows (Prefill.chunk_windows), or None. When given, the chunk's cells
         are recorded here for every layer, as `attend` would have."""
-        windows = self.method.chunk_windows(seqs, num_new, windowed)
+        windows = self.method.chunk_windows(seqs, num_new)
         if windows is not None:
             for layer in range(windows.computed.shape[0]):
                 self.sink.append({"layer": layer, "computed": torch.from_numpy(windows.computed[layer]),
