@@ -335,7 +335,8 @@ def cmd_serve(args) -> int:
                          max_step_tokens=args.max_step_tokens, max_body_bytes=args.max_body_bytes,
                          default_max_tokens=args.max_tokens or DEFAULT_REPLY_TOKENS,
                          reuse=not args.no_reuse, drain_timeout_s=args.drain_timeout,
-                         background_packs=not args.inline_packs, head_patterns=dict(args.head_pattern or []))
+                         background_packs=not args.inline_packs, head_patterns=dict(args.head_pattern or []),
+                         warmup={"auto": None, "on": True, "off": False}[args.warmup])
 
     _check_reply_limit(args, "--max-tokens", args.max_tokens)
     # The address is taken before the model loads (a port in use fails at once) and handed to uvicorn.
@@ -448,6 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="pack a conversation that leaves the GPU after its turn (state=krul, load, ...) inside the "
                           "turn's end, on the worker, instead of on a thread of its own beside the running streams "
                           "(a baseline: every running stream waits for the pack)")
+    srv.add_argument("--warmup", choices=("auto", "on", "off"), default="auto",
+                     help="before taking requests, run a few synthetic conversations through the worker so that "
+                          "kernels compile before the first users wait for them (auto: on a CUDA device)")
     srv.add_argument("--no-tiers", action="store_true",
                      help="drop idle conversations evicted from the KV pool instead of moving them to the tiers")
     srv.add_argument("--head-pattern", action="append", type=_head_pattern, metavar="NAME=PATH",

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from turnkv.errors import InvalidRequestError
 from turnkv.methods.recipe import Recipe
 from turnkv.serve import chat as chat_requests
-from turnkv.serve import protocol
+from turnkv.serve import protocol, warmup
 from turnkv.serve.config import ServeConfig
 from turnkv.serve.errors import APIError, from_engine, install_handlers, validation_error
 from turnkv.serve.job import Job, Outcome, check_max_tokens
@@ -69,6 +69,8 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         scheduler.start()
+        if warmup.wanted(config.warmup, llm):
+            app.state.warmup = await asyncio.to_thread(warmup.warm_up, scheduler, recipes)
         try:
             yield
         finally:

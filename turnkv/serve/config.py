@@ -31,6 +31,9 @@ class ServeConfig:
     # end, on the worker, which every running stream then waits for (the baseline).
     background_packs: bool = True
     drain_timeout_s: float = 30.0
+    # Run synthetic conversations through the worker before taking requests (serve/warmup.py), so the
+    # first users do not wait for kernels to compile. None: on a CUDA device.
+    warmup: bool | None = None
     # Head-pattern files a request's recipe may name (streaming_heads(pattern=NAME)): NAME -> path.
     # A recipe sent over HTTP reads no other file.
     head_patterns: dict[str, str] = field(default_factory=dict)
