@@ -431,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--drain-timeout", type=float, default=30.0, help="seconds admitted requests get on SIGTERM")
     srv.add_argument("--state-cpu-memory", default="1GiB",
                      help="CPU tier for idle conversations evicted from the KV pool "
-                          "(default 1GiB, allocated on first use)")
+                          "(default 1GiB; allocated at the warm-up, see --warmup, or else on first use)")
     srv.add_argument("--state-disk-dir", default=None,
                      help="disk tier under the CPU tier; SIGTERM writes idle conversations there, and a server "
                           "started over it continues them (one server per directory)")

@@ -29,7 +29,9 @@ def test_warmup_runs_each_step_kind_and_leaves_nothing(chat_model_dir):
         expected = ask(cold)
     llm.prefix_index.clear()
 
+    assert not llm.state.tiers.host_allocated
     with running(llm, **options, warmup=True) as s:
+        assert llm.state.tiers.host_allocated  # at the start, not at the first offload
         report = s.app.state.warmup
         assert len(report.prompt_tokens) == 4 and min(report.prompt_tokens) >= 2 * SLICE + SLICE // 2
         # Each later turn took its whole first turn (prompt and reply) from the kept conversation.

@@ -44,6 +44,10 @@ class TieredStore:
             self._host = HostPool(self.cpu_bytes, self._pin)
         return self._host
 
+    @property
+    def host_allocated(self) -> bool:
+        return self._host is not None
+
     # ---- queries ----------------------------------------------------------------------------
     def tier_of(self, key: str) -> str | None:
         if key in self._cpu:

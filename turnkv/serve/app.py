@@ -70,6 +70,8 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
     async def lifespan(_: FastAPI):
         scheduler.start()
         if warmup.wanted(config.warmup, llm):
+            if isinstance(tiers, StateTierHook):
+                await asyncio.to_thread(tiers.reserve)
             app.state.warmup = await asyncio.to_thread(warmup.warm_up, scheduler, recipes)
         try:
             yield

@@ -32,6 +32,15 @@ class StateTierHook:
         self.manager, self.tier = manager, tier
         self.on_traffic = on_traffic
 
+    def reserve(self) -> None:
+        """Allocate (and pin) the CPU tier now: at the first offload every running stream would wait
+        for it (pinning tens of GiB takes seconds)."""
+        start = time.perf_counter()
+        host = self.manager.tiers.host
+        if host is not None:
+            log.info("CPU tier: %.1f GiB of %s host memory in %.1f s", host.capacity / 2**30,
+                     "pinned" if host.pinned else "pageable", time.perf_counter() - start)
+
     @property
     def durable(self) -> bool:
         return self.manager.tiers.disk is not None
