@@ -385,6 +385,9 @@ def test_pattern_sources_and_errors(tmp_path, pattern_file):
     method = StreamingHeadsPrefill(pattern="random", ratio=0.5)
     flags = method.flags(6, 4)
     assert flags.shape == (6, 4) and flags.sum() == 12
+    assert flags.sum(axis=1).tolist() == [2] * 6  # even over the layers: the page pool is per layer
+    uneven = StreamingHeadsPrefill(pattern="random", ratio=0.5).flags(5, 3)
+    assert uneven.sum() == 8 and sorted(uneven.sum(axis=1).tolist()) == [1, 1, 2, 2, 2]
     default = StreamingHeadsPrefill()  # the calibrated SmolLM2 gates, thresholded at 0.5
     assert default.flags(30, 3).mean() == pytest.approx(0.5, abs=0.02)
     assert StreamingHeadsPrefill(ratio=0.25).flags(30, 3).mean() == pytest.approx(0.25, abs=0.02)

@@ -72,9 +72,19 @@ class HeadPattern:
 
     @classmethod
     def random(cls, num_layers: int, num_kv_heads: int, sparsity: float = 0.5, seed: int = 0) -> HeadPattern:
-        """A random pattern at the ratio (speed runs, where which heads stream does not matter)."""
-        gates = np.random.default_rng(seed).uniform(size=(num_layers, num_kv_heads))
-        return cls.from_gates(gates, sparsity, seed, {"source": "random"})
+        """A random pattern at the ratio (speed runs, where which heads stream does not matter), spread
+        evenly over the layers: round(sparsity x layers x heads) streaming heads in all, each layer
+        holding the same count or one more. The page pool is per layer, so a layer with more dense
+        heads than the others fills first; an even spread keeps the whole pool's saving."""
+        rng = np.random.default_rng(seed)
+        total = int(round(min(max(sparsity, 0.0), 1.0) * num_layers * num_kv_heads))
+        counts = np.full(num_layers, total // num_layers)
+        counts[rng.permutation(num_layers)[: total % num_layers]] += 1
+        gates = rng.uniform(size=(num_layers, num_kv_heads))
+        streaming = np.zeros((num_layers, num_kv_heads), dtype=bool)
+        for layer, count in enumerate(counts):
+            streaming[layer, np.argsort(gates[layer])[:count]] = True  # the lowest gates stream
+        return cls(streaming, gates, {"sparsity": float(sparsity), "source": "random"})
 
     # ---- queries --------------------------------------------------------------------------------
     @property
