@@ -81,6 +81,31 @@ def test_host_pool_is_all_or_nothing_and_coalesces():
     assert whole is not None and pool.free_bytes() == 0
 
 
+def test_a_reserved_entry_is_filled_in_place_then_registered_or_given_back(tmp_path):
+    """reserve -> views of the pool (counted as used, making room as put does) -> put_reserved
+    registers them as the entry, without a copy; release_reserved gives them back."""
+    tiers = TieredStore(4 * 512, disk_dir=tmp_path)
+    old = {"k": torch.arange(64, dtype=torch.float32)}  # 256 bytes: one extent
+    tiers.put("old", {}, old)
+    tensors = {"k": torch.ones(2, 64), "v": torch.ones(64, dtype=torch.float16)}  # 512 + 128 bytes: two extents
+    views = tiers.reserve("new", tensors)
+    assert {n: (v.shape, v.dtype) for n, v in views.items()} == {n: (t.shape, t.dtype) for n, t in tensors.items()}
+    assert tiers.host.used == 3 * 512 and tiers.tier_of("new") is None
+    for name, t in tensors.items():
+        views[name].copy_(t)
+    assert tiers.put_reserved("new", {"m": 1}, views) == "cpu"
+    tier, meta, got = tiers.get("new")
+    assert tier == "cpu" and meta == {"m": 1, "payload_bytes": 640}
+    assert all(got[n].data_ptr() == views[n].data_ptr() and torch.equal(got[n], tensors[n]) for n in tensors)
+    # A reservation the pool can only hold by demoting "old" (the whole pool) moves it to disk.
+    tiers.delete("new")
+    spare = tiers.reserve("big", {"x": torch.empty(4 * 512, dtype=torch.uint8)})
+    assert spare is not None and tiers.tier_of("old") == "disk" and tiers.host.used == 4 * 512
+    tiers.release_reserved(spare)
+    assert tiers.host.used == 0
+    assert tiers.reserve("huge", {"x": torch.empty(5 * 512, dtype=torch.uint8)}) is None  # over the capacity
+
+
 def test_a_host_pool_the_driver_cannot_pin_falls_back_to_pageable_memory(monkeypatch, caplog):
     """Pinning more host memory than the driver allows fails (a CUDA out-of-memory error): the CPU
     tier then works from pageable memory and says so, instead of failing every offload."""

@@ -13,6 +13,7 @@ import torch
 
 import turnkv
 from tests.state.conftest import LAYERS
+from turnkv.kv.host_pool import HostPool
 from turnkv.kv.snapshot import export_rows
 from turnkv.state.background import Packer, PackInFlight
 from turnkv.state.schedule import CostModel
@@ -106,6 +107,12 @@ def test_a_background_pack_stores_and_restores_exactly_what_an_inline_pack_does(
         assert landed[0]["bytes"] == llm.state.stored_bytes(conv) > 0
         assert conv.kv.bytes() == 0 and not llm.state.leaving
         assert same_entry(stored_entry(llm, conv), entries_inline[i])
+        # The pack went straight into the CPU tier's pool (no staging copy), and nothing else is held.
+        tiers = llm.state.tiers
+        entries = [tiers.get(key)[2] for key in tiers.keys("cpu")]
+        base = tiers.host.buffer.untyped_storage().data_ptr()
+        assert all(t.untyped_storage().data_ptr() == base for t in entries[-1].values())
+        assert tiers.host.used == sum(HostPool.footprint(e) for e in entries)
     assert replies == replies_inline
     rows = restored_rows(llm, conv)
     assert all(torch.equal(a, b) for got, want in zip(rows, rows_inline) for a, b in zip(got, want))

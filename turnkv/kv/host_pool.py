@@ -46,21 +46,25 @@ class HostPool:
 
     def store(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """Copy the tensors into the pool; None (and nothing taken) when they do not fit."""
+        views = self.take_like(tensors)
+        if views is not None:
+            for name, t in tensors.items():
+                views[name].copy_(t)
+        return views
+
+    def take_like(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """Uninitialised views of the pool with each tensor's shape and dtype (the caller fills them and
+        gives them back with `release`); None (and nothing taken) when they do not fit."""
         extents = []
-        for name, t in tensors.items():
+        for t in tensors.values():
             extent = self._take(_aligned(t.numel() * t.element_size()))
             if extent is None:
                 for e in extents:
                     self._give(*e)
                 return None
             extents.append(extent)
-        out = {}
-        for (name, t), (offset, size) in zip(tensors.items(), extents):
-            nbytes = t.numel() * t.element_size()
-            view = self.buffer[offset : offset + nbytes].view(t.dtype).view(t.shape)
-            view.copy_(t)
-            out[name] = view
-        return out
+        return {name: self.buffer[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                for (name, t), (offset, _) in zip(tensors.items(), extents)}
 
     def release(self, tensors: dict[str, torch.Tensor]) -> None:
         for t in tensors.values():

@@ -100,6 +100,26 @@ class TieredStore:
             self.host.release(self._cpu.pop(key)[1])
         return "disk"
 
+    def reserve(self, key: str, tensors: dict[str, torch.Tensor], keep=()) -> dict[str, torch.Tensor] | None:
+        """Views of the CPU tier's pool shaped as `tensors` (on any device), for an entry of `key` that
+        the caller fills (a copy from the device straight into pinned memory) and then registers with
+        put_reserved, or gives back with release_reserved. Makes room as put does; None when the CPU
+        tier cannot hold them (put them instead). Until then they count as used."""
+        if self.host is None or HostPool.footprint(tensors) > self.host.capacity:
+            return None
+        self._make_cpu_room(HostPool.footprint(tensors), exclude={key, *keep})
+        return self.host.take_like(tensors)
+
+    def put_reserved(self, key: str, meta: dict, views: dict[str, torch.Tensor]) -> str:
+        """Register filled views from `reserve` as the CPU entry of `key` (replacing any entry of it)."""
+        meta = {**meta, "payload_bytes": sum(t.numel() * t.element_size() for t in views.values())}
+        self.delete(key)
+        self._cpu[key] = (meta, views)
+        return "cpu"
+
+    def release_reserved(self, views: dict[str, torch.Tensor]) -> None:
+        self.host.release(views)
+
     def get(self, key: str) -> tuple[str, dict, dict[str, torch.Tensor]]:
         """(tier, meta, tensors) of an entry; disk reads are verified (CorruptStateError)."""
         if key in self._cpu:

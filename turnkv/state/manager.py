@@ -228,13 +228,29 @@ class StateManager:
             stored = self._pack(conv, strategy, window, tier, ctx)
             tensors, state = _with_window(stored, window)
             _ = held  # the window's tensors stay referenced until the stream has read them
-            return stored.meta, {name: _to_host(t) for name, t in tensors.items()}, state
+            # Straight into the CPU tier's pinned pool: no pinned staging copy, and no host-to-host copy
+            # under the lock the worker's admission takes.
+            views = None
+            if tier == "cpu":
+                with self.lock:
+                    views = self.tiers.reserve(conv.id, tensors, keep=set(self._pending))
+            if views is None:
+                return stored.meta, {name: _to_host(t) for name, t in tensors.items()}, state, False
+            try:
+                for name, t in tensors.items():
+                    views[name].copy_(t, non_blocking=True)  # the packer synchronizes its stream after
+            except BaseException:
+                with self.lock:
+                    self.tiers.release_reserved(views)
+                raise
+            return stored.meta, views, state, True
 
         def host_work(packed):
-            pack_meta, tensors, state = packed
+            pack_meta, tensors, state, reserved = packed
+            meta = self._entry_meta(record, strategy, state)
             with self.lock:
-                landed = self.tiers.put(conv.id, self._entry_meta(record, strategy, state), tensors, tier,
-                                        keep=set(self._pending))
+                landed = (self.tiers.put_reserved(conv.id, meta, tensors) if reserved else
+                          self.tiers.put(conv.id, meta, tensors, tier, keep=set(self._pending)))
             return landed, pack_meta
 
         del self.resident[conv.id]
