@@ -46,6 +46,11 @@ CHAT_COMMANDS = {
 }
 
 
+TENSOR_PARALLEL_HELP = ("split the model and its KV over N devices (tensor parallelism): N processes, rank r on "
+                        "cuda:r over NCCL (pick the GPUs with CUDA_VISIBLE_DEVICES), or N CPU processes over gloo; "
+                        "N divides the query heads and the intermediate size (docs/parallel.md)")
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """Shows each option's default where it has one and its help does not already name it."""
 
@@ -125,6 +130,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="eviction budget: average tokens kept per KV head (with an evicting --recipe)")
     p.add_argument("--keep-ratio", type=_ratio, default=None,
                    help="eviction budget as the fraction of tokens kept (with an evicting --recipe)")
+    p.add_argument("--tensor-parallel", type=_positive_int, default=1, metavar="N",
+                   help=TENSOR_PARALLEL_HELP)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -174,7 +181,8 @@ def _load(args, **options):
     recipe = _recipe(args)  # a bad recipe fails before the model loads
     with _working(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'}"):
         llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory,
-                  tokenizer=args.tokenizer, recipe=recipe, kv_dtype=args.kv_dtype, **options)
+                  tokenizer=args.tokenizer, recipe=recipe, kv_dtype=args.kv_dtype,
+                  tensor_parallel=args.tensor_parallel, **options)
     heap.freeze()  # the engine stays until the command ends
     return llm
 
@@ -273,11 +281,19 @@ def cmd_chat(args) -> int:
     _show_progress_logs()
     _check_reply_limit(args, "--max-new-tokens", args.max_new_tokens)
     llm = _load(args)
+    try:
+        return _chat(args, llm)
+    finally:
+        llm.shutdown()  # a tensor-parallel engine's workers; nothing on one device
+
+
+def _chat(args, llm) -> int:
     llm.turn_parts.require_tokenizer()  # a chat needs one: say so now, not at every turn
     conv = llm.conversation(system=args.system)
     interactive = sys.stdin.isatty()
     if interactive:
-        print(f"turnkv chat with {llm.name} on {llm.device} ({llm.dtype}). /help for the commands.", flush=True)
+        where = llm.device if llm.parallel is None else f"{llm.parallel.size} ranks (rank 0 on {llm.device})"
+        print(f"turnkv chat with {llm.name} on {where} ({llm.dtype}). /help for the commands.", flush=True)
     while True:
         try:
             line = input("you> " if interactive else "")
@@ -314,7 +330,10 @@ def cmd_generate(args) -> int:
         raise InvalidRequestError("the prompt is empty" + (": stdin gave nothing" if args.prompt is None else ""))
     _check_reply_limit(args, "--max-new-tokens", args.max_new_tokens)
     llm = _load(args)
-    reply = llm.generate(prompt, **_sampling(args))
+    try:
+        reply = llm.generate(prompt, **_sampling(args))
+    finally:
+        llm.shutdown()
     print(reply.text)
     print(_turn_stats(reply), file=sys.stderr)
     return 0
@@ -338,6 +357,9 @@ def cmd_serve(args) -> int:
                          background_packs=not args.inline_packs, head_patterns=dict(args.head_pattern or []))
 
     _check_reply_limit(args, "--max-tokens", args.max_tokens)
+    if args.tensor_parallel > 1:  # the scheduler drives turns step by step, which is not mirrored to workers
+        raise InvalidRequestError(f"turnkv serve does not run tensor-parallel yet (--tensor-parallel "
+                                  f"{args.tensor_parallel}); use the Python API, turnkv chat or turnkv generate")
     # The address is taken before the model loads (a port in use fails at once) and handed to uvicorn.
     listener = bind_listener(config.host, config.port)
     try:
