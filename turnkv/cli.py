@@ -37,6 +37,7 @@ except KeyboardInterrupt as interrupt:
     raise
 
 MB = 1 << 20
+_LOADED: list = []  # the engines this command built
 DEFAULT_REPLY_TOKENS = SamplingParams.max_new_tokens  # a reply's length limit when the command line sets none
 CHAT_COMMANDS = {
     "/help": "list these commands",
@@ -44,11 +45,6 @@ CHAT_COMMANDS = {
     "/reset": "forget every turn and free the KV",
     "/quit": "leave (also /exit, or end of input)",
 }
-
-
-TENSOR_PARALLEL_HELP = ("split the model and its KV over N devices (tensor parallelism): N processes, rank r on "
-                        "cuda:r over NCCL (pick the GPUs with CUDA_VISIBLE_DEVICES), or N CPU processes over gloo; "
-                        "N divides the query heads and the intermediate size (docs/parallel.md)")
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -131,7 +127,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-ratio", type=_ratio, default=None,
                    help="eviction budget as the fraction of tokens kept (with an evicting --recipe)")
     p.add_argument("--tensor-parallel", type=_positive_int, default=1, metavar="N",
-                   help=TENSOR_PARALLEL_HELP)
+                   help="split the model and its KV over N devices (tensor parallelism): N processes, rank r on "
+                        "cuda:r over NCCL (pick the GPUs with CUDA_VISIBLE_DEVICES), or N CPU processes over "
+                        "gloo; N divides the query heads and the intermediate size (docs/parallel.md)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -184,6 +182,7 @@ def _load(args, **options):
                   tokenizer=args.tokenizer, recipe=recipe, kv_dtype=args.kv_dtype,
                   tensor_parallel=args.tensor_parallel, **options)
     heap.freeze()  # the engine stays until the command ends
+    _LOADED.append(llm)  # main() stops a tensor-parallel engine's workers when the command ends
     return llm
 
 
@@ -281,13 +280,6 @@ def cmd_chat(args) -> int:
     _show_progress_logs()
     _check_reply_limit(args, "--max-new-tokens", args.max_new_tokens)
     llm = _load(args)
-    try:
-        return _chat(args, llm)
-    finally:
-        llm.shutdown()  # a tensor-parallel engine's workers; nothing on one device
-
-
-def _chat(args, llm) -> int:
     llm.turn_parts.require_tokenizer()  # a chat needs one: say so now, not at every turn
     conv = llm.conversation(system=args.system)
     interactive = sys.stdin.isatty()
@@ -330,10 +322,7 @@ def cmd_generate(args) -> int:
         raise InvalidRequestError("the prompt is empty" + (": stdin gave nothing" if args.prompt is None else ""))
     _check_reply_limit(args, "--max-new-tokens", args.max_new_tokens)
     llm = _load(args)
-    try:
-        reply = llm.generate(prompt, **_sampling(args))
-    finally:
-        llm.shutdown()
+    reply = llm.generate(prompt, **_sampling(args))
     print(reply.text)
     print(_turn_stats(reply), file=sys.stderr)
     return 0
@@ -495,15 +484,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
-    except TurnkvError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
+    except (TurnkvError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(INTERRUPTED, file=sys.stderr)
         return 130
+    finally:
+        while _LOADED:
+            _LOADED.pop().shutdown()
 
 
 if __name__ == "__main__":
