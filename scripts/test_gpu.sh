@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU lane (`make test-gpu`): every test of the layers with a CUDA path (attention, kv, model,
-# engine, methods, state), on a CUDA machine, with compiled Triton kernels rather than the interpreter,
-# and with the embedded model. Works offline: the model may come as parts (scripts/embedded_model.sh).
+# engine, methods, state; tensor parallelism, whose NCCL tests need two GPUs), on a CUDA machine, with
+# compiled Triton kernels rather than the interpreter, and with the embedded model. Works offline: the model may come as parts (scripts/embedded_model.sh).
 # Writes the log to $GPU_LANE_LOG (default tests/gpu-lane/log.txt) and ends with a summary line.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,5 +35,13 @@ mkdir -p "$(dirname "$LOG")"
 "$PY" -m pytest -q -rfEs -p no:cacheprovider --durations=15 "${WORKERS[@]}" "$@" \
     tests/attention tests/kv tests/model tests/engine tests/methods tests/state tests/test_layers.py 2>&1 | tee -a "$LOG"
 status=${PIPESTATUS[0]}
+# Tensor parallelism on its own, two workers at most: its CPU tests start gloo workers of their own, and
+# its GPU tests (two GPUs or more; skipped otherwise) run N=2 over NCCL on cuda:0 and cuda:1.
+PARALLEL_WORKERS=()
+[ ${#WORKERS[@]} -gt 0 ] && PARALLEL_WORKERS=(-n 2)
+"$PY" -m pytest -q -rfEs -p no:cacheprovider --durations=10 "${PARALLEL_WORKERS[@]}" "$@" tests/parallel 2>&1 \
+    | tee -a "$LOG"
+parallel_status=${PIPESTATUS[0]}
+[ "$status" -eq 0 ] && status=$parallel_status
 echo "# GPU lane exit status: $status" | tee -a "$LOG"
 exit "$status"

@@ -37,6 +37,7 @@ except KeyboardInterrupt as interrupt:
     raise
 
 MB = 1 << 20
+_LOADED: list = []  # the engines this command built
 DEFAULT_REPLY_TOKENS = SamplingParams.max_new_tokens  # a reply's length limit when the command line sets none
 CHAT_COMMANDS = {
     "/help": "list these commands",
@@ -125,6 +126,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="eviction budget: average tokens kept per KV head (with an evicting --recipe)")
     p.add_argument("--keep-ratio", type=_ratio, default=None,
                    help="eviction budget as the fraction of tokens kept (with an evicting --recipe)")
+    p.add_argument("--tensor-parallel", type=_positive_int, default=1, metavar="N",
+                   help="split the model and its KV over N devices (tensor parallelism): N processes, rank r on "
+                        "cuda:r over NCCL (pick the GPUs with CUDA_VISIBLE_DEVICES), or N CPU processes over "
+                        "gloo; N divides the query heads and the intermediate size (docs/parallel.md)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -174,8 +179,10 @@ def _load(args, **options):
     recipe = _recipe(args)  # a bad recipe fails before the model loads
     with _working(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'}"):
         llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory,
-                  tokenizer=args.tokenizer, recipe=recipe, kv_dtype=args.kv_dtype, **options)
+                  tokenizer=args.tokenizer, recipe=recipe, kv_dtype=args.kv_dtype,
+                  tensor_parallel=args.tensor_parallel, **options)
     heap.freeze()  # the engine stays until the command ends
+    _LOADED.append(llm)  # main() stops a tensor-parallel engine's workers when the command ends
     return llm
 
 
@@ -277,7 +284,8 @@ def cmd_chat(args) -> int:
     conv = llm.conversation(system=args.system)
     interactive = sys.stdin.isatty()
     if interactive:
-        print(f"turnkv chat with {llm.name} on {llm.device} ({llm.dtype}). /help for the commands.", flush=True)
+        where = llm.device if llm.parallel is None else f"{llm.parallel.size} ranks (rank 0 on {llm.device})"
+        print(f"turnkv chat with {llm.name} on {where} ({llm.dtype}). /help for the commands.", flush=True)
     while True:
         try:
             line = input("you> " if interactive else "")
@@ -339,6 +347,9 @@ def cmd_serve(args) -> int:
                          warmup={"auto": None, "on": True, "off": False}[args.warmup])
 
     _check_reply_limit(args, "--max-tokens", args.max_tokens)
+    if args.tensor_parallel > 1:  # the scheduler drives turns step by step, which is not mirrored to workers
+        raise InvalidRequestError(f"turnkv serve does not run tensor-parallel yet (--tensor-parallel "
+                                  f"{args.tensor_parallel}); use the Python API, turnkv chat or turnkv generate")
     # The address is taken before the model loads (a port in use fails at once) and handed to uvicorn.
     listener = bind_listener(config.host, config.port)
     try:
@@ -477,15 +488,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
-    except TurnkvError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
+    except (TurnkvError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(INTERRUPTED, file=sys.stderr)
         return 130
+    finally:
+        while _LOADED:
+            _LOADED.pop().shutdown()
 
 
 if __name__ == "__main__":

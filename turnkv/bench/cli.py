@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import shlex
@@ -83,6 +84,10 @@ def add_speed_parser(sub) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--kv-memory", default=None, help="KV pool size (default: what the largest case needs)")
     p.add_argument("--kv-dtype", default=None, help="K/V storage: int8, fp8 or none (the model dtype, default)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model and its KV over N devices (rank r on cuda:r over NCCL, or N CPU processes "
+                        "over gloo); rank 0 times every row, and speed.json records N and the devices. The peers "
+                        "run on one device: their rows are marked unavailable")
     p.add_argument("--contexts", default="1024,4096", help="comma-separated prompt lengths in tokens")
     p.add_argument("--batch", default="1", help="comma-separated batch sizes")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row")
@@ -117,13 +122,19 @@ def cmd_speed(args) -> int:
     recipes = {spec: Recipe.parse(spec) for spec in _split(args.recipes)}  # a bad one fails before the load
     turn_tokens = _integers("--turn-tokens", args.turn_tokens)
     need = max(contexts) + args.new_tokens + args.turns * max(turn_tokens)
-
-    def kv_memory(config, dtype):  # room for the largest batch at the largest context, and no more
-        tokens = max(need, (max(contexts) + args.new_tokens + 16) * max(batches))
-        return pool_bytes(config, dtype, args.kv_dtype, tokens)
-
+    # Room for the largest batch at the largest context, and no more; a partial of a module-level function,
+    # since a tensor-parallel engine's arguments reach its workers pickled.
+    tokens = max(need, (max(contexts) + args.new_tokens + 16) * max(batches))
+    kv_memory = functools.partial(_pool_for, args.kv_dtype, tokens)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_memory=args.kv_memory or kv_memory,
-              max_model_len=need + 16, kv_dtype=args.kv_dtype)
+              max_model_len=need + 16, kv_dtype=args.kv_dtype, tensor_parallel=args.tensor_parallel)
+    try:
+        return _speed(args, llm, contexts, batches, recipes, turn_tokens)
+    finally:
+        llm.shutdown()  # a tensor-parallel engine's workers; nothing on one device
+
+
+def _speed(args, llm, contexts, batches, recipes, turn_tokens) -> int:
     heap.freeze()  # no full collection of the engine's objects inside a timed step
     config = SpeedConfig(contexts=contexts, batches=batches, new_tokens=args.new_tokens, turns=args.turns,
                          turn_tokens=tuple(turn_tokens), recipes=recipes,
@@ -136,6 +147,11 @@ def cmd_speed(args) -> int:
     command = "turnkv bench speed " + " ".join(shlex.quote(a) for a in sys.argv[3:])
     print(speed_report.write(result, args.out, command))
     return 0
+
+
+def _pool_for(kv_dtype, tokens: int, config, dtype) -> int:
+    """kv_memory(config, dtype) of a speed run: a pool of `tokens` tokens of the rank's KV heads."""
+    return pool_bytes(config, dtype, kv_dtype, tokens)
 
 
 def _labelled(item: str) -> tuple[str | None, str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ from turnkv.errors import InvalidRequestError, KVCacheFullError
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
 from turnkv.methods.recipe import Recipe
+from turnkv.parallel.mirror import gather
 
 
 @dataclass
@@ -78,6 +79,7 @@ def measure(llm, recipe, ctx: int, batch: int, cfg: SpeedConfig, hw: dict) -> di
     # Warm-up: two prefill slices (a later slice's kernels) and past the selection's first period, so no
     # kernel compile or graph capture lands in a timed run.
     warm = prompts[0][: min(ctx, llm.runner.prefill_chunk + 512)]
+    recipe = recipe if tensor_parallel(llm) == 1 else str(recipe)  # it reaches the workers pickled
     llm.generate(warm, recipe=recipe, max_new_tokens=cfg.skip_tokens + 8, ignore_eos=True)
     runs = []
     _peak_reset(llm.device)
@@ -89,13 +91,14 @@ def measure(llm, recipe, ctx: int, batch: int, cfg: SpeedConfig, hw: dict) -> di
     kv_bytes = sum(r.kv_bytes for r in replies)  # pages held at the end
     # What a last step reads (a quantized pool's scales included), or what its decode selection reads.
     element_size = llm.pool.token_bytes / (2 * llm.config.head_dim)
-    kv_read = sum(decode_kv_read_bytes(recipe, llm.config, element_size, ctx, r.kv_tokens * llm.pool.token_bytes)
+    kv_read = sum(decode_kv_read_bytes(Recipe.of(recipe), llm.config, element_size, ctx, r.kv_tokens * llm.pool.token_bytes)
                   for r in replies)
     decode_floor = hardware.decode_bytes(hw["weight_bytes"], kv_read) / hw["copy_bandwidth"]
     row = {"tpot_s": tpot, "tpot_floor_s": decode_floor, "tpot_of_floor": decode_floor / tpot,
            "tokens_per_s": batch / tpot, "kv_bytes": kv_bytes, "kv_read_bytes": kv_read,
            "tpot_whole_decode_s": statistics.median(r[0].time_per_token_s for r in runs),
-           "peak_gb": _peak_gb(llm.device)}
+           "peak_gb": _peak_gb(llm.device),
+           "reply_tokens": replies[0].token_ids}  # the first prompt's greedy reply: the same under any split
     if batch == 1:
         ttft = statistics.median(r[0].ttft_s for r in runs)
         prefill_floor = hardware.prefill_floor(llm.config, hw, llm.kv_bytes_per_token(), ctx)
@@ -158,10 +161,25 @@ def measure_hardware(llm) -> dict:
             "matmul_rate": hardware.matmul_rate(llm.device, llm.dtype), "weight_bytes": weight_bytes}
 
 
+def tensor_parallel(llm) -> int:
+    """How many ranks the engine's model is split over (1: one device)."""
+    return 1 if llm.parallel is None else llm.parallel.size
+
+
+def devices(llm) -> list[str]:
+    """The device of each rank, in rank order: cuda:r is rank r's GPU (its name), or "cpu"."""
+    n = tensor_parallel(llm)
+    if llm.device.type != "cuda":
+        return [str(llm.device)] * n
+    first = llm.device.index or 0
+    return [f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(first, first + n)]
+
+
 def _settings(llm, cfg: SpeedConfig) -> dict:
     """What every row's figures depend on besides its own recipe, context and batch size."""
+    parallel = {"tensor_parallel": tensor_parallel(llm)} if tensor_parallel(llm) > 1 else {}
     return {"model": llm.name, "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."),
-            "kv_dtype": llm.pool.kv_dtype_name,
+            "kv_dtype": llm.pool.kv_dtype_name, **parallel,
             **{k: getattr(cfg, k) for k in ("new_tokens", "turns", "repeat", "seed", "skip_tokens")},
             "turn_tokens": list(cfg.turn_tokens)}  # a list, as the rows file's JSON reads it back
 
@@ -215,7 +233,11 @@ def run_speed(llm, cfg: SpeedConfig, progress: bool = True, rows_path: str | Pat
             if kind == "turnkv":
                 row |= measure(llm, recipes[name], ctx, batch, cfg, hw)
             elif kind == "turns":
-                row["turns"] = measure_turns(llm, ctx, cfg, hw)
+                # Under tensor parallelism every rank runs the same prefills (turnkv.parallel.mirror.gather);
+                # rank 0's times are kept.
+                row["turns"] = gather(llm, measure_turns, ctx, replace(cfg, recipes={}), hw)[0]
+            elif tensor_parallel(llm) > 1:
+                raise peers.PeerUnavailable("the peers run on one device, not split over tensor-parallel ranks")
             elif kind == "sdpa":
                 row["ttft_s"] = peers.sdpa_prefill(llm.config, ctx, llm.device, llm.dtype)
                 row["note"] = "causal SDPA alone over all layers: the attention part of prefill"
@@ -240,6 +262,6 @@ def run_speed(llm, cfg: SpeedConfig, progress: bool = True, rows_path: str | Pat
             with open(rows_path, "a") as f:
                 f.write(json.dumps({"key": key, "row": row}, default=str) + "\n")
     return {"hardware": hw, "model": llm.name, "dtype": str(llm.dtype).removeprefix("torch."),
-            "kv_dtype": llm.pool.kv_dtype_name,
+            "kv_dtype": llm.pool.kv_dtype_name, "tensor_parallel": tensor_parallel(llm), "devices": devices(llm),
             "config": {k: v for k, v in vars(cfg).items() if k != "recipes"},
             "recipes": {name: str(r) for name, r in recipes.items()}, "rows": rows}

@@ -21,6 +21,15 @@ def _kv(result: dict) -> str:
     return "" if kv == "none" else f", KV {kv}"
 
 
+def _parallel(result: dict) -> list[str]:
+    """A line on the ranks of a tensor-parallel run (none on one device)."""
+    n = result.get("tensor_parallel", 1)
+    if n == 1:
+        return []
+    return [f"Tensor parallel over {n} ranks ({', '.join(result.get('devices', []))}): times are rank 0's; the "
+            "weights, floors and KV bytes are rank 0's shard.", ""]
+
+
 def markdown(result: dict, command: str) -> str:
     hw = result["hardware"]
     lines = [
@@ -31,6 +40,7 @@ def markdown(result: dict, command: str) -> str:
         "Floors: decode = (weights + KV read) / bandwidth; prefill = the longer of FLOPs / matmul rate "
         "and (weights + KV attended) / bandwidth. "
         "'of floor' = floor / measured (1.00 = at the floor).", "",
+        *_parallel(result),
         "| engine | recipe | context | batch | TTFT ms | of floor | ms/token | of floor | tokens/s | KV GB | peak GB |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]

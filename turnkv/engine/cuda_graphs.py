@@ -9,6 +9,8 @@ Design: docs/architecture.md#cuda-graphs"""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 import torch
 
@@ -18,6 +20,7 @@ from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
 from turnkv.model import ops
 from turnkv.model.decoder import Transformer
+from turnkv.model.parallel import collectives_skipped
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
@@ -266,17 +269,24 @@ class GraphedDecode:
         """A CUDA graph of run() -> (graph, its output), in the memory pool every graph of this runner
         shares (the selection variants of engine/graph_selection.py too). Warm up outside the graph
         first: Triton compiles its kernels on the first call; the warm-up's writes are the replay's.
-        Under CAPTURE_LOCK: no other thread issues device work meanwhile (a background pack waits)."""
+        Under CAPTURE_LOCK: no other thread issues device work meanwhile (a background pack waits).
+        A tensor-parallel shard (model.shard): the warm-up runs no collectives (every rank must run the same
+        ones, and another rank may replay where this one captures); the capture records the all-reduces
+        and the LM head's all-gather, and is made in thread-local mode, so that the process group's
+        watchdog thread, which queries its events while this thread captures, does not void the capture
+        (CAPTURE_LOCK keeps the engine's own threads out)."""
+        sharded = getattr(self.model, "shard", None) is not None
         with CAPTURE_LOCK:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            with torch.cuda.stream(side), (collectives_skipped() if sharded else nullcontext()):
                 run()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             if self.memory_pool is None:
                 self.memory_pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self.memory_pool):
+            mode = "thread_local" if sharded else "global"
+            with torch.cuda.graph(graph, pool=self.memory_pool, capture_error_mode=mode):
                 out = run()
         return graph, out
 

@@ -148,6 +148,8 @@ class LLM:
             # well below its peak rate on short query blocks (benchmarks/prefill/README.md).
             prefill_chunk = 32768 if self.device.type == "cuda" else 4096
         self.runner = ModelRunner(self.model, self.pool, prefill_chunk, self.max_model_len, cuda_graphs)
+        if self.parallel is not None and self.parallel.leader is not None:
+            self.parallel.leader.closers.insert(0, self.runner.drop_graphs)  # before the group is aborted
         eos = set(self.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

@@ -30,6 +30,14 @@ class ModelRunner:
             self.graphs = GraphedDecode(model, pool, max_model_len or model.config.max_position_embeddings, max_batch)
             self.prefill_graphs = GraphedPrefill(self.graphs)
 
+    def drop_graphs(self) -> None:
+        """Let go of every captured CUDA graph; later steps run eagerly. A tensor-parallel engine's rank 0
+        calls it at shutdown, before its NCCL group is aborted (turnkv/parallel/launch.py)."""
+        if self.graphs is not None:
+            torch.cuda.synchronize(self.device)
+            self.graphs.close()
+            self.graphs = self.prefill_graphs = None
+
     @property
     def graph_batch(self) -> int | None:
         """The largest decode batch replayed from CUDA graphs (None without graphs): a caller with more
@@ -97,6 +105,11 @@ class ModelRunner:
             return self.forward(seqs, tokens.view(-1, 1), contexts=contexts, decoding=True)
         if not selecting:
             return self._graphed_decode(seqs, tokens, windows)
+        if getattr(self.model, "shard", None) is not None:
+            # Tensor parallel: whether a selection runs in a graph or eagerly depends on the rank's own heads'
+            # lengths, and the two run all-reduces of different shapes (a graph's bucket pads the batch):
+            # every rank takes the eager step, so that the ranks' collectives match.
+            return self.forward(seqs, tokens.view(-1, 1), contexts=contexts, decoding=True)
         # A selection inside the graphs (engine/graph_selection.py), or the eager step where it cannot
         # be (conversations with different selectors in one batch, LoopServe's warm-up beside selecting
         # conversations): the eager step's selection is then handed to the graphs' buffers.

@@ -19,6 +19,8 @@ default group).
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -93,9 +95,28 @@ def shard_config(shard: Shard) -> ModelConfig:
                    intermediate_size=len(shard.intermediate))
 
 
+_SKIPPING = threading.local()  # .on: this thread's forwards run no collectives (collectives_skipped)
+
+
+@contextmanager
+def collectives_skipped():
+    """Inside (on this thread): the decoder's collectives do nothing. all_reduce leaves x as it is and the LM
+    head repeats the rank's own logits, so a forward gives wrong values of the right shapes. For a CUDA
+    graph's warm-up run (engine/cuda_graphs.py): the ranks must run the same collectives in the same order,
+    and one rank may capture a graph (a warm-up, then the capture) where another replays one."""
+    before = getattr(_SKIPPING, "on", False)
+    _SKIPPING.on = True
+    try:
+        yield
+    finally:
+        _SKIPPING.on = before
+
+
 def all_reduce(x: torch.Tensor, shard: Shard) -> torch.Tensor:
-    """Sum x over the ranks, in place; returns x."""
-    dist.all_reduce(x, group=shard.group)
+    """Sum x over the ranks, in place; returns x. Synchronous on the current stream (NCCL: its own stream,
+    joined by the current one), so a CUDA graph captures it."""
+    if not getattr(_SKIPPING, "on", False):
+        dist.all_reduce(x, group=shard.group)
     return x
 
 
@@ -138,6 +159,8 @@ class VocabParallelHead(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = super().forward(x).contiguous()
+        if getattr(_SKIPPING, "on", False):
+            return torch.cat([local] * self.shard.size, dim=-1)[..., : self.shard.config.vocab_size]
         parts = [torch.empty_like(local) for _ in range(self.shard.size)]
         dist.all_gather(parts, local, group=self.shard.group)
         return torch.cat(parts, dim=-1)[..., : self.shard.config.vocab_size]

@@ -16,11 +16,14 @@ once, and a caller's own default group is left alone.
 
 Shutdown (`Leader.shutdown`, also at exit and when the engine is collected): each worker is told to
 stop, joined for a few seconds, then terminated and killed if it lingers. Workers leave with
-os._exit and tear nothing down (destroy_process_group hung after CUDA graphs with NCCL).
+os._exit and tear nothing down (destroy_process_group hung after CUDA graphs with NCCL). On CUDA,
+rank 0 then drops its CUDA graphs (which hold the NCCL communicator's captured work) and aborts its
+side of the group; nothing calls destroy_process_group.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import queue
@@ -148,6 +151,8 @@ def start(size: int, device: torch.device, engine_class: type, launch_args: dict
     except BaseException:
         leader.shutdown()
         raise
+    if rank_device.type == "cuda":
+        leader.closers.append(functools.partial(_abort, group))
     return Membership(0, size, rank_device, group, store, leader)
 
 
@@ -193,10 +198,13 @@ class Leader:
     broken: str | None = None  # why the engine cannot go on, once it cannot
     depth: int = 0  # > 0 while a mirrored call runs on rank 0: the calls it makes run on rank 0 alone
     streaming: bool = False  # a mirrored call's iterator is open on rank 0
+    # What rank 0 lets go of once the workers are stopped, in order (on CUDA: the engine's CUDA graphs,
+    # then the process group, aborted); each is called once, and what one raises is ignored.
+    closers: list = field(default_factory=list)
     _finalizer: object = field(default=None, repr=False)
 
     def __post_init__(self):
-        self._finalizer = weakref.finalize(self, _stop, self.processes, self.commands)
+        self._finalizer = weakref.finalize(self, _stop, self.processes, self.commands, self.closers)
 
     def check(self) -> None:
         """ParallelError if the engine is broken or a worker has exited."""
@@ -266,7 +274,13 @@ class Leader:
         self._finalizer()
 
 
-def _stop(processes: list, commands: list) -> None:
+def _abort(group) -> None:
+    """End rank 0's side of an NCCL group without tearing it down with its peers (they are stopped)."""
+    torch.cuda.synchronize()
+    group.abort()
+
+
+def _stop(processes: list, commands: list, closers: list) -> None:
     for q in commands:
         try:
             q.put(None)
@@ -282,6 +296,11 @@ def _stop(processes: list, commands: list) -> None:
         if process.is_alive():
             process.kill()
             process.join()
+    for close in closers:
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - at exit or collection: nowhere to raise it, and the workers are gone
+            pass
 
 
 def _describe(error: BaseException) -> str:

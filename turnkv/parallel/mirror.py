@@ -47,7 +47,8 @@ def mirrored(method):
 def gather(obj, fn, *args) -> list:
     """fn(obj, *args) on every rank, each on its own copy of `obj` (the engine, or an object of it):
     the results in rank order, pickled back from the workers. fn is a module-level function (it is
-    pickled by name) that only reads. One device: [fn(obj, *args)]."""
+    pickled by name) that reads, or that runs the model alike on every
+    rank and leaves the engine as it found it (a benchmark's timed prefills). One device: [fn(obj, *args)]."""
     leader = _leader_of(obj)
     if leader is None:
         return [fn(obj, *args)]
