@@ -328,13 +328,6 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _head_pattern(spec: str) -> tuple[str, str]:
-    try:
-        return parse_head_pattern(spec)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def cmd_serve(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = ServeConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
@@ -460,12 +453,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="pack a conversation that leaves the GPU after its turn (state=krul, load, ...) inside the "
                           "turn's end, on the worker, instead of on a thread of its own beside the running streams "
                           "(a baseline: every running stream waits for the pack)")
-    srv.add_argument("--warmup", choices=("auto", "on", "off"), default="auto",
-                     help="before taking requests, run a few synthetic conversations through the worker so that "
-                          "kernels compile before the first users wait for them (auto: on a CUDA device)")
+    srv.add_argument("--warmup", choices=("auto", "on", "off"), default="auto", help="run synthetic conversations "
+                     "before taking requests, so kernels compile before users wait for them (auto: on CUDA)")
     srv.add_argument("--no-tiers", action="store_true",
                      help="drop idle conversations evicted from the KV pool instead of moving them to the tiers")
-    srv.add_argument("--head-pattern", action="append", type=_head_pattern, metavar="NAME=PATH",
+    srv.add_argument("--head-pattern", action="append", type=parse_head_pattern, metavar="NAME=PATH",
                      help="a head-pattern file requests may name in a recipe (streaming_heads(pattern=NAME)); "
                           "repeatable. A recipe sent over HTTP reads no other file")
     srv.add_argument("--log-level", default="info", help="uvicorn's log level: debug, info, warning, error")

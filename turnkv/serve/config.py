@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,8 +58,8 @@ PATTERN_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 def parse_head_pattern(spec: str) -> tuple[str, str]:
-    """"NAME=PATH" (the --head-pattern flag) -> (NAME, PATH)."""
+    """"NAME=PATH" (the --head-pattern flag, whose parser shows this error's message) -> (NAME, PATH)."""
     name, sep, path = spec.partition("=")
     if not sep or not name or not path:
-        raise ValueError(f"--head-pattern takes NAME=PATH, got {spec!r}")
+        raise argparse.ArgumentTypeError(f"--head-pattern takes NAME=PATH, got {spec!r}")
     return name, path
