@@ -22,8 +22,8 @@ def pattern_file(tmp_path):
     return str(path)
 
 
-@pytest.mark.parametrize("kernel", [False, True])
-def test_chunks_take_the_engine_causal_path(chat_llm, chat_model_dir, pattern_file, monkeypatch, kernel):
+@pytest.mark.parametrize("kernel, kv_dtype", [(False, None), (True, None), (False, "int8")])
+def test_chunks_take_the_engine_causal_path(chat_llm, chat_model_dir, pattern_file, monkeypatch, kernel, kv_dtype):
     """A chunk whose streaming heads hold sink + one run within prefill_local (a later turn over the
     trimmed ring) is plain causal attention over the kept keys: the engine runs it without calling
     attend, with the replies and the per-turn density the pattern path gives. A chunk that reaches
@@ -36,11 +36,14 @@ def test_chunks_take_the_engine_causal_path(chat_llm, chat_model_dir, pattern_fi
 
     if kernel and importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
+    import turnkv
+
     llm = chat_llm
     if kernel and torch.cuda.is_available():  # the compiled kernel reads CUDA tensors only
-        import turnkv
-
         llm = turnkv.LLM(str(chat_model_dir), device="cuda", dtype=torch.float32, kv_memory="64MiB")
+    if kv_dtype is not None:  # the split heads read the pool's codes and scales, as attend's gather does
+        llm = turnkv.LLM(str(chat_model_dir), device="cuda" if torch.cuda.is_available() else "cpu",
+                         dtype=torch.float32, kv_memory="64MiB", kv_dtype=kv_dtype)
     sink, local, prefill_local = 4, 8, 48
     recipe = f"prefill=streaming_heads(pattern={pattern_file},sink={sink},local={local},prefill_local={prefill_local})"
     windowed_calls = []
