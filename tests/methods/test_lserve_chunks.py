@@ -29,7 +29,8 @@ def test_chunks_take_the_engine_causal_path(chat_llm, chat_model_dir, pattern_fi
     attend, with the replies and the per-turn density the pattern path gives. A chunk that reaches
     past the window (the long first turn) runs its whole heads on the dense paths and its streaming
     heads on the windowed block decomposition (attention/streaming.py), or with the paged chunk
-    kernel (CUDA; here Triton's interpreter) through the kernel with a window per head and the sink."""
+    kernel (CUDA; here Triton's interpreter) through the kernel with a window per head and the sink.
+    The same on an int8 pool, where both paths read the same codes."""
     import importlib.util
 
     from turnkv.attention import chunk, streaming
