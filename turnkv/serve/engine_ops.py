@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from turnkv.engine import decode_loop, mixed
 from turnkv.engine.conversation import Conversation
 from turnkv.engine.turn import TurnInput, TurnRun
+from turnkv.errors import InvalidRequestError
 from turnkv.methods.recipe import Recipe
 from turnkv.parallel.mirror import lockstep
 from turnkv.serve.tier_hook import StateTierHook
@@ -215,8 +216,6 @@ class EngineOps:
         self._tids: dict[int, int] = {}  # id(TurnRun) -> its number
         self.parallel = getattr(llm, "parallel", None) is not None
         if self.parallel and tiers is not None and not hasattr(tiers, "manager"):
-            from turnkv.errors import InvalidRequestError
-
             raise InvalidRequestError("a tensor-parallel server keeps idle conversations in the engine's state tiers "
                                       "(tiers='state') or drops them (tiers=None)")
         self.tiers = None if tiers is None else (LockstepTiers(self, tiers) if self.parallel else tiers)
