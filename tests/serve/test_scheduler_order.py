@@ -140,7 +140,7 @@ def test_requests_whose_decode_selects_take_a_graphed_step_beside_the_mixed_forw
     prompt = FakeJob("prompt", 100)
     stepped, forwards = [], []
     s._decode_step = lambda batch, jobs: stepped.append(list(batch))
-    s._decoded = lambda batch, logits, jobs, errors: None
+    s._decoded = lambda batch, logits, jobs: None
     s._pick_slices = lambda budget: [(prompt, SimpleNamespace(size=CHUNK, width=CHUNK))]
     s.ops = SimpleNamespace(mixed=lambda batches, slices: forwards.append(  # the parts of the forward it runs
         [scheduler_module.mixed.decode_part(b) for b in batches] + [SimpleNamespace(width=w) for _, w in slices])

@@ -369,12 +369,12 @@ class Scheduler:
         jobs = {id(job.turn): job for job in decoding}
         size = self.llm.runner.graph_batch or self.config.max_running  # batches the graphs replay
         for batch in decode_loop.batches([job.turn for job in decoding], size):
-            step = self._decode_step(batch, jobs)
-            self._decoded(batch, step.value, jobs, step.errors)
+            self._decoded(batch, self._decode_step(batch, jobs), jobs)
 
-    def _decoded(self, batch: list, logits, jobs: dict, errors: dict) -> None:
-        """Each turn of a decode batch takes its token from its row of logits [B, V]; errors: {id(turn):
-        what the step's hook raised for it} (EngineOps.decode)."""
+    def _decoded(self, batch: list, step: Stepped, jobs: dict) -> None:
+        """Each turn of a decode batch takes its token from its row of the step's logits [B, V] (or fails
+        with what the step's hook raised for it: EngineOps.decode)."""
+        logits, errors = step.value, step.errors
         self.metrics.labels(self.metrics.batch).observe(len(batch))
         now = time.perf_counter()
         for turn, row in zip(batch, logits):
@@ -420,7 +420,7 @@ class Scheduler:
         (logits, lasts), errors = step.value, step.errors
         self.metrics.labels(self.metrics.mixed_steps).inc()
         for batch, rows in zip(batches, logits):
-            self._decoded(batch, rows, jobs, errors)
+            self._decoded(batch, Stepped(rows, errors), jobs)
         forward = time.perf_counter() - start  # sampling the decode tokens waited for the forward
         self._note = (f"; forward {forward * 1000:.0f} ms over {sum(p.size for p in parts)} decode tokens and "
                       f"slices of {[part.width for _, part in slices]} tokens, then {len(ends)} prompt(s) ended")
