@@ -126,7 +126,7 @@ class ConversationStore:
         self.ops = ops or EngineOps(llm, tiers)
         self.llm, self.reuse, self.tiers, self.idle_ttl_s = llm, reuse, self.ops.tiers, idle_ttl_s
         self.on_evict = on_evict or (lambda how: None)  # each conversation leaving the pool: "offloaded", "dropped"
-        self.tier_names = ("gpu", *(tiers.names if tiers is not None else ()))
+        self.tier_names = ("gpu", *(self.tiers.names if self.tiers is not None else ()))
         self.entries: list[Entry] = []
         self.sessions: dict[str, Entry] = {}  # by session_key()
 
