@@ -340,9 +340,6 @@ def cmd_serve(args) -> int:
                          warmup={"auto": None, "on": True, "off": False}[args.warmup])
 
     _check_reply_limit(args, "--max-tokens", args.max_tokens)
-    if args.tensor_parallel > 1:  # the scheduler drives turns step by step, which is not mirrored to workers
-        raise InvalidRequestError(f"turnkv serve does not run tensor-parallel yet (--tensor-parallel "
-                                  f"{args.tensor_parallel}); use the Python API, turnkv chat or turnkv generate")
     # The address is taken before the model loads (a port in use fails at once) and handed to uvicorn.
     listener = bind_listener(config.host, config.port)
     try:

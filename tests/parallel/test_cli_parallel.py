@@ -1,5 +1,5 @@
 """The command line's --tensor-parallel: `turnkv chat` and `turnkv bench speed` at N=2 (gloo on CPU) give
-N=1's replies; `turnkv serve` refuses it with one line."""
+N=1's replies; `turnkv serve` builds the engine at N=2 (tests/parallel/test_serve_parallel.py serves it)."""
 
 from __future__ import annotations
 
@@ -62,11 +62,13 @@ def test_bench_speed_times_the_split_engine_on_rank_zero(monkeypatch, capsys, ch
     assert "Tensor parallel over 2 ranks" in (tmp_path / "n2" / "report.md").read_text()
 
 
-def test_serve_refuses_tensor_parallel_in_one_line(monkeypatch, capsys, chat_model_dir):
-    monkeypatch.setattr("turnkv.cli.serve", lambda *a, **k: pytest.fail("the server must not start"))
-    code, _, err = run_cli(monkeypatch, capsys, ["serve", "--model", str(chat_model_dir), "--tensor-parallel", "2"])
-    assert code == 2 and len(err.strip().splitlines()) == 1
-    assert "does not run tensor-parallel yet" in err
+def test_serve_builds_the_split_engine(monkeypatch, capsys, chat_model_dir, tp_timeout):
+    served = []
+    monkeypatch.setattr("turnkv.cli.serve", lambda llm, *a, **k: served.append(llm.parallel.size))
+    code, _, err = run_cli(monkeypatch, capsys, ["serve", "--model", str(chat_model_dir), "--device", "cpu",
+                                                 "--kv-memory", "8MiB", "--port", "0", "--tensor-parallel", "2"])
+    assert code == 0, err
+    assert served == [2]
 
 
 @pytest.mark.parametrize("argv", [["chat"], ["generate"], ["serve"], ["bench", "speed"]])

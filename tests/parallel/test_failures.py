@@ -105,10 +105,11 @@ def test_arguments_of_a_call_that_cannot_be_sent(tp_engines):
         single.generate(PROMPT, recipe=recipe, max_new_tokens=3).token_ids
 
 
-def test_the_server_refuses_a_tensor_parallel_engine(tp_engines):
-    """Its scheduler drives turns itself, which rank 0 would not send to the workers."""
+def test_the_server_refuses_a_tier_hook_of_its_own_on_a_tensor_parallel_engine(tp_engines):
+    """Every rank keeps idle conversations in its own state tiers (serve/engine_ops.py): a custom hook
+    would run on rank 0 alone."""
     from turnkv.serve.app import create_app
 
     _, pair = tp_engines
     with pytest.raises(InvalidRequestError, match="tensor-parallel"):
-        create_app(pair)
+        create_app(pair, tiers=object())

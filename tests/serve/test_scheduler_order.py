@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from turnkv.serve.config import ServeConfig
+from turnkv.serve.engine_ops import Stepped
 from turnkv.serve.scheduler import Scheduler
 
 CHUNK = 32
@@ -141,7 +142,9 @@ def test_requests_whose_decode_selects_take_a_graphed_step_beside_the_mixed_forw
     s._decode_step = lambda batch, jobs: stepped.append(list(batch))
     s._decoded = lambda batch, logits, jobs: None
     s._pick_slices = lambda budget: [(prompt, SimpleNamespace(size=CHUNK, width=CHUNK))]
-    monkeypatch.setattr(scheduler_module.mixed, "forward", lambda runner, parts: forwards.append(parts) or [])
+    s.ops = SimpleNamespace(mixed=lambda batches, slices: forwards.append(  # the parts of the forward it runs
+        [scheduler_module.mixed.decode_part(b) for b in batches] + [SimpleNamespace(width=w) for _, w in slices])
+                            or Stepped(([], []), {}))
     monkeypatch.setattr(scheduler_module.mixed, "decode_part",
                         lambda batch: SimpleNamespace(turns=batch, size=len(batch)))
     s._with_room = lambda fn: fn()

@@ -66,6 +66,38 @@ def gather(obj, fn, *args) -> list:
     return results
 
 
+def lockstep(engine, fn, args: tuple, here, signature=lambda result: None):
+    """Run a step of a caller that drives the engine itself (the server's worker thread) on every rank:
+    fn(worker's engine, *args) on each worker and here() on rank 0, at once; returns here()'s result.
+    fn is a module-level function (pickled by name, with `args`) that makes on a worker the changes
+    here() makes on rank 0, and returns signature(here()'s result) as a worker saw it: rank 0 checks
+    that every worker's equals its own. Calls here() makes run on rank 0 alone (mirrored ones
+    included). Where rank 0 raised, every worker must have raised an exception of the same type; then
+    rank 0's is raised and the engine goes on. Any other disagreement, a dead worker or one silent past
+    the timeout: ParallelError, and the engine is broken. One device: here()."""
+    leader = _leader_of(engine)
+    if leader is None:
+        return here()
+    if leader.streaming or leader.depth:
+        raise InvalidRequestError("a tensor-parallel engine runs one call at a time")
+    leader.send(("apply", ENGINE, fn, args))
+    leader.depth += 1
+    try:
+        result = here()
+    except BaseException as e:
+        leader.depth -= 1
+        _settle(leader, e)
+        raise
+    leader.depth -= 1
+    expected = signature(result)
+    for rank, (kind, detail) in sorted(leader.answers().items()):
+        if kind != "done":
+            leader.fail(f"rank {rank} raised {detail[0]}: {detail[1]} in {fn.__name__} where rank 0 did not")
+        if detail != expected:
+            leader.fail(f"rank {rank} ended {fn.__name__} with {detail!r} where rank 0 ended it with {expected!r}")
+    return result
+
+
 def _leader_of(obj):
     engine = getattr(obj, "llm", obj)
     membership = getattr(engine, "parallel", None)

@@ -31,6 +31,8 @@ import math
 
 import numpy as np
 
+from turnkv.engine import mixed
+
 
 def resident_tokens(recipe, positions: int, prompt: int) -> int:
     """Tokens per KV head a conversation of `positions` positions keeps once its recipe compressed
@@ -93,3 +95,21 @@ class MemoryGate:
         if not running:
             return True
         return self.headroom(job) + sum(self.headroom(j) for j in running) <= self.available()
+
+
+def pick_slices(prefilling: list, budget: int, slice_size) -> list:
+    """(job, part) of the prefill slices a mixed step carries beside its decode tokens: whole slices of
+    the prefilling jobs (slice_size(job) tokens at most each) in arrival order while they fit in
+    `budget` tokens (the first always goes; a slice that does not fit lets shorter ones by), and of
+    the slices that end a prompt whose recipe then compresses it, only the first: every running stream
+    waits for those compressions, so a step runs at most one."""
+    slices, compressing = [], False
+    for job in prefilling:
+        part = mixed.slice_part(job.turn, slice_size(job))
+        ends_compressing = part.width >= job.prefill_left and job.turn.recipe.compresses_after_prompt
+        if slices and (part.size > budget or (compressing and ends_compressing)):
+            continue
+        slices.append((job, part))
+        budget -= part.size
+        compressing |= ends_compressing
+    return slices

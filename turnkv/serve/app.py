@@ -28,6 +28,7 @@ from turnkv.serve.job import Job, Outcome, check_max_tokens
 from turnkv.serve.metrics import Metrics
 from turnkv.serve.scheduler import Scheduler
 from turnkv.serve.store import ConversationStore, TierHook
+from turnkv.serve.engine_ops import EngineOps
 from turnkv.serve.tier_hook import StateTierHook
 from turnkv.serve.token_bytes import CompletionText, TokenBytes
 
@@ -43,20 +44,19 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
     """The app over `llm`. tiers: where idle conversations go when the KV pool fills: "state" (the
     engine's CPU and disk tiers, `llm.state`; conversations a server left in its disk directory are
     taken back now), another TierHook, or None (they are dropped)."""
-    if getattr(llm, "parallel", None) is not None:
-        # The scheduler drives turns itself, not through the calls rank 0 sends its workers.
-        raise InvalidRequestError("the server does not run a tensor-parallel engine yet (LLM(tensor_parallel=...) "
-                                  "serves the Python API only)")
     config = config or ServeConfig()
+    parallel = getattr(llm, "parallel", None) is not None  # every rank runs the worker's operations (engine_ops.py)
     model_name = config.served_model_name or llm.name
     metrics = Metrics(model_name)
     if tiers == "state":
         tiers = StateTierHook(llm.state, on_traffic=metrics.count_traffic) if config.reuse else None
-        if tiers is not None and config.background_packs and llm.state.packer is None:
+        if tiers is not None and config.background_packs and llm.state.packer is None and not parallel:
             llm.state.pack_in_background()  # the scheduler's worker lands the packs (store.settle)
-        if tiers is not None:  # not at the first turn's end, where the running streams would wait
-            llm.state.calibrate_for(llm.recipe.state)
-    store = ConversationStore(llm, reuse=config.reuse, tiers=tiers, idle_ttl_s=idle_ttl_s,
+    ops = EngineOps(llm, tiers)
+    # With the engine's tiers, every rank calibrates the restore costs now, not at the first turn's end,
+    # where the running streams would wait.
+    ops.start(llm.recipe, calibrate=isinstance(tiers, StateTierHook))
+    store = ConversationStore(llm, reuse=config.reuse, idle_ttl_s=idle_ttl_s, ops=ops,
                               on_evict=lambda how: metrics.labels(metrics.evictions, how).inc())
     adopted = store.adopt()
     if adopted:
@@ -98,6 +98,9 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
     async def health():
         if not scheduler.alive:
             return JSONResponse({"status": "unavailable", "reason": "worker stopped"}, status_code=503)
+        broken = ops.unavailable()
+        if broken is not None:
+            return JSONResponse({"status": "unavailable", "reason": broken}, status_code=503)
         if not scheduler.accepting:
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}

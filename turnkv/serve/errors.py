@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from turnkv.errors import ContextLengthError, InvalidRequestError, KVCacheFullError, TurnkvError
+from turnkv.errors import ContextLengthError, InvalidRequestError, KVCacheFullError, ParallelError, TurnkvError
 
 log = logging.getLogger("turnkv.serve")
 
@@ -43,6 +43,8 @@ def from_engine(error: Exception, retry_after_s: int = 1, param: str | None = No
     if isinstance(error, KVCacheFullError):
         return APIError(503, f"{error}; retry later", type="server_error", code="kv_cache_full",
                         headers={"Retry-After": str(retry_after_s)})
+    if isinstance(error, ParallelError):  # a rank of a tensor-parallel engine failed: no request can run
+        return APIError(503, str(error), type="server_error", code="engine_unavailable")
     if isinstance(error, TurnkvError):
         return APIError(500, str(error), type="server_error")
     log.exception("internal error while serving a request", exc_info=error)

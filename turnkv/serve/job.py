@@ -92,8 +92,9 @@ class Job:
         Under a store that does not reuse (--no-reuse), the turn takes nothing from the prefix index
         either: every token of the prompt is prefilled by this request."""
         self.share_prefixes = store.reuse
+        self.ops = store.ops  # every change to the engine goes through it (engine_ops.py)
         if not self.is_chat:
-            self.conv = Conversation(llm, None, self.recipe)  # a container for the KV and recipe state
+            self.conv = self.ops.new_conversation(self.recipe, self.recipe_key)  # a container for the KV and recipe state
             self.keep, self.system_chars, self.pieces = 0, None, [self.prompt_input]
             return
         llm.turn_parts.require_tokenizer()
@@ -146,7 +147,7 @@ class Job:
         inputs = TurnInput(self.keep, self.new_ids, segment_end, None, self.messages if self.is_chat else None,
                            self.full_text, prefix_end=prefix_end, share_prefixes=self.share_prefixes)
         constraint = None if self.grammar is None else self.grammar.constraint()
-        self.turn = TurnRun(self.conv, inputs, parts.new_generation(self.conv.kv, params, constraint=constraint)).begin()
+        self.turn = self.ops.begin_turn(self.conv, inputs, parts.new_generation(self.conv.kv, params, constraint=constraint))
 
     # ---- running -----------------------------------------------------------------------------------
     @property
@@ -156,10 +157,10 @@ class Job:
     def prefill(self, size: int) -> tuple[str, bool]:
         """Prefill the next `size` prompt tokens; after the last slice, sample the first token.
         Returns (text made final, done)."""
-        logits = self.turn.prefill(size, defer_prompt_hook=True)  # the scheduler settles after the first token
+        logits = self.ops.prefill(self.turn, size)  # the scheduler settles after the first token
         if logits is None:
             return "", False
-        return self.turn.take(logits), self.turn.done
+        return self.ops.take(self.turn, logits), self.turn.done
 
     # ---- ending ------------------------------------------------------------------------------------
     def emit(self, piece: str) -> None:
@@ -177,12 +178,12 @@ class Job:
         return [e for e in gen.token_logprobs[start:] if e.token not in gen.eos_ids]
 
     def finish(self, store) -> Outcome:
-        reply = self.turn.finish()
+        reply = self.ops.finish(self.turn)
         logprobs = self._logprobs(0) if self.turn.gen.token_logprobs is not None else None
         outcome = Outcome(reply.text, reply.finish_reason, self.keep + len(self.new_ids), self.turn.cached,
                           reply.completion_tokens, logprobs)
         if not self.is_chat:
-            self.conv.close()
+            self.ops.close(self.conv)
             return outcome
         prompt_end = self.keep + len(self.new_ids)
         self.entry.record_turn(self.system_mark, (prompt_end, len(self.full_text)))
@@ -196,11 +197,11 @@ class Job:
         if self.conv is None:
             return
         if self.turn is not None:
-            self.turn.abandon()
+            self.ops.abandon(self.turn)
         if self.entry is not None:
             store.release(self.entry)
         else:
-            self.conv.close()
+            self.ops.close(self.conv)
         self.conv, self.entry, self.turn = None, None, None
 
 

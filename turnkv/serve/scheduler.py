@@ -35,7 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from turnkv.engine import decode_loop, mixed
 from turnkv.errors import KVCacheFullError
-from turnkv.serve.admission import MemoryGate
+from turnkv.serve.admission import MemoryGate, pick_slices
+from turnkv.serve.engine_ops import Stepped
 from turnkv.serve.errors import APIError
 from turnkv.serve.job import Job
 from turnkv.state.background import PackInFlight
@@ -48,6 +49,7 @@ SLOW_PHASE_S = 0.5  # a worker phase longer than this is logged: every running s
 class Scheduler:
     def __init__(self, llm, store, config, metrics):
         self.llm, self.store, self.config, self.metrics = llm, store, config, metrics
+        self.ops = getattr(store, "ops", None)  # every change to the engine goes through it (engine_ops.py)
         self.cond = threading.Condition()
         self.waiting: deque[Job] = deque()
         self.encoding: list[Job] = []  # admitted, their new tokens being encoded
@@ -181,7 +183,8 @@ class Scheduler:
                         self._decode()
             except Exception as e:  # a bug, not bad input: fail what is in flight and keep serving
                 log.exception("worker step failed")
-                for job in [*self.encoding, *self.held, *self.prefilling, *self.decoding]:
+                for job in [*(j for j in admitted if j not in self.waiting and j not in self.encoding),
+                            *self.encoding, *self.held, *self.prefilling, *self.decoding]:
                     self._fail(job, e)
                 self.encoding, self.held, self.prefilling, self.decoding = [], [], [], []
             with self.cond:
@@ -189,7 +192,11 @@ class Scheduler:
         for job in [*self.waiting, *self.encoding, *self.held, *self.prefilling, *self.decoding]:
             self._fail(job, APIError(503, "the server stopped", type="server_error"))
         self.encoder.shutdown(wait=True, cancel_futures=True)
-        kept, dropped = self.store.shutdown()
+        try:
+            kept, dropped = self.store.shutdown()
+        except Exception:  # the engine broke (a tensor-parallel worker died): nothing left to hand over
+            log.exception("could not hand the idle conversations over")
+            return
         if kept or dropped:
             log.info("stopped: %d idle conversations kept in the durable tier, %d dropped", kept, dropped)
 
@@ -346,7 +353,7 @@ class Scheduler:
         job.sink("start", None)
         job.emit(piece)
         try:  # the recipe's after-prompt hook (a compression), once the first token is on its way
-            self._with_room(job.turn.settle)
+            self._with_room(lambda: self.ops.settle(job.turn))
         except Exception as e:
             self._fail(job, e)
             return
@@ -364,14 +371,18 @@ class Scheduler:
         for batch in decode_loop.batches([job.turn for job in decoding], size):
             self._decoded(batch, self._decode_step(batch, jobs), jobs)
 
-    def _decoded(self, batch: list, logits, jobs: dict) -> None:
-        """Each turn of a decode batch takes its token from its row of logits [B, V]."""
+    def _decoded(self, batch: list, step: Stepped, jobs: dict) -> None:
+        """Each turn of a decode batch takes its token from its row of the step's logits [B, V] (or fails
+        with what the step's hook raised for it: EngineOps.decode)."""
+        logits, errors = step.value, step.errors
         self.metrics.labels(self.metrics.batch).observe(len(batch))
         now = time.perf_counter()
         for turn, row in zip(batch, logits):
             job = jobs[id(turn)]
             try:
-                piece = turn.after_step(row)
+                if id(turn) in errors:
+                    raise errors[id(turn)]
+                piece = self.ops.take(turn, row)
             except Exception as e:
                 self.decoding.remove(job)
                 self._fail(job, e)
@@ -398,24 +409,26 @@ class Scheduler:
         batches = decode_loop.batches([job.turn for job in riding], self.config.max_running)
         parts = [mixed.decode_part(batch) for batch in batches]
         slices = self._pick_slices(self.config.max_step_tokens - sum(part.size for part in parts))
+        ends = [job for job, part in slices if part.width >= job.prefill_left]
         start = time.perf_counter()
         try:
-            logits = self._with_room(lambda: mixed.forward(self.llm.runner, parts + [p for _, p in slices]))
+            step = self._with_room(lambda: self.ops.mixed(batches, [(job.turn, part.width) for job, part in slices]))
         except KVCacheFullError:
             self._prefill()
             self._decode([job for job in riding if job in self.decoding])
             return
+        (logits, lasts), errors = step.value, step.errors
         self.metrics.labels(self.metrics.mixed_steps).inc()
         for batch, rows in zip(batches, logits):
-            self._decoded(batch, rows, jobs)
+            self._decoded(batch, Stepped(rows, errors), jobs)
         forward = time.perf_counter() - start  # sampling the decode tokens waited for the forward
-        ends = [job for job, part in slices if part.width >= job.prefill_left]
         self._note = (f"; forward {forward * 1000:.0f} ms over {sum(p.size for p in parts)} decode tokens and "
                       f"slices of {[part.width for _, part in slices]} tokens, then {len(ends)} prompt(s) ended")
-        for (job, part), rows in zip(slices, logits[len(batches):]):
+        for (job, _), last in zip(slices, lasts):
             try:
-                last = job.turn.chunk_prefilled(part.width, rows[0], defer_prompt_hook=True)
-                piece = None if last is None else job.turn.take(last)
+                if id(job.turn) in errors:
+                    raise errors[id(job.turn)]
+                piece = None if last is None else self.ops.take(job.turn, last)
             except Exception as e:
                 self.prefilling.remove(job)
                 self._fail(job, e)
@@ -426,38 +439,26 @@ class Scheduler:
         self._note += f" in {(time.perf_counter() - start - forward) * 1000:.0f} ms" if ends else ""
 
     def _pick_slices(self, budget: int) -> list:
-        """(job, part) of the prefill slices a mixed step carries beside its decode tokens: whole slices
-        in arrival order while they fit in `budget` tokens (the first always goes; a slice that does not
-        fit lets shorter ones by), and of the slices that end a prompt whose recipe then compresses it,
-        only the first: every running stream waits for those compressions, so a step runs at most one."""
-        slices, compressing = [], False
-        for job in self.prefilling:
-            part = mixed.slice_part(job.turn, self._slice(job))
-            ends_compressing = part.width >= job.prefill_left and job.turn.recipe.compresses_after_prompt
-            if slices and (part.size > budget or (compressing and ends_compressing)):
-                continue
-            slices.append((job, part))
-            budget -= part.size
-            compressing |= ends_compressing
-        return slices
+        """(job, part) of the prefill slices a mixed step carries beside its decode tokens (admission.pick_slices)."""
+        return pick_slices(self.prefilling, budget, self._slice)
 
     def _decode_step(self, batch: list, jobs: dict):
-        """decode_loop.forward over `batch` (turns; jobs maps id(turn) to its request); on a full
+        """A decode step over `batch` (turns; jobs maps id(turn) to its request); on a full
         pool, idle conversations move to the tiers (or are dropped), then the newest request ends,
         until the step fits. A request ended so keeps the reply it has generated, with
-        finish_reason "length" (the pool, like the context, holds no more of it). Returns the
-        logits of the turns still in `batch`."""
+        finish_reason "length" (the pool, like the context, holds no more of it). Returns the step
+        (EngineOps.decode: logits, hook errors) of the turns still in `batch`."""
         while True:
             try:
-                return self._with_room(lambda: decode_loop.forward(self.llm, batch))
+                return self._with_room(lambda: self.ops.decode(batch))
             except KVCacheFullError:
                 victim = max(batch, key=lambda t: jobs[id(t)].arrived)
                 batch.remove(victim)
                 self.decoding.remove(jobs[id(victim)])
-                jobs[id(victim)].emit(victim.gen.end("length"))
+                jobs[id(victim)].emit(self.ops.end(victim, "length"))
                 self._finish(jobs[id(victim)])
                 if not batch:
-                    return []
+                    return Stepped([], {})
 
     def _with_room(self, step, wait: bool = True):
         """step(), retried while idle conversations leave the pool (and, with wait, while packs in

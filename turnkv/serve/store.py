@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from turnkv.engine.conversation import Conversation
+from turnkv.serve.engine_ops import EngineOps
 
 if TYPE_CHECKING:
     from turnkv.engine.llm import LLM
@@ -92,9 +93,9 @@ class Entry:
                 hi = mid - 1
         return *self.marks[lo], False
 
-    def cut(self, tokens: int, chars: int) -> None:
-        """Roll the conversation back to the clean boundary (tokens, chars)."""
-        self.conv._cut(tokens, chars)
+    def cut(self, ops, tokens: int, chars: int) -> None:
+        """Roll the conversation back to the clean boundary (tokens, chars) (ops: the EngineOps)."""
+        ops.cut(self.conv, tokens, chars)
         self.marks = [m for m in self.marks if m[0] <= tokens]
         if chars < self.anchor:  # inside the first prompt: the next turn's prompt becomes the anchor
             self.anchor = 0
@@ -119,10 +120,13 @@ class ConversationStore:
     """Only the worker thread changes it; metrics read its counts from the HTTP thread."""
 
     def __init__(self, llm: LLM, reuse: bool = True, tiers: TierHook | None = None, idle_ttl_s: float | None = None,
-                 on_evict: Callable[[str], None] | None = None):
-        self.llm, self.reuse, self.tiers, self.idle_ttl_s = llm, reuse, tiers, idle_ttl_s
+                 on_evict: Callable[[str], None] | None = None, ops: EngineOps | None = None):
+        """ops: the seam every change to the engine goes through (engine_ops.py; made here over `tiers`
+        unless given, and then `tiers` is ops.tiers)."""
+        self.ops = ops or EngineOps(llm, tiers)
+        self.llm, self.reuse, self.tiers, self.idle_ttl_s = llm, reuse, self.ops.tiers, idle_ttl_s
         self.on_evict = on_evict or (lambda how: None)  # each conversation leaving the pool: "offloaded", "dropped"
-        self.tier_names = ("gpu", *(tiers.names if tiers is not None else ()))
+        self.tier_names = ("gpu", *(self.tiers.names if self.tiers is not None else ()))
         self.entries: list[Entry] = []
         self.sessions: dict[str, Entry] = {}  # by session_key()
 
@@ -164,20 +168,19 @@ class ConversationStore:
 
     def _take(self, entry: Entry, tokens: int, chars: int) -> Claim:
         if tokens == 0:  # nothing reused: start clean (also resets a compressing recipe's state and
-            entry.conv.reset()  # forgets a stored copy, which then needs no restore)
+            self.ops.reset(entry.conv)  # forgets a stored copy, which then needs no restore)
             entry.marks, entry.anchor = [(0, 0)], 0
         if self.tiers is not None:  # before the cut: it may fail for room, and then nothing changed
             for how in self.tiers.begin(entry.conv):
                 self.on_evict(how)
         entry.busy = True
         if tokens:
-            entry.cut(tokens, chars)
+            entry.cut(self.ops, tokens, chars)
         return Claim(entry, tokens, chars)
 
     def _new(self, recipe, recipe_key: str, session: str | None) -> Entry:
-        entry = Entry(Conversation(self.llm, None, recipe), recipe_key, session)
+        entry = Entry(self.ops.new_conversation(recipe, recipe_key, session), recipe_key, session)
         if session is not None:
-            entry.conv.id = session
             self.sessions[session] = entry
         self.entries.append(entry)
         return entry
@@ -212,7 +215,7 @@ class ConversationStore:
         victim = min(idle, key=lambda e: e.last_used)
         while self.tiers is not None:
             if self.tiers.offload(victim.conv):
-                victim.conv.kv.free()  # a hook may copy the KV out and leave the pages to the store
+                self.ops.free(victim.conv)  # a hook may copy the KV out and leave the pages to the store
                 self.on_evict("offloaded")
                 return True
             older = [e for e in self.entries
@@ -242,12 +245,7 @@ class ConversationStore:
         idle = [e for e in self.entries if not e.busy]
         for e in idle:
             self._drop(e)
-        index = getattr(self.llm, "prefix_index", None)
-        entries = 0
-        if index is not None:
-            entries = len(index)
-            index.clear()
-        return len(idle), entries
+        return len(idle), self.ops.clear_index()
 
     def shutdown(self) -> tuple[int, int]:
         """The server stops (no request runs): idle conversations go to the durable tier when there is
@@ -257,7 +255,7 @@ class ConversationStore:
         kept = dropped = 0
         for e in [e for e in self.entries if not e.busy]:
             if durable and self.tiers.offload(e.conv, durable=True):
-                e.conv.kv.free()
+                self.ops.free(e.conv)
                 self.entries.remove(e)  # forgotten here, not discarded: the disk keeps it
                 self.sessions.pop(e.session, None)
                 kept += 1
@@ -276,6 +274,7 @@ class ConversationStore:
         for conv, used in sorted(self.tiers.kept(), key=lambda item: item[1]):
             entry = Entry(conv, str(conv.recipe), last_used=now - max(0.0, wall - used))
             entry.marks, entry.anchor = clean_marks(conv, tokenizer)
+            self.ops.adopt(conv)
             if conv.id.startswith("session-"):
                 entry.session = conv.id
                 self.sessions[conv.id] = entry
@@ -285,7 +284,7 @@ class ConversationStore:
     def _drop(self, entry: Entry) -> None:
         if self.tiers is not None and self.where(entry) != "gpu":
             self.tiers.discard(entry.conv)
-        entry.conv.close()
+        self.ops.close(entry.conv)
         if entry in self.entries:
             self.entries.remove(entry)
         if entry.session is not None and self.sessions.get(entry.session) is entry:
