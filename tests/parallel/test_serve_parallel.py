@@ -45,9 +45,10 @@ def chat(client, index: int, turns: list[str], recipe: str | None = None, max_to
     return out
 
 
-def concurrent_chats(llm) -> tuple[list, float]:
-    """Three conversations at once per recipe, the recipes one after the other: (the replies, mixed steps)."""
-    with running(llm, **CONFIG, max_running=3) as s:
+def concurrent_chats(llm, warmup: bool = False) -> tuple[list, float]:
+    """Three conversations at once per recipe, the recipes one after the other: (the replies, mixed steps).
+    warmup: the server's warm-up first (serve/warmup.py), which must leave nothing that changes a reply."""
+    with running(llm, **CONFIG, max_running=3, warmup=warmup) as s:
         got = []
         with ThreadPoolExecutor(3) as pool:
             for recipe in RECIPES:
@@ -58,7 +59,7 @@ def concurrent_chats(llm) -> tuple[list, float]:
 
 def test_concurrent_chats_under_each_recipe_match_one_device(engines):
     single, pair = engines
-    got, mixed = concurrent_chats(pair)
+    got, mixed = concurrent_chats(pair, warmup=True)  # the warm-up's steps run in lockstep too
     want, _ = concurrent_chats(single)
     assert got == want
     assert mixed > 0

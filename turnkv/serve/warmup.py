@@ -71,10 +71,14 @@ def warm_up(scheduler, recipes, conversations: int = 4, reply_tokens: int = 24, 
     recipe, key = recipes.resolve(None)
     real, scheduler.metrics = scheduler.metrics, Metrics("warmup")
     try:
-        conversations = max(1, min(conversations, config.max_running))
         slice_tokens = scheduler.gate.slice_tokens
         budget = llm.max_model_len - 2 * reply_tokens - 64  # room for the later turn and its reply
-        prompt_len = max(16, min(2 * slice_tokens + slice_tokens // 2, budget))
+        # A quarter of the pool at most for all of them (whole heads, every turn kept): a small pool gets
+        # fewer and shorter conversations, never a pool-full error.
+        pool_tokens = llm.pool.num_pages * llm.pool.page_size // llm.pool.num_kv_heads
+        prompt_len = max(16, min(2 * slice_tokens + slice_tokens // 2, budget, pool_tokens // 4 - 4 * reply_tokens))
+        per_conversation = prompt_len + 4 * reply_tokens + 2 * llm.pool.page_size
+        conversations = max(1, min(conversations, config.max_running, pool_tokens // 4 // per_conversation))
         chats = llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None) is not None
 
         def run(jobs: list[Job]) -> list:
