@@ -9,9 +9,10 @@ chat: setup
 
 # The tests also cover the Ray Serve wrapper (turnkv.serve.ray) and build the docs
 # (tests/docs/), so they install the ray and docs extras.
+# --dist worksteal: a worker that runs out of tests takes some of the other's (the long ones run first: tests/conftest.py).
 test:
 	EXTRAS=test,ray,docs bash scripts/setup.sh
-	.venv/bin/python -m pytest -q -n 2
+	.venv/bin/python -m pytest -q -n 2 --dist worksteal
 
 # The GPU lane: run on a CUDA machine (see docs/contributing.md, the GPU lane). It uses the machine's own torch.
 test-gpu:

@@ -25,6 +25,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Tests that take tens of seconds to minutes each (the embedded model's, the tensor-parallel engines').
+# Run first: the last tests of a run then are short ones, and under `make test`'s `--dist worksteal` a
+# worker that is done takes them from the other instead of waiting while it finishes a long one.
+LONG_FIRST = ("tests/parallel/",)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Move the long tests (marked slow, or under LONG_FIRST) to the front, in their collected order."""
+    root = str(config.rootpath) + os.sep
+
+    def long(item) -> bool:
+        path = str(item.path).removeprefix(root).replace(os.sep, "/")
+        return item.get_closest_marker("slow") is not None or path.startswith(LONG_FIRST)
+
+    items[:] = [item for item in items if long(item)] + [item for item in items if not long(item)]
+
+
 @pytest.fixture(autouse=True)
 def _unfrozen_heap():
     """The CLI freezes the heap for the engine it keeps (turnkv.heap); within the test process that
