@@ -23,6 +23,8 @@ FLOWKV_RECIPES = ("snapkv@flowkv@0.2", "snapkv@recompress@0.2")
 
 # Serving at capacity through `turnkv serve` (benchmarks/serving/capacity_bench.py), committed beside its command.
 SERVING = {
+    "32 users x 16K with the server's warm-up, full / lserve / full-krul":
+        "benchmarks/serving/results/capacity_h100_small_warm/results.json",
     "32 users x 16K, full / full-krul / no-reuse": "benchmarks/serving/results/capacity_h100_small_a/results.json",
     "32 users x 16K, ada-snapkv / flowkv / lserve": "benchmarks/serving/results/capacity_h100_small_b/results.json",
     "64 users x 32K, ada-snapkv": "benchmarks/serving/results/capacity_h100_ada-snapkv/results.json",
