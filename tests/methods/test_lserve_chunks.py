@@ -47,12 +47,17 @@ def test_chunks_take_the_engine_causal_path(chat_llm, chat_model_dir, pattern_fi
                          dtype=torch.float32, kv_memory="64MiB", kv_dtype=kv_dtype)
     sink, local, prefill_local = 4, 8, 48
     recipe = f"prefill=streaming_heads(pattern={pattern_file},sink={sink},local={local},prefill_local={prefill_local})"
-    windowed_calls = []
-    real_windowed = streaming.windowed_chunk
+    windowed_calls, ring_calls = [], []
+    real_windowed, real_paged = streaming.windowed_chunk, chunk.paged_chunk
 
     def windowed(q, *args, **kw):
         windowed_calls.append(q.shape[2])
         return real_windowed(q, *args, **kw)
+
+    def paged(q, *args, **kw):
+        if kw.get("ring"):
+            ring_calls.append((q.shape[2], kw.get("heads") is not None))
+        return real_paged(q, *args, **kw)
 
     real_attend = StreamingHeadsPrefill.attend
 
@@ -60,6 +65,7 @@ def test_chunks_take_the_engine_causal_path(chat_llm, chat_model_dir, pattern_fi
         calls = []
         monkeypatch.setattr(chunk, "FORCE", kernel)
         monkeypatch.setattr(streaming, "windowed_chunk", windowed)
+        monkeypatch.setattr(chunk, "paged_chunk", paged)
 
         def attend(self, layer, keys, **kw):
             calls.append((layer, keys.q_pos[0, 0].item(), keys.q.shape[2]))
@@ -95,14 +101,17 @@ def test_chunks_take_the_engine_causal_path(chat_llm, chat_model_dir, pattern_fi
     # took it, windowed or not; without, the first turn's (longer than the window) split its heads.
     assert plain_calls == [] and (kernel or windowed_calls)
     assert any(position >= last_start for _, position, _ in pattern_calls)
+    # With the kernel the windowed chunks take its ring iterator, all heads in one launch.
+    assert bool(ring_calls) == kernel and not any(subset for _, subset in ring_calls)
     if kernel:  # a chunk longer than WINDOWED_CHUNK_ROWS that needs windows splits its heads too
         from turnkv.engine import step as step_module
 
         monkeypatch.setattr(step_module, "WINDOWED_CHUNK_ROWS", 64)
-        windowed_calls.clear()
+        windowed_calls.clear(), ring_calls.clear()
         limited, _, limited_calls = run(True)
         assert [r[2] for r in limited] == [r[2] for r in plain]
-        assert limited_calls == [] and max(windowed_calls) > 64
+        # The streaming heads alone on the ring iterator; nothing on the block decomposition.
+        assert limited_calls == [] and windowed_calls == [] and max(T for T, subset in ring_calls if subset) > 64
 
 
 def attend_counts(method, seq, T: int):

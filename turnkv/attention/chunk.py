@@ -49,17 +49,34 @@ def num_splits(device: torch.device, batch_kv_heads: int, num_new: int, group: i
     return kernel.choose_splits(batch_kv_heads, blocks, max_length, num_sms(device.index or 0))
 
 
+def kernel_takes(head_dim: int) -> bool:
+    """Whether the kernel takes heads of this size (chunk_prefill.supports, for contiguous queries)."""
+    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+
+
 def paged_chunk(q, k_cache, v_cache, table, lengths, splits: int = 1, scale=None, window=None,
-                key_positions=None, query_positions=None, k_scale=None, v_scale=None, sink: int = 0) -> torch.Tensor:
+                key_positions=None, query_positions=None, k_scale=None, v_scale=None, sink: int = 0,
+                ring: bool = False, heads: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, T, D] -> [B, Hq, T, D]: the T new tokens (the last T entries of every head, stored)
     over table [B, H, P] and lengths [B, H] on q's device; see reference.paged_chunk (window: an int or
     an int32 tensor [H], one per KV head; keys below `sink` stay in every window). A quantized pool
-    (PagePool.scale_kwargs) adds k_scale / v_scale beside its codes."""
+    (PagePool.scale_kwargs) adds k_scale / v_scale beside its codes.
+    ring: the windowed heads are in ring form (chunk_prefill.chunk_attention: the kernel visits only
+    their sink's and window's tiles; the same attention). heads: int32 [n], the only KV heads
+    computed, written into their query heads' rows of `out` ([B, Hq, T, D], required then)."""
     if uses_kernel(q.device) and _kernel().supports(q, k_cache):
-        return _kernel().chunk_attention(q, k_cache, v_cache, table, lengths, splits, scale, window, key_positions,
-                                         query_positions, k_scale, v_scale, sink=sink)
-    return reference.paged_chunk(q, k_cache, v_cache, table, lengths, scale, window, key_positions, query_positions,
-                                 k_scale, v_scale, sink)
+        return _kernel().chunk_attention(q, k_cache, v_cache, table, lengths, splits if heads is None else 1, scale,
+                                         window, key_positions, query_positions, k_scale, v_scale, out=out,
+                                         sink=sink, ring=ring, heads=heads)
+    result = reference.paged_chunk(q, k_cache, v_cache, table, lengths, scale, window, key_positions,
+                                   query_positions, k_scale, v_scale, sink)
+    if heads is None:
+        return result if out is None else out.copy_(result)
+    B, Hq, T, D = q.shape
+    G = Hq // table.shape[1]
+    rows = (heads.long()[:, None] * G + torch.arange(G, device=q.device)).reshape(-1)
+    out[:, rows] = result[:, rows].to(out.dtype)
+    return out
 
 
 # A long chunk over a long history runs faster as two dense attention calls, merged by their

@@ -75,10 +75,7 @@ class Step:
         self.padded = (lengths.min(axis=(1, 2)) != lengths.max(axis=(1, 2))).tolist()
         self.lengths = torch.from_numpy(lengths).to(pool.device)
         if not self.fresh:
-            width = max(int(s.num_pages.max(initial=0)) for s in seqs)
-            tables = [s.device_table()[:, :, :width] for s in seqs]
-            tables = [torch.nn.functional.pad(t, (0, width - t.shape[2])) for t in tables]
-            self.tables = torch.stack(tables, dim=1)  # [L, B, H, P]
+            self.tables = _tables(seqs)
         self.query_positions = positions  # [B, T]
         # Decode reads the kept keys through the indexed decode kernel (H2O's attention mass needs
         # the weights themselves, so it stays on the reference path).
@@ -96,10 +93,11 @@ class Step:
         # up to WINDOWED_CHUNK_ROWS, else split_heads.
         self.head_windows, self.sink = None, 0
         # split_heads: the pattern's windowed heads and its whole heads run apart, the whole heads on the
-        # dense paths below and the windowed ones on attention/streaming.py's block decomposition (a
-        # chunk the windowed chunk kernel does not take: fresh, longer than WINDOWED_CHUNK_ROWS, or off
-        # the kernel's devices).
-        self.split_heads, self._windows_np = False, None
+        # dense paths below and the windowed ones on the chunk kernel's ring iterator where it runs
+        # (it visits only their sink's and window's tiles), else on attention/streaming.py's block
+        # decomposition (a chunk the windowed chunk kernel does not take whole: fresh, longer than
+        # WINDOWED_CHUNK_ROWS, or off the kernel's devices).
+        self.split_heads, self._windows_np, self.ring = False, None, False
         if self.pattern is not None and sliding_window is None and not accumulate:
             windows = self.pattern.chunk_windows(seqs, num_new)
             if windows is not None:
@@ -108,6 +106,12 @@ class Step:
                     self._windows_np = np.asarray(windows.windows)
                     self.head_windows = torch.from_numpy(self._windows_np).to(pool.device, torch.int32)
                     self.split_heads = not (self.chunk_kernel and num_new <= WINDOWED_CHUNK_ROWS)
+                    # Windows come from heads in ring form (chunk_windows): the kernel's ring iterator.
+                    self.ring = chunk.uses_kernel(pool.device) and chunk.kernel_takes(pool.head_dim)
+                    if self.ring and self.split_heads:
+                        self._ring_heads = _ring_heads(self._windows_np, pool.device)
+                        if self.fresh:
+                            self.tables = _tables(seqs)
         self._lengths_np = lengths
         # Later chunks with work enough go to FlashAttention-4 where it is installed (attention/flash.py):
         # heads without window or sink, a pool in the compute dtype. It reads int32 tables and lengths,
@@ -223,7 +227,8 @@ class Step:
             return chunk.paged_chunk(
                 q, self.pool.k[layer], self.pool.v[layer], heads.tables, heads.lengths, splits,
                 window=window, key_positions=self.pool.positions[layer], query_positions=self.query_positions,
-                sink=0 if self.split_heads else self.sink, **self.pool.scale_kwargs(layer))
+                sink=0 if self.split_heads else self.sink, ring=self.ring and not self.split_heads,
+                **self.pool.scale_kwargs(layer))
         S = heads.max_len
         keys = self.pool.gather(layer, heads.tables, S, "k")
         values = self.pool.gather(layer, heads.tables, S, "v")
@@ -260,6 +265,14 @@ class Step:
             k_h, v_h = k[:, :, h : h + 1], v[:, :, h : h + 1]
             part = self._dense_attention(layer, q_heads[:, h], k_h, v_h, self._heads(layer, h))
             per_head[:, :, h] = part.transpose(1, 2)
+        if self.ring:
+            # The windowed heads in one launch, read in place from the pool (the chunk is written),
+            # straight into their rows of `out`.
+            chunk.paged_chunk(q, self.pool.k[layer], self.pool.v[layer], self.tables[layer], self.lengths[layer],
+                              window=self.head_windows[layer], key_positions=self.pool.positions[layer],
+                              query_positions=self.query_positions, sink=self.sink, ring=True,
+                              heads=self._ring_heads[layer], out=out.transpose(1, 2), **self.pool.scale_kwargs(layer))
+            return out
         for window in np.unique(windows[windows < NO_WINDOW]).tolist():
             # The windowed heads together: their calls' shapes do not depend on the chunk's length.
             heads = np.flatnonzero(windows == window).tolist()
@@ -340,3 +353,18 @@ class Step:
         j = torch.arange(S, device=q.device)
         slots = self.tables[layer][:, :, j // ps] * ps + j % ps  # [B, H, S]
         self.pool.attention_mass[layer].view(-1).index_add_(0, slots.reshape(-1), mass.reshape(-1))
+
+
+def _tables(seqs: list[SequenceKV]) -> torch.Tensor:
+    """The sequences' page tables side by side, [L, B, H, P], zero-padded to the widest."""
+    width = max(int(s.num_pages.max(initial=0)) for s in seqs)
+    tables = [s.device_table()[:, :, :width] for s in seqs]
+    return torch.stack([torch.nn.functional.pad(t, (0, width - t.shape[2])) for t in tables], dim=1)
+
+
+def _ring_heads(windows: np.ndarray, device: torch.device) -> list[torch.Tensor]:
+    """Per layer the windowed KV heads of windows [L, H] (int32 views of one device copy)."""
+    heads = [np.flatnonzero(w < NO_WINDOW) for w in windows]
+    flat = torch.from_numpy(np.concatenate(heads).astype(np.int32)).to(device)
+    ends = np.cumsum([len(h) for h in heads])
+    return [flat[end - len(h) : end] for h, end in zip(heads, ends)]
