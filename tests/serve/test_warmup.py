@@ -69,3 +69,18 @@ def test_serve_flag_sets_the_warmup(monkeypatch, capsys, chat_model_dir, flags, 
                                                  "--no-tiers", *flags])
     assert code == 0, err
     assert served[0].warmup is setting
+
+
+def test_warmup_prompts_reach_past_where_the_recipe_changes_paths(chat_model_dir):
+    """LServe's chunks take the windowed paths only past its sink and prefill window: the warm-up's
+    first turns are that long and a slice more, so those kernels compile before the first user."""
+    import turnkv
+
+    recipe = "prefill=streaming_heads(pattern=random,sink=4,local=8,prefill_local=40)"
+    llm = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="32MiB", recipe=recipe)
+    reach = llm.recipe.prefill.paths_change_at()
+    assert reach == 4 + 40 + 1
+    with running(llm, served_model_name=MODEL, prefill_chunk=SLICE, max_step_tokens=4 * SLICE, warmup=True) as s:
+        report = s.app.state.warmup
+        assert report.prompt_tokens and min(report.prompt_tokens) >= reach + SLICE
+        assert max(report.prompt_tokens) > 2 * SLICE + SLICE // 2  # longer than without the recipe's reach

@@ -66,6 +66,12 @@ class Prefill(ABC):
         call `attend`. Host work only. Default: None (call `attend`)."""
         return None
 
+    def paths_change_at(self) -> int:
+        """Prompt tokens past which the pattern's chunks take paths that shorter prompts never do (the
+        server's warm-up prefills one prompt that long, so no kernel compiles for its first users).
+        Default: 0 (none)."""
+        return 0
+
 
 NO_WINDOW = 1 << 30  # a ChunkWindows window past any position: the head sees every kept key
 

@@ -76,7 +76,9 @@ def warm_up(scheduler, recipes, conversations: int = 4, reply_tokens: int = 24, 
         # A quarter of the pool at most for all of them (whole heads, every turn kept): a small pool gets
         # fewer and shorter conversations, never a pool-full error.
         pool_tokens = llm.pool.num_pages * llm.pool.page_size // llm.pool.num_kv_heads
-        prompt_len = max(16, min(2 * slice_tokens + slice_tokens // 2, budget, pool_tokens // 4 - 4 * reply_tokens))
+        # Past where the recipe's prefill changes paths (LServe's windowed chunks), by a slice or more.
+        wanted_len = max(2 * slice_tokens + slice_tokens // 2, recipe.prefill.paths_change_at() + slice_tokens)
+        prompt_len = max(16, min(wanted_len, budget, pool_tokens // 4 - 4 * reply_tokens))
         per_conversation = prompt_len + 4 * reply_tokens + 2 * llm.pool.page_size
         conversations = max(1, min(conversations, config.max_running, pool_tokens // 4 // per_conversation))
         chats = llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None) is not None

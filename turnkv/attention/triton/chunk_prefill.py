@@ -335,8 +335,8 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert not ring or head_window, "ring form is per head: window is a tensor [H]"
     if heads is not None:
         assert heads.dtype == torch.int32 and heads.dim() == 1 and heads.is_contiguous() and num_splits == 1
-    key_pos = key_positions if has_window else lengths
-    query_pos = query_positions.contiguous() if has_window else lengths
+    key_pos = key_positions if has_window and not ring else lengths  # the ring reads no positions
+    query_pos = query_positions.contiguous() if has_window and not ring else lengths
     scale = D**-0.5 if scale is None else scale
     num_heads = H if heads is None else heads.shape[0]
     if num_heads == 0:

@@ -160,6 +160,10 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
             return _ring_windows(seqs, num_new, self.flags(*seqs[0].lengths.shape), self.sink, self.prefill_local)
         return None
 
+    def paths_change_at(self) -> int:
+        """Past its sink and prefill window a streaming head's rows miss kept keys: windowed chunks."""
+        return self.sink + self.prefill_local + 1
+
     def _ring_form(self, kv) -> np.ndarray:
         known = self._rings.get(kv)
         ring = _reorders(kv) == (0 if known is None else known)
