@@ -25,6 +25,7 @@ from turnkv.attention.triton import (
     greedy,
     lines,
     lse_merge,
+    page_fold,
     page_select,
     radix_top_k,
     token_slots,
@@ -324,6 +325,21 @@ def _page_tables():
                     z(L, B, m.kv_heads, P), z(L, B, m.kv_heads), 0, 1, B, K, r, 64)
             page_select.expand_pages(*args, candidates=z(B, R, 4 * K, dtype=I64), refresh=z(L, B, dtype=I64))
             page_select.expand_pages(*args)
+
+
+@case("fold_runs")
+def _fold_runs():
+    for m in MODELS.values():
+        # A 32K-token chunk's keys as a view of the fused q/k/v projection, every head (Quest, LServe
+        # without streaming heads) or the selecting ones; LServe's 16-token and Quest's 8-token pages.
+        T = 32768
+        fused = e(1, T, m.heads + 2 * m.kv_heads, m.head_dim)
+        k = fused[:, :, m.heads : m.heads + m.kv_heads]
+        rows = (T // PAGE + 1) * 2 + 1
+        for logical in (16, 8):
+            page_fold.fold_runs(k, z(1, m.kv_heads, T, dtype=I64), e(rows, m.head_dim), e(rows, m.head_dim), logical)
+        page_fold.fold_runs(k, z(1, m.kv_heads, T, dtype=I64), e(rows, m.head_dim), e(rows, m.head_dim), 16,
+                            z(m.kv_heads // 2, dtype=I64))
 
 
 @case("lse_merge")

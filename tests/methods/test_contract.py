@@ -181,7 +181,7 @@ def check_decode(decode, request, L=2, H=2, Hq=4, D=16, T=12, steps=3):
             assert entries.shape[0] in (H, Hq) and len(counts) == entries.shape[0]
     if isinstance(sel, WriteWatcher):
         slots = seqs[0].reserve(1)[0].reshape(-1)
-        sel.written(0, seqs[0], slots, torch.randn(slots.numel(), D, generator=gen))
+        sel.written(0, seqs[0], slots, torch.randn(1, H, D, generator=gen))  # one token per head
         seqs[0].unreserve(1)
     # A step launched after the generation's last token is undone in the selection's state.
     position = seqs[0].next_position - 1

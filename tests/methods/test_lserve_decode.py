@@ -135,6 +135,21 @@ def test_batch_of_two_equals_one_by_one(chat_llm):
         assert reply.token_ids == alone.token_ids
 
 
+def assert_statistics_exact(pool, kv, heads=None):
+    """The shared statistics of the conversation's heads (default all) equal a rebuild from the pool,
+    bit for bit, over every logical page the head wrote."""
+    shared = summaries_for(pool, 16)
+    fresh = PageSummaries(pool, 16)
+    fresh.rebuild_sequence(kv)
+    for layer in range(pool.num_layers):
+        tables = torch.from_numpy(kv.table[layer][None, :, : int(kv.num_pages[layer].max())])
+        (a_max, a_min), (b_max, b_min) = shared.gather(layer, tables), fresh.gather(layer, tables)
+        lengths = kv.lengths[layer]
+        for h in range(len(lengths)) if heads is None else np.flatnonzero(heads[layer]):
+            n = -(-int(lengths[h]) // 16)  # the head's written logical pages
+            assert torch.equal(a_max[0, h, :n], b_max[0, h, :n]) and torch.equal(a_min[0, h, :n], b_min[0, h, :n])
+
+
 def test_statistics_stay_exact_across_eviction_and_rollback(chat_llm):
     conv = chat_llm.conversation(recipe="snapkv budget=40 decode=quest(budget=32,dense_layers=0)")
     try:
@@ -144,18 +159,46 @@ def test_statistics_stay_exact_across_eviction_and_rollback(chat_llm):
         stream.close()  # abandoned: the turn is rolled back (truncate)
         conv.send(PROMPTS[1], max_new_tokens=6, ignore_eos=True)  # evicts after the prompt, then decodes
         assert conv.kv.moves.any()
-        shared = summaries_for(chat_llm.pool, 16)
-        fresh = PageSummaries(chat_llm.pool, 16)
-        fresh.rebuild_sequence(conv.kv)
-        for layer in range(chat_llm.config.num_layers):
-            tables = torch.from_numpy(conv.kv.table[layer][None, :, : int(conv.kv.num_pages[layer].max())])
-            (a_max, a_min), (b_max, b_min) = shared.gather(layer, tables), fresh.gather(layer, tables)
-            lengths = conv.kv.lengths[layer]
-            for h in range(len(lengths)):
-                n = -(-int(lengths[h]) // 16)  # the head's written logical pages
-                assert torch.equal(a_max[0, h, :n], b_max[0, h, :n]) and torch.equal(a_min[0, h, :n], b_min[0, h, :n])
+        assert_statistics_exact(chat_llm.pool, conv.kv)
     finally:
         conv.close()
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_statistics_after_chunked_prefills_equal_a_rebuild(chat_llm, monkeypatch, tmp_path, kernel, streaming):
+    """Prompts prefilled in chunks of 24 tokens (chunks that begin and end inside logical pages),
+    over a fresh sequence and over a kept history, then decode steps: the selecting heads' shared
+    statistics equal a rebuild from the pool after each. With streaming heads (one per layer, whose
+    keys are not folded) or without; through the fold kernel (here in Triton's interpreter), which
+    reads the step's keys in place, or through update()."""
+    from turnkv.attention.triton import page_fold
+    from turnkv.methods.lserve import summaries as summaries_module
+    from turnkv.methods.lserve.pattern import HeadPattern
+
+    if kernel:
+        pytest.importorskip("triton")
+    monkeypatch.setattr(summaries_module, "FORCE", kernel)
+    monkeypatch.setattr(chat_llm.runner, "prefill_chunk", 24)
+    folds = []
+    real_fold = page_fold.fold_runs
+    monkeypatch.setattr(page_fold, "fold_runs", lambda k, *a, **kw: folds.append(k.shape[1]) or real_fold(k, *a, **kw))
+    pattern = np.array([[True, False], [False, True]]) if streaming else np.zeros((2, 2), dtype=bool)
+    recipe = "decode=lserve(budget=64,physical_page=32,reuse=4)"
+    if streaming:
+        HeadPattern(pattern).save_json(tmp_path / "pattern.json")
+        recipe = f"lserve prefill=streaming_heads(pattern={tmp_path / 'pattern.json'},sink=4,local=8) " + recipe
+    conv = chat_llm.conversation(system="Answer briefly.", recipe=recipe)
+    try:
+        conv.send(LONG, max_new_tokens=1, ignore_eos=True)  # the prompt's chunks, no decode step
+        assert conv.turns[-1].prompt_end > 3 * 24
+        assert_statistics_exact(chat_llm.pool, conv.kv, ~pattern)
+        conv.send(PROMPTS[1], max_new_tokens=7, ignore_eos=True)  # chunks over the kept history, decode
+        assert_statistics_exact(chat_llm.pool, conv.kv, ~pattern)
+    finally:
+        conv.close()
+    # The kernel folded the prompts' chunks (24 tokens) and the decode steps (one), in every layer.
+    assert (24 in folds and 1 in folds) if kernel else not folds
 
 
 def test_options_are_checked():

@@ -56,7 +56,7 @@ class Step:
         self.selectors = selectors if any(s is not None for s in selectors) else None
         self.observers = self.selectors
         # Selectors that keep statistics beside the pages (LServe's per-page key min/max) see every K
-        # write of their sequence, prefill and decode: `written(layer, seq, slots, k)`.
+        # write of their sequence, prefill and decode: `written(layer, seq, slots, k)`, k a view.
         self.writers = [(b, s) for b, s in enumerate(self.observers or []) if isinstance(s, WriteWatcher)]
         self.seqs = seqs
         # Per sequence a QueryWindow (or None) that records each layer's queries for the scorers.
@@ -153,10 +153,9 @@ class Step:
         B, T, Hq, D = q.shape
         self.pool.write_heads(layer, self.slots[layer], k, v)
         if self.writers:
-            flat_k = k.transpose(1, 2).reshape(-1, D)
-            n = flat_k.shape[0] // B  # the slots are in (sequence, head, token) order
-            for b, sel in self.writers:
-                sel.written(layer, self.seqs[b], self.slots[layer][b * n : (b + 1) * n], flat_k[b * n : (b + 1) * n])
+            n = self.slots.shape[1] // B  # the slots are in (sequence, head, token) order
+            for b, sel in self.writers:  # each sequence's keys as they are, [T, H, D]
+                sel.written(layer, self.seqs[b], self.slots[layer][b * n : (b + 1) * n], k[b])
         if self.windows is not None:
             self._record_windows(layer, q)
         if self.observers is not None:

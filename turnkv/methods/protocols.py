@@ -357,8 +357,9 @@ class WriteWatcher(ABC):
 
     @abstractmethod
     def written(self, layer: int, seq: SequenceKV, slots: torch.Tensor, k: torch.Tensor) -> None:
-        """Keys k [n, D] were written in `layer` at flat pool slots [n] (page * page_size + offset),
-        in (head, token) order."""
+        """The sequence's keys k [T, H, D] of the step, as the decoder makes them (a view: any
+        strides), were written in `layer` at flat pool slots [H * T] (page * page_size + offset) in
+        (head, token) order, each head's T tokens in its pages in order."""
 
 
 class Decode(ABC):

@@ -126,17 +126,15 @@ class PagedSelection(DecodeSelection, WriteWatcher):
     def written(self, layer: int, seq, slots: torch.Tensor, k: torch.Tensor) -> None:
         summaries = summaries_for(seq.pool, self.selector.config.logical_page)
         streaming = self._streaming(seq, layer)
+        T, H = k.shape[0], k.shape[1]
+        heads = None
         if streaming.any():
-            # Streaming heads never select: only the selecting heads' keys are folded. slots and k are
-            # in (head, token) order, every head writing as many.
-            H = len(streaming)
-            selecting = np.flatnonzero(~streaming).tolist()
-            if not selecting:
+            # Streaming heads never select: only the selecting heads' keys are folded.
+            heads = np.flatnonzero(~streaming).tolist()
+            if not heads:
                 return
-            slots = torch.cat([slots.view(H, -1)[h] for h in selecting])
-            k = torch.cat([k.view(H, -1, k.shape[-1])[h] for h in selecting])
-        summaries.update(layer, slots, k)
-        if slots.shape[0] == int(seq.lengths[layer][~streaming].sum()):
+        summaries.update_runs(layer, slots.view(1, H, T), k[None], heads)
+        if T * (H if heads is None else len(heads)) == int(seq.lengths[layer][~streaming].sum()):
             # Every token the layer holds was written here (a fresh sequence's first chunk): the update
             # made its statistics exact, with nothing to rebuild.
             self._mark_synced(layer, seq)

@@ -7,7 +7,8 @@ must hold whole logical pages (page_size % logical_page == 0): with the default 
 one logical page per pool page.
 
 Kept current by `update` on every K write (the engine calls it right after PagePool.write with the
-same slots), which resets a logical page when its first token is written. Tokens are appended in
+same slots), which resets a logical page when its first token is written; `update_runs` is the same
+for a step's keys as the decoder makes them ([B, T, H, D], read in place: a Triton kernel on CUDA). Tokens are appended in
 order, so a page's first token always comes before the others. After anything that moves or drops
 tokens (SequenceKV.keep, truncate, a restore from the state tiers) call `rebuild_sequence`.
 
@@ -22,7 +23,16 @@ import numpy as np
 import torch
 
 from turnkv.attention import decode
+from turnkv.attention.triton import available
 from turnkv.kv.pool import PagePool
+
+# update_runs folds with the Triton kernel (attention/triton/page_fold.py) on CUDA; FORCE = True also
+# runs it off CUDA (Triton's interpreter, for tests).
+FORCE = False
+
+
+def runs_kernel(device: torch.device) -> bool:
+    return (device.type == "cuda" or FORCE) and available()
 
 
 class PageSummaries:
@@ -39,6 +49,7 @@ class PageSummaries:
         self.kmax = torch.full(shape, float("-inf"), dtype=pool.dtype, device=pool.device)
         self.kmin = torch.full(shape, float("inf"), dtype=pool.dtype, device=pool.device)
         self._scratch = rows
+        self._head_index: dict[tuple[int, ...], torch.Tensor] = {}  # update_runs' heads, on the device
 
     def bytes(self) -> int:
         return 2 * self.kmax[:, :-1].numel() * self.kmax.element_size()
@@ -54,6 +65,37 @@ class PageSummaries:
         index = rows[:, None].expand(-1, k.shape[1])
         kmax.scatter_reduce_(0, index, k.to(kmax.dtype), "amax", include_self=True)
         kmin.scatter_reduce_(0, index, k.to(kmin.dtype), "amin", include_self=True)
+
+    def update_runs(self, layer: int, slots: torch.Tensor, k: torch.Tensor, heads=None) -> None:
+        """update() for a step's keys as the decoder makes them: k [B, T, H, D] (any strides), written
+        at slots [B, H, T] (or flat, in (sequence, head, token) order), each (sequence, head) its T
+        tokens in order (SequenceKV.reserve's slots: they fill the head's pages in order). heads: the
+        KV heads to fold, a sequence of ints or an int tensor on the pool's device (None: all).
+
+        Bit for bit update() over those heads' slots and keys, bar its scratch row. On the kernel's
+        devices one launch reads the keys in place (attention/triton/page_fold.py; keys in the
+        statistics' dtype, the engine's case, or a narrower one fp32 holds); elsewhere the heads'
+        keys are copied out in (sequence, head, token) order for update()."""
+        B, T, H, D = k.shape
+        slots = slots.view(B, H, T)
+        index = None if heads is None else self._heads(heads)
+        if runs_kernel(k.device):
+            from turnkv.attention.triton import page_fold
+
+            if page_fold.takes(k.dtype, self.kmax.dtype):
+                page_fold.fold_runs(k, slots, self.kmax[layer], self.kmin[layer], self.logical_page, index)
+                return
+        if index is not None:
+            slots, k = slots.index_select(1, index), k.index_select(2, index)
+        self.update(layer, slots.reshape(-1), k.transpose(1, 2).reshape(-1, D))
+
+    def _heads(self, heads) -> torch.Tensor:
+        if isinstance(heads, torch.Tensor):
+            return heads.to(self.pool.device, torch.int64)
+        key = tuple(int(h) for h in heads)
+        if key not in self._head_index:  # a device copy once per head set, not a host copy per call
+            self._head_index[key] = torch.tensor(key, dtype=torch.int64, device=self.pool.device)
+        return self._head_index[key]
 
     def fold(self, slots: torch.Tensor) -> None:
         """update() for a decode step of every layer at once, the keys read back from the pool: slots
