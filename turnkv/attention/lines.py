@@ -259,23 +259,36 @@ def kernel_layout(keys: Keys) -> tuple[torch.Tensor, torch.Tensor] | None:
     return (q_start, kv_len) if bool(ok) else None
 
 
+def _layout_geometry(keys: Keys, per_query_head: bool, q_start: torch.Tensor, kv_len: torch.Tensor):
+    """(U, W, expand, q0 [B, 1, 1], L [B, H, 1]) for the kernel's layout: the units, the window (or
+    none), the per-KV-head -> per-unit repeat, the chunk's first row and the heads' key counts."""
+    B, Hq = keys.q.shape[:2]
+    H = keys.k.shape[1]
+    U = Hq if per_query_head else H
+    W = keys.window if keys.window is not None else 1 << 62
+    expand = (lambda x: x.repeat_interleave(U // H, dim=1)) if U != H else (lambda x: x)
+    return U, W, expand, q_start.long().view(B, 1, 1), kv_len.long()[..., None]
+
+
+def causal_counts(keys: Keys, per_query_head: bool, q_start: torch.Tensor, kv_len: torch.Tensor) -> torch.Tensor:
+    """contiguous_counts' causal cell counts [B, U] (fp64) alone: the same values, without lines."""
+    B, H, T = keys.q.shape[0], keys.k.shape[1], keys.q.shape[2]
+    U, W, expand, q0, L = _layout_geometry(keys, per_query_head, q_start, kv_len)
+    p = q0 + torch.arange(T, device=q0.device)  # [B, 1, T]
+    causal = ((torch.minimum(p, L - 1) - (p - W + 1).clamp_min(0) + 1).clamp_min(0)).sum(dim=2)  # [B, H]
+    return expand(causal).double().view(B, U)
+
+
 def contiguous_counts(keys: Keys, vertical: torch.Tensor, slash: torch.Tensor, per_query_head: bool,
                       q_start: torch.Tensor, kv_len: torch.Tensor):
     """blockwise_attention's computed and causal cell counts [B, U] for the kernel's layout (entry =
     position), from line geometry instead of masks: slash cells + vertical cells - their crossings.
 
     Rows p in [q0, q1]; a cell (p, c) is visible when c <= p, c < kv_len and p - c < window."""
-    B, Hq, T, _ = keys.q.shape
-    H = keys.k.shape[1]
-    U = Hq if per_query_head else H
-    W = keys.window if keys.window is not None else 1 << 62
-    expand = (lambda x: x.repeat_interleave(U // H, dim=1)) if U != H else (lambda x: x)
-    q0 = q_start.long().view(B, 1, 1)
+    B, H, T = keys.q.shape[0], keys.k.shape[1], keys.q.shape[2]
+    U, W, expand, q0, L = _layout_geometry(keys, per_query_head, q_start, kv_len)
     q1 = q0 + T - 1
-    L = kv_len.long()[..., None]  # [B, H, 1]
-    p = q0 + torch.arange(T, device=q0.device)  # [B, 1, T]
-    causal = ((torch.minimum(p, L - 1) - (p - W + 1).clamp_min(0) + 1).clamp_min(0)).sum(dim=2)  # [B, H]
-    causal = expand(causal).reshape(-1)
+    causal = causal_counts(keys, per_query_head, q_start, kv_len)
     q0, q1, L = (expand(x.expand(B, H, 1)).reshape(-1, 1) for x in (q0, q1, L))  # per unit [N, 1]
     O, S = slash.shape[1], vertical.shape[1]
     d = torch.arange(O, device=slash.device)
@@ -290,7 +303,7 @@ def contiguous_counts(keys: Keys, vertical: torch.Tensor, slash: torch.Tensor, p
     hi = (q1 - c + 1).clamp(0, O).clamp_max(min(W, O))
     crossings = (prefix.gather(1, hi) - prefix.gather(1, lo.clamp_max(hi))).clamp_min(0)
     computed = (s_cells * s_on).sum(dim=1) + (v_cells * v_on).sum(dim=1) - (crossings * v_on).sum(dim=1)
-    return computed.double().view(B, U), causal.double().view(B, U)
+    return computed.double().view(B, U), causal
 
 
 def line_attention(keys: Keys, vertical: torch.Tensor, slash: torch.Tensor, per_query_head: bool,
