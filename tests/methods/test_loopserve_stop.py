@@ -1,7 +1,8 @@
 """LoopServe's early stop in prefill: a unit whose taken lines already cover dense_above of its
 causal cells stops its greedy and attends densely. Against the same prefill without the stop: the
 same dense decisions and the same output to the bit, far fewer greedy steps on near-uniform
-attention, and the same lines where attention is peaked (nothing stops)."""
+attention, and the same lines where attention is peaked (nothing stops). And the `recovered` mask
+attend builds once per sequence for keys at their entries, against the per-head mask."""
 
 from __future__ import annotations
 
@@ -147,3 +148,24 @@ def test_engine_prefill_equals_the_walk_without_the_stop(chat_llm, monkeypatch):
     assert sum(int(t.sum()) for t in taken) < sum(int(t.sum()) for t in taken_ref)
     for e, e_ref in zip(st.pattern_stats, st_ref.pattern_stats):
         assert torch.equal(e["computed"], e_ref["computed"])
+
+
+@pytest.mark.parametrize("per_q", [True, False])
+def test_line_mask_at_entries_equals_the_per_head_mask(per_q):
+    """attend's `recovered` mask with keys at their entries (offsets built once per sequence) is the
+    per-head mask, with padding, a window, batches and query groups."""
+    g = torch.Generator().manual_seed(7)
+    for B, ragged, window in ((1, False, None), (2, True, None), (3, False, 17)):
+        keys = chunk_keys(["uniform"] * 4, B=B, seed=B)
+        if ragged:
+            valid = torch.ones_like(keys.k_pos, dtype=torch.bool)
+            valid[:, -1, -5:] = False
+            keys = dataclasses.replace(keys, valid=valid)
+        keys = dataclasses.replace(keys, window=window)
+        U = 4 if per_q else 2
+        vertical = torch.rand(B * U, keys.k.shape[2], generator=g) < 0.3
+        slash = torch.rand(B * U, keys.end_position, generator=g) < 0.3
+        rows = torch.tensor([0, 5, 50, 95])
+        for r in (rows, None):
+            expected = lines.line_mask(keys, vertical, slash, per_q, r)
+            assert torch.equal(lines.line_mask(keys, vertical, slash, per_q, r, at_entries=True), expected)

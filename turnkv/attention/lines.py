@@ -173,15 +173,19 @@ def _diagonals_kernel():
 
 
 def line_mask(keys: Keys, vertical: torch.Tensor, slash: torch.Tensor, per_query_head: bool,
-              rows: torch.Tensor | None = None) -> torch.Tensor:
+              rows: torch.Tensor | None = None, at_entries: bool = False) -> torch.Tensor:
     """Cells of the selected lines, restricted to the causal region.
 
     vertical [N, S] bool over key entries; slash [N, num_offsets] bool over offsets. Returns
-    [B, Hq or H, R, S]: per query head when per_query_head, else per KV head."""
+    [B, Hq or H, R, S]: per query head when per_query_head, else per KV head. at_entries: the caller
+    knows that every head's key entry c sits at position c (kernel_layout's case), so the offsets
+    and the causal test are computed once per sequence instead of per head; the same mask."""
     B, Hq = keys.q.shape[:2]
     H, G = keys.k.shape[1], keys.group
     units = Hq if per_query_head else H
     G_units = units // H
+    if at_entries:
+        return _line_mask_at_entries(keys, vertical, slash, units, rows)
     visible = keys.visible(rows)  # [B, H, R, S]
     offsets = keys.offsets(rows).clamp_max(slash.shape[1] - 1)
     R, S = visible.shape[2:]
@@ -190,6 +194,25 @@ def line_mask(keys: Keys, vertical: torch.Tensor, slash: torch.Tensor, per_query
     on_slash = slash.gather(3, offsets.reshape(B, H, 1, R * S).expand(B, H, G_units, R * S))
     mask = visible[:, :, None] & (vertical.view(B, H, G_units, 1, S) | on_slash.view(B, H, G_units, R, S))
     return mask.view(B, units, R, S)
+
+
+def _line_mask_at_entries(keys: Keys, vertical, slash, units: int, rows) -> torch.Tensor:
+    """line_mask where key entry c sits at position c in every head: the row-minus-entry offsets
+    [B, R, S] are every head's, so they and the causal test are built once per sequence."""
+    B, H, S = keys.k_pos.shape
+    q_pos = keys.q_pos if rows is None else keys.q_pos[:, rows]
+    R = q_pos.shape[1]
+    delta = q_pos[:, :, None] - torch.arange(S, device=q_pos.device)  # [B, R, S]
+    visible = delta >= 0
+    if keys.window is not None:
+        visible &= delta < keys.window
+    offsets = delta.clamp_(0, slash.shape[1] - 1).view(B, 1, R * S).expand(B, units, R * S)
+    on_slash = slash.view(B, units, -1).gather(2, offsets).view(B, units, R, S)
+    mask = (vertical.view(B, units, 1, S) | on_slash) & visible[:, None]
+    if keys.valid is not None:
+        G_units = units // H
+        mask.view(B, H, G_units, R, S).logical_and_(keys.valid[:, :, None, None, :])
+    return mask
 
 
 def blockwise_attention(keys: Keys, mask_fn, scale: float | None = None, block_rows: int = 512):

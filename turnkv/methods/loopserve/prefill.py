@@ -157,7 +157,8 @@ class LoopServePrefill(Prefill):
         else:
             out, computed, causal = self._attend_dense_units(keys, vertical, slash, per_q, *dense, layout)
         t3 = _clock(device, self.profile)
-        covered = (weights * lines.line_mask(keys, vertical, slash, per_q, rows)).sum(dim=(2, 3))
+        mask = lines.line_mask(keys, vertical, slash, per_q, rows, at_entries=layout is not None)
+        covered = (weights * mask).sum(dim=(2, 3))
         stats = dict(layer=layer, computed=computed, causal=causal,
                      vertical=vertical.sum(dim=1).view(B, U), slash=slash.sum(dim=1).view(B, U),
                      recovered=covered / mass.view(B, U), estimated=estimate.view(B, U) / mass.view(B, U),
