@@ -112,3 +112,54 @@ def test_diagonal_sums_equal_the_scatter(B, R, S, O):
     assert all(torch.equal(a, b) for a, b in zip(loop, ref))
     w_s, s_max = lines.diagonal_sums(weights.to(DEVICE), positions, O, force_triton=True)
     assert torch.equal(w_s.cpu(), ref[2]) and torch.equal(s_max.cpu(), ref[3])
+
+
+def stop_cells_for(args, seed):
+    """Per-unit stop thresholds: some reached early, some never (inf), one at once (0)."""
+    g = torch.Generator().manual_seed(seed)
+    l_s, l_v = args[2].cpu(), args[6].cpu()
+    N = l_s.shape[0]
+    cells = (l_s.sum(1) + l_v.sum(1)).double()
+    stop = cells * torch.rand(N, generator=g, dtype=torch.float64) * 0.5
+    stop[torch.rand(N, generator=g) < 0.3] = float("inf")
+    stop[4] = 0.0
+    return stop.to(args[0].device)
+
+
+@pytest.mark.parametrize("normalised", [True, False])
+@pytest.mark.parametrize("max_lines", [None, 6, 10**6])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_early_stop_equal_in_every_backend(normalised, max_lines, seed):
+    """With stop_cells the three loops agree to the bit; a unit that stops ran the walk without the
+    stop up to the first point where its bound reaches stop_cells, and the others did not change."""
+    for ties in (True, False):
+        args = lists(N=9, seed=seed, ties=ties)
+        stop = stop_cells_for(args, seed)
+        kw = dict(normalised=normalised, max_lines=max_lines)
+        ref = G.greedy(*args, **kw, backend="torch", stop_cells=stop)
+        for backend in ("triton", "python"):
+            assert_same(G.greedy(*args, **kw, backend=backend, stop_cells=stop), ref)
+        full = G.greedy(*args, **kw, backend="torch")
+        l_s, l_v = args[2].double(), args[6].double()
+        ranks_s, ranks_v = torch.arange(l_s.shape[1], device=l_s.device), torch.arange(l_v.shape[1], device=l_v.device)
+        c_s = (l_s * (ranks_s < ref[0][:, None])).sum(1)
+        c_v = (l_v * (ranks_v < ref[1][:, None])).sum(1)
+        stopped = G.bound(c_s, c_v, ref[0], ref[1]) >= stop
+        assert stopped.any() and (~stopped).any()
+        assert torch.equal(ref[0][~stopped], full[0][~stopped]) and torch.equal(ref[1][~stopped], full[1][~stopped])
+        assert torch.equal(ref[2][~stopped], full[2][~stopped])
+        assert (ref[0] <= full[0]).all() and (ref[1] <= full[1]).all()
+        # The stopped walk is the walk without the stop cut short where its bound first reaches
+        # stop_cells: capped there, the plain walk takes the same lines, and one line less falls short.
+        for u in stopped.nonzero().flatten().tolist():
+            steps = int(ref[0][u] + ref[1][u])
+            if max_lines is not None and steps >= max_lines:
+                continue  # the cap stopped it too
+            cut = G.greedy(*args, normalised=normalised, backend="torch", max_lines=steps)
+            assert int(cut[0][u]) == int(ref[0][u]) and int(cut[1][u]) == int(ref[1][u])
+            if steps > int(args[9][u] + args[10][u]):  # not stopped by its forced lines alone
+                i, j, _ = G.greedy(*args, normalised=normalised, backend="torch", max_lines=steps - 1)
+                c_s, c_v = float(l_s[u, :int(i[u])].sum()), float(l_v[u, :int(j[u])].sum())
+                assert max(c_s, c_v, c_s + c_v - int(i[u]) * int(j[u])) < float(stop[u])
+        # None and inf everywhere are no stop.
+        assert_same(G.greedy(*args, **kw, backend="python", stop_cells=torch.full_like(stop, float("inf"))), full)

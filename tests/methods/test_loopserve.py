@@ -409,8 +409,9 @@ def test_batch_of_two_equals_one_by_one(chat_llm):
 
 def test_multi_turn_conversation_with_the_recipe(chat_llm, monkeypatch):
     calls = spy_reads(monkeypatch)
-    conv = chat_llm.conversation(system="Answer briefly.",
-                                 recipe="loopserve decode=loopserve(budget=8,warmup=4,interval=4)")
+    # dense_above=None: every unit's greedy runs to alpha (no early stop), so the recovered mass reaches it.
+    conv = chat_llm.conversation(system="Answer briefly.", recipe="loopserve prefill=loopserve(dense_above=None) "
+                                 "decode=loopserve(budget=8,warmup=4,interval=4)")
     L = chat_llm.config.num_layers
     try:
         for turn, message in enumerate(PROMPTS + ["And then?"], start=1):

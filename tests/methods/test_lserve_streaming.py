@@ -438,11 +438,12 @@ def test_dense_heads_pattern_errors():
 
 def test_dense_heads_through_loopserve_over_turns(chat_llm, pattern_file):
     """streaming_heads(dense=loopserve) in a conversation: each turn's prefill selects LoopServe lines on
-    the dense heads only (their recovered mass reaches alpha on the sample), the streaming heads keep
-    their ring, and later turns run over the trimmed ring (keys with holes, a `valid` mask)."""
+    the dense heads only (their recovered mass reaches alpha on the sample: dense_above=None, so no
+    greedy stops early), the streaming heads keep their ring, and later turns run over the trimmed
+    ring (keys with holes, a `valid` mask)."""
     sink, local = 4, 8
     recipe = (f"prefill=streaming_heads(pattern={pattern_file},sink={sink},local={local},prefill_local=40,"
-              f"dense=loopserve(alpha=0.9))")
+              f"dense=loopserve(alpha=0.9,dense_above=None))")
     conv = chat_llm.conversation(system="Answer briefly.", recipe=recipe)
     try:
         for message in LONG_TURNS:

@@ -173,15 +173,19 @@ def _diagonals_kernel():
 
 
 def line_mask(keys: Keys, vertical: torch.Tensor, slash: torch.Tensor, per_query_head: bool,
-              rows: torch.Tensor | None = None) -> torch.Tensor:
+              rows: torch.Tensor | None = None, at_entries: bool = False) -> torch.Tensor:
     """Cells of the selected lines, restricted to the causal region.
 
     vertical [N, S] bool over key entries; slash [N, num_offsets] bool over offsets. Returns
-    [B, Hq or H, R, S]: per query head when per_query_head, else per KV head."""
+    [B, Hq or H, R, S]: per query head when per_query_head, else per KV head. at_entries: the caller
+    knows that every head's key entry c sits at position c (kernel_layout's case), so the offsets
+    and the causal test are computed once per sequence instead of per head; the same mask."""
     B, Hq = keys.q.shape[:2]
     H, G = keys.k.shape[1], keys.group
     units = Hq if per_query_head else H
     G_units = units // H
+    if at_entries:
+        return _line_mask_at_entries(keys, vertical, slash, units, rows)
     visible = keys.visible(rows)  # [B, H, R, S]
     offsets = keys.offsets(rows).clamp_max(slash.shape[1] - 1)
     R, S = visible.shape[2:]
@@ -190,6 +194,25 @@ def line_mask(keys: Keys, vertical: torch.Tensor, slash: torch.Tensor, per_query
     on_slash = slash.gather(3, offsets.reshape(B, H, 1, R * S).expand(B, H, G_units, R * S))
     mask = visible[:, :, None] & (vertical.view(B, H, G_units, 1, S) | on_slash.view(B, H, G_units, R, S))
     return mask.view(B, units, R, S)
+
+
+def _line_mask_at_entries(keys: Keys, vertical, slash, units: int, rows) -> torch.Tensor:
+    """line_mask where key entry c sits at position c in every head: the row-minus-entry offsets
+    [B, R, S] are every head's, so they and the causal test are built once per sequence."""
+    B, H, S = keys.k_pos.shape
+    q_pos = keys.q_pos if rows is None else keys.q_pos[:, rows]
+    R = q_pos.shape[1]
+    delta = q_pos[:, :, None] - torch.arange(S, device=q_pos.device)  # [B, R, S]
+    visible = delta >= 0
+    if keys.window is not None:
+        visible &= delta < keys.window
+    offsets = delta.clamp_(0, slash.shape[1] - 1).view(B, 1, R * S).expand(B, units, R * S)
+    on_slash = slash.view(B, units, -1).gather(2, offsets).view(B, units, R, S)
+    mask = (vertical.view(B, units, 1, S) | on_slash) & visible[:, None]
+    if keys.valid is not None:
+        G_units = units // H
+        mask.view(B, H, G_units, R, S).logical_and_(keys.valid[:, :, None, None, :])
+    return mask
 
 
 def blockwise_attention(keys: Keys, mask_fn, scale: float | None = None, block_rows: int = 512):
@@ -259,23 +282,36 @@ def kernel_layout(keys: Keys) -> tuple[torch.Tensor, torch.Tensor] | None:
     return (q_start, kv_len) if bool(ok) else None
 
 
+def _layout_geometry(keys: Keys, per_query_head: bool, q_start: torch.Tensor, kv_len: torch.Tensor):
+    """(U, W, expand, q0 [B, 1, 1], L [B, H, 1]) for the kernel's layout: the units, the window (or
+    none), the per-KV-head -> per-unit repeat, the chunk's first row and the heads' key counts."""
+    B, Hq = keys.q.shape[:2]
+    H = keys.k.shape[1]
+    U = Hq if per_query_head else H
+    W = keys.window if keys.window is not None else 1 << 62
+    expand = (lambda x: x.repeat_interleave(U // H, dim=1)) if U != H else (lambda x: x)
+    return U, W, expand, q_start.long().view(B, 1, 1), kv_len.long()[..., None]
+
+
+def causal_counts(keys: Keys, per_query_head: bool, q_start: torch.Tensor, kv_len: torch.Tensor) -> torch.Tensor:
+    """contiguous_counts' causal cell counts [B, U] (fp64) alone: the same values, without lines."""
+    B, H, T = keys.q.shape[0], keys.k.shape[1], keys.q.shape[2]
+    U, W, expand, q0, L = _layout_geometry(keys, per_query_head, q_start, kv_len)
+    p = q0 + torch.arange(T, device=q0.device)  # [B, 1, T]
+    causal = ((torch.minimum(p, L - 1) - (p - W + 1).clamp_min(0) + 1).clamp_min(0)).sum(dim=2)  # [B, H]
+    return expand(causal).double().view(B, U)
+
+
 def contiguous_counts(keys: Keys, vertical: torch.Tensor, slash: torch.Tensor, per_query_head: bool,
                       q_start: torch.Tensor, kv_len: torch.Tensor):
     """blockwise_attention's computed and causal cell counts [B, U] for the kernel's layout (entry =
     position), from line geometry instead of masks: slash cells + vertical cells - their crossings.
 
     Rows p in [q0, q1]; a cell (p, c) is visible when c <= p, c < kv_len and p - c < window."""
-    B, Hq, T, _ = keys.q.shape
-    H = keys.k.shape[1]
-    U = Hq if per_query_head else H
-    W = keys.window if keys.window is not None else 1 << 62
-    expand = (lambda x: x.repeat_interleave(U // H, dim=1)) if U != H else (lambda x: x)
-    q0 = q_start.long().view(B, 1, 1)
+    B, H, T = keys.q.shape[0], keys.k.shape[1], keys.q.shape[2]
+    U, W, expand, q0, L = _layout_geometry(keys, per_query_head, q_start, kv_len)
     q1 = q0 + T - 1
-    L = kv_len.long()[..., None]  # [B, H, 1]
-    p = q0 + torch.arange(T, device=q0.device)  # [B, 1, T]
-    causal = ((torch.minimum(p, L - 1) - (p - W + 1).clamp_min(0) + 1).clamp_min(0)).sum(dim=2)  # [B, H]
-    causal = expand(causal).reshape(-1)
+    causal = causal_counts(keys, per_query_head, q_start, kv_len)
     q0, q1, L = (expand(x.expand(B, H, 1)).reshape(-1, 1) for x in (q0, q1, L))  # per unit [N, 1]
     O, S = slash.shape[1], vertical.shape[1]
     d = torch.arange(O, device=slash.device)
@@ -290,7 +326,7 @@ def contiguous_counts(keys: Keys, vertical: torch.Tensor, slash: torch.Tensor, p
     hi = (q1 - c + 1).clamp(0, O).clamp_max(min(W, O))
     crossings = (prefix.gather(1, hi) - prefix.gather(1, lo.clamp_max(hi))).clamp_min(0)
     computed = (s_cells * s_on).sum(dim=1) + (v_cells * v_on).sum(dim=1) - (crossings * v_on).sum(dim=1)
-    return computed.double().view(B, U), causal.double().view(B, U)
+    return computed.double().view(B, U), causal
 
 
 def line_attention(keys: Keys, vertical: torch.Tensor, slash: torch.Tensor, per_query_head: bool,

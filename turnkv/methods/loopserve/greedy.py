@@ -15,6 +15,14 @@ Three implementations of the same loop, equal to the bit (same fp32 operations i
   whatever its size, so the unit-by-unit loop on Python floats (fp32 results emulated by rounding each
   operation, exact: see there) is faster than the torch loop, which also runs until the slowest unit
   is done.
+
+The early stop (stop_cells, optional): l_s and l_v are each line's cells, slash lines are disjoint
+among themselves, vertical lines too, and a slash and a vertical line share at most one cell. So the
+cells of the lines taken so far (the first i slash and j vertical lines, forced ones included) are
+at least bound = max(c_s, c_v, c_s + c_v - i*j), c_s and c_v the sums of their lengths, and any
+later selection, a superset, covers at least as many. A unit stops once bound >= stop_cells: the
+caller sets stop_cells where that many cells settle its decision (LoopServePrefill: the unit attends
+densely). The sums are fp64, exact for integer lengths below 2**53 in all three implementations.
 """
 
 from __future__ import annotations
@@ -33,6 +41,22 @@ BACKENDS = ("auto", "triton", "torch", "python")
 def prefix(x: torch.Tensor) -> torch.Tensor:
     """[N, M] -> [N, M + 1] running sums with a leading zero: prefix(x)[:, k] = sum of the first k."""
     return torch.nn.functional.pad(x.cumsum(dim=1), (1, 0))
+
+
+def bound(c_s, c_v, i, j):
+    """The early stop's lower bound of the cells of i slash and j vertical lines whose lengths sum to
+    c_s and c_v (fp64 [N]): max(c_s, c_v, c_s + c_v - i*j), in the operations the loops use."""
+    return torch.maximum(torch.maximum(c_s, c_v), c_s + c_v - i.double() * j.double())
+
+
+def start_cells(l_s, l_v, i, j, max_forced: int | None = None):
+    """(c_s, c_v) fp64 [N]: the summed lengths of the forced lines, the first i slash and j vertical
+    lines of the sorted orders (max_forced: as in start())."""
+    N = l_s.shape[0]
+    ar = torch.arange(N, device=l_s.device)
+    ks = l_s.shape[1] if max_forced is None else min(l_s.shape[1], max_forced)
+    kv = l_v.shape[1] if max_forced is None else min(l_v.shape[1], max_forced)
+    return prefix(l_s[:, :ks].double())[ar, i], prefix(l_v[:, :kv].double())[ar, j]
 
 
 def start(w_s, s_max, w_v, v_max, forced_s, forced_v, max_forced: int | None = None):
@@ -75,7 +99,7 @@ def resolve(device: torch.device, backend: str = "auto") -> str:
 
 def greedy(w_s, s_max, l_s, n_s, w_v, v_max, l_v, n_v, target, forced_s, forced_v,
            normalised: bool = True, max_lines: int | None = None, backend: str = "auto",
-           max_forced: int | None = None):
+           max_forced: int | None = None, stop_cells: torch.Tensor | None = None):
     """Counts (i, j) of slash and vertical lines taken, and the estimated mass they cover.
 
     w_s, s_max, l_s [N, Ms]: slash sums, largest entries and lengths in descending order of w_s (forced
@@ -84,30 +108,43 @@ def greedy(w_s, s_max, l_s, n_s, w_v, v_max, l_v, n_v, target, forced_s, forced_
     lines at the front, taken before the greedy starts. The estimate subtracts w^max of the other kind
     of line already taken (ol_s, ol_v): a slash and a vertical line share at most one cell, so it never
     exceeds the mass really covered. backend: one of BACKENDS (see resolve()); all give
-    the same result. max_forced: a host bound on forced_s and forced_v, or None (see start())."""
+    the same result. max_forced: a host bound on forced_s and forced_v, or None (see start()).
+    stop_cells [N] or None: the early stop (module docstring); a unit stops once its bound of the
+    taken lines' cells reaches stop_cells (inf: never), its (i, j, total) then those of the
+    truncated walk. None: no stop."""
     Ms, Mv = w_s.shape[1], w_v.shape[1]
     # Every unit takes at most its n_s + n_v lines, so the cap never needs to exceed Ms + Mv.
     cap = min(max_lines, Ms + Mv) if max_lines is not None else Ms + Mv
     n_s, n_v = n_s.clamp_max(Ms), n_v.clamp_max(Mv)
     state = start(w_s, s_max, w_v, v_max, forced_s, forced_v, max_forced)
+    stop = None
+    if stop_cells is not None:
+        stop = (*start_cells(l_s, l_v, state[0], state[1], max_forced), stop_cells.to(torch.float64))
     backend = resolve(w_s.device, backend)
+    args = (w_s, s_max, l_s, n_s, w_v, v_max, l_v, n_v, target, *state, cap, normalised)
     if backend == "triton" and Ms and Mv:
-        return _kernel().greedy(w_s, s_max, l_s, n_s, w_v, v_max, l_v, n_v, target, *state, cap, normalised)
+        return _kernel().greedy(*args, stop=stop)
     if backend == "python":
-        return greedy_python(w_s, s_max, l_s, n_s, w_v, v_max, l_v, n_v, target, *state, cap, normalised)
-    return greedy_torch(w_s, s_max, l_s, n_s, w_v, v_max, l_v, n_v, target, *state, cap, normalised)
+        return greedy_python(*args, stop=stop)
+    return greedy_torch(*args, stop=stop)
 
 
 def greedy_torch(w_s, s_max, l_s, n_s, w_v, v_max, l_v, n_v, target, i, j, total, ol_s, ol_v, cap: int,
-                 normalised: bool = True):
-    """The loop of greedy() in torch, every unit one line per iteration, from the state start() gives."""
+                 normalised: bool = True, stop=None):
+    """The loop of greedy() in torch, every unit one line per iteration, from the state start() gives;
+    stop: None or (c_s, c_v, stop_cells) fp64 [N], the early stop's state (start_cells())."""
     N = w_s.shape[0]
     ar = torch.arange(N, device=w_s.device)
     cap = torch.full_like(i, cap)
     zero = torch.zeros_like(total)
+    if stop is not None:
+        c_s, c_v, stop_cells = stop
+        zero64 = torch.zeros_like(c_s)
     for it in range(w_s.shape[1] + w_v.shape[1]):
         can_s, can_v = i < n_s, j < n_v
         active = (total < target) & (can_s | can_v) & (i + j < cap)
+        if stop is not None:
+            active &= bound(c_s, c_v, i, j) < stop_cells
         if it % CHECK_EVERY == 0 and not bool(active.any()):
             break
         si, vj = i.clamp_max(w_s.shape[1] - 1), j.clamp_max(w_v.shape[1] - 1)
@@ -124,33 +161,41 @@ def greedy_torch(w_s, s_max, l_s, n_s, w_v, v_max, l_v, n_v, target, i, j, total
         total = total + torch.where(take_s, gain_s, zero) + torch.where(take_v, gain_v, zero)  # lines 14/17
         ol_s = ol_s + torch.where(take_s, s_max[ar, si], zero)  # line 13
         ol_v = ol_v + torch.where(take_v, v_max[ar, vj], zero)  # line 16
+        if stop is not None:
+            c_s = c_s + torch.where(take_s, l_s[ar, si].double(), zero64)
+            c_v = c_v + torch.where(take_v, l_v[ar, vj].double(), zero64)
         i, j = i + take_s, j + take_v
     return i, j, total
 
 
 def greedy_python(w_s, s_max, l_s, n_s, w_v, v_max, l_v, n_v, target, i, j, total, ol_s, ol_v, cap: int,
-                  normalised: bool = True):
+                  normalised: bool = True, stop=None):
     """The loop of greedy() unit by unit on Python floats, from the state start() gives.
 
     The arrays are fp32 and torch computes every step in fp32. Python computes in fp64 and each result
     is rounded to fp32 (through a one-slot array('f')), which gives the fp32 result exactly: a sum,
     difference or product of two fp32 numbers computed in fp64 (53 >= 2 * 24 + 2 bits) and then
     rounded to fp32 is the correctly rounded fp32 result. Comparisons of fp32 values are the same in
-    either precision. Each unit's lists are read (tolist) in growing chunks, as far as it gets."""
+    either precision. Each unit's lists are read (tolist) in growing chunks, as far as it gets. The
+    early stop's sums (stop, as greedy_torch's) are fp64, Python's own precision."""
     dtype, device = total.dtype, total.device
     if w_s.dtype != torch.float32 or not (w_s.shape[1] and w_v.shape[1]):  # fp32 only, like the emulation
         return greedy_torch(w_s, s_max, l_s, n_s, w_v, v_max, l_v, n_v, target, i, j, total, ol_s, ol_v, cap,
-                            normalised)
+                            normalised, stop)
     N, Ms = w_s.shape
     Mv = w_v.shape[1]
     slot = array.array("f", [0.0])
     st = [x.tolist() for x in (n_s, n_v, target, i, j, total, ol_s, ol_v)]
+    inf = float("inf")
+    cells = [x.tolist() for x in stop] if stop is not None else [[0.0] * N, [0.0] * N, [inf] * N]
     rows_s, rows_v = (w_s, s_max, l_s), (w_v, v_max, l_v)
     out_i, out_j, out_total = [], [], []
     for u in range(N):
         ns, nv, goal, ii, jj, tot, os_, ov = (x[u] for x in st)
+        cs, cv, limit = (x[u] for x in cells)
         ks = kv = 0  # entries read so far
-        while tot < goal and (ii < ns or jj < nv) and ii + jj < cap:
+        while (tot < goal and (ii < ns or jj < nv) and ii + jj < cap
+               and (limit == inf or max(cs, cv, cs + cv - float(ii * jj)) < limit)):
             si = ii if ii < Ms else Ms - 1
             vj = jj if jj < Mv else Mv - 1
             if si >= ks:  # read the next chunk: twice what was read, at least 256 and what is needed
@@ -179,12 +224,14 @@ def greedy_python(w_s, s_max, l_s, n_s, w_v, v_max, l_v, n_v, target, i, j, tota
                 tot = slot[0]
                 slot[0] = os_ + sm[si]  # line 13
                 os_ = slot[0]
+                cs += ls[si]
                 ii += 1
             else:
                 slot[0] = tot + gain_v  # line 17
                 tot = slot[0]
                 slot[0] = ov + vm[vj]  # line 16
                 ov = slot[0]
+                cv += lv[vj]
                 jj += 1
         out_i.append(ii)
         out_j.append(jj)

@@ -31,9 +31,14 @@ class LoopServePrefill(Prefill):
     vertical lines; force_local: offsets below it are forced slash lines (1: the diagonal, which keeps
     every row's key set non-empty). max_lines: cap per head, None for none. granularity: "query"
     (lines per query head) or "kv" (per KV head, from the group's summed attention). profile: time the
-    stages (synchronises the GPU between them). dense_above: a layer whose selected lines cover at least
-    this fraction of the chunk's causal cells attends densely instead (every cell, on the dense kernel:
-    the line kernel would compute nearly as many cells, each slower); None: always the lines."""
+    stages (synchronises the GPU between them). dense_above: a unit (head) whose selected lines cover
+    at least this fraction of its causal cells attends densely instead (every cell, on the dense
+    kernel: the line kernel would compute nearly as many cells, each slower); None: always the lines.
+    With lengths="full", where a unit may go dense (_may_go_dense, and the kernel's layout), the
+    greedy stops a unit as soon as the lines taken so far cover that many cells (greedy.py's early
+    stop, a lower bound of the cells): it would go dense whatever it took next, so its decision and
+    output are those of the whole walk. Its statistics (vertical, slash, estimated, recovered)
+    then describe the lines taken up to the stop, not the whole walk's."""
 
     alpha: float = 0.955
     samples: int = 48
@@ -79,10 +84,12 @@ class LoopServePrefill(Prefill):
             rows = torch.from_numpy(np.sort(rng.choice(num_rows, self.samples, replace=False)))
         return rows.to(device)
 
-    def select(self, keys: lines.Keys, layer: int, times: dict | None = None):
+    def select(self, keys: lines.Keys, layer: int, times: dict | None = None, stop_cells: torch.Tensor | None = None):
         """Alg. 5 lines 1-17 for every unit of the layer at once. Returns the selected vertical [N, S] and
         slash [N, num_offsets] lines, the sampled weights per unit [B, U, R, S], the sampled rows, the
-        greedy's mass estimate [N] and the sampled mass [N]. `times` gets the clock after Random-Select."""
+        greedy's mass estimate [N] and the sampled mass [N]. `times` gets the clock after Random-Select.
+        stop_cells [N] or None: the greedy's early stop (greedy.greedy), in the cells of this method's
+        lengths; _stop_cells gives it where it cannot change a unit's dense decision."""
         B, Hq, T, _ = keys.q.shape
         H, G = keys.k.shape[1], keys.group
         per_q = self.granularity == "query"
@@ -129,7 +136,7 @@ class LoopServePrefill(Prefill):
         i, j, estimate = greedy(ss(w_s), ss(s_max), ss(l_s), n_s, sv(w_v), sv(v_max), sv(l_v), valid.sum(dim=1),
                                 self.alpha * mass, forced_s.sum(dim=1), forced_v.sum(dim=1),
                                 normalised=self.compare == "normalised", max_lines=self.max_lines,
-                                max_forced=max(self.force_local, self.force_sink))
+                                max_forced=max(self.force_local, self.force_sink), stop_cells=stop_cells)
         return chosen(order_v, j), chosen(order_s, i), weights.view(B, U, R, -1), rows, estimate, mass
 
     def attend(self, layer: int, keys: lines.Keys):
@@ -139,9 +146,10 @@ class LoopServePrefill(Prefill):
         t0 = _clock(device, self.profile)
         B, U = keys.q.shape[0], keys.q.shape[1] if per_q else keys.k.shape[1]
         times = {}
-        vertical, slash, weights, rows, estimate, mass = self.select(keys, layer, times)
-        t2 = _clock(device, self.profile)
         layout = lines.kernel_layout(keys) if self._may_go_dense(keys) else None
+        stop_cells = self._stop_cells(keys, per_q, layout) if layout is not None else None
+        vertical, slash, weights, rows, estimate, mass = self.select(keys, layer, times, stop_cells)
+        t2 = _clock(device, self.profile)
         dense = self._dense_units(keys, vertical, slash, per_q, layout) if layout is not None else None
         if dense is None:
             # The Triton line kernel on CUDA, the reference mask path elsewhere (lines.line_attention).
@@ -149,7 +157,8 @@ class LoopServePrefill(Prefill):
         else:
             out, computed, causal = self._attend_dense_units(keys, vertical, slash, per_q, *dense, layout)
         t3 = _clock(device, self.profile)
-        covered = (weights * lines.line_mask(keys, vertical, slash, per_q, rows)).sum(dim=(2, 3))
+        mask = lines.line_mask(keys, vertical, slash, per_q, rows, at_entries=layout is not None)
+        covered = (weights * mask).sum(dim=(2, 3))
         stats = dict(layer=layer, computed=computed, causal=causal,
                      vertical=vertical.sum(dim=1).view(B, U), slash=slash.sum(dim=1).view(B, U),
                      recovered=covered / mass.view(B, U), estimated=estimate.view(B, U) / mass.view(B, U),
@@ -161,6 +170,27 @@ class LoopServePrefill(Prefill):
         """Dense attention needs every head to hold the same keys at their positions, and no window
         (lines.kernel_layout's case, which the caller then reads)."""
         return self.dense_above is not None and keys.window is None and keys.valid is None
+
+    def _stop_cells(self, keys: lines.Keys, per_q: bool, layout) -> torch.Tensor | None:
+        """The greedy's early stop per unit [N] (fp64): dense_above times the unit's causal cells, the
+        threshold _dense_units compares, in the same operation. None without lengths="full"; inf for
+        a sequence whose rows are not [first_position, end_position).
+
+        Why a stopped unit goes dense: with every key entry at its position (the layout), no window and
+        rows [first_position, end_position) over at least end_position keys, select's l_s is exactly
+        contiguous_counts' cells of each slash line and l_v at most those of each vertical line, and
+        contiguous_counts counts the union of the lines' cells. The greedy's bound is at most that
+        union for the lines taken at the stop, the whole walk takes a superset of them, and the union
+        only grows: computed >= bound >= stop_cells = dense_above * causal, the same fp64 value."""
+        if self.lengths != "full":
+            return None
+        T = keys.q.shape[2]
+        if keys.end_position - keys.first_position != T or keys.k.shape[2] < keys.end_position:
+            return None
+        q_start, kv_len = layout
+        stop = self.dense_above * lines.causal_counts(keys, per_q, q_start, kv_len)  # [B, U]
+        stop = torch.where((q_start == keys.first_position)[:, None], stop, float("inf"))
+        return stop.reshape(-1)
 
     def _dense_units(self, keys: lines.Keys, vertical, slash, per_q: bool, layout):
         """(dense [B, U] bool, causal [B, U]): the units whose lines cover at least dense_above of their
