@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from turnkv.attention import lines, reference
+from turnkv.attention import chunk, lines, reference
 from turnkv.methods.loopserve.greedy import chosen, greedy
 from turnkv.methods.prefill.pattern_hook import clock as _clock
 from turnkv.methods.protocols import Prefill
@@ -204,7 +204,7 @@ class LoopServePrefill(Prefill):
         """Dense attention for the `dense` units [B, U], their lines elsewhere: (out, computed, causal).
         Where some units keep lines, the dense units' lines shrink to the diagonal for the line pass
         and the dense pass's rows replace them."""
-        out = reference.causal_suffix(keys.q, keys.k, keys.v)
+        out = _every_cell(keys)
         if bool(dense.all()):
             return out, causal, causal
         flat = dense.reshape(-1)
@@ -215,3 +215,16 @@ class LoopServePrefill(Prefill):
         per_head = dense if per_q else dense.repeat_interleave(Hq // dense.shape[1], dim=1)  # [B, Hq]
         out = torch.where(per_head[:, :, None, None], out, sparse_out)
         return out, torch.where(dense, causal, computed), causal
+
+
+def _every_cell(keys: lines.Keys) -> torch.Tensor:
+    """Causal attention of the chunk's T rows over every key (each head holds the same S keys at their
+    entries, the chunk's last), on the paths the full cache's chunk takes: a fresh chunk's causal
+    kernel, the split history path over a long history (chunk.uses_split), else SDPA bottom-right."""
+    T, S = keys.q.shape[2], keys.k.shape[2]
+    if S == T:
+        return chunk.fresh_causal(keys.q, keys.k, keys.v)
+    if chunk.uses_split(keys.q.device, keys.q.dtype, T, S - T):
+        h = S - T
+        return chunk.split_history(keys.q, keys.k[:, :, :h], keys.v[:, :, :h], keys.k[:, :, h:], keys.v[:, :, h:])
+    return reference.causal_suffix(keys.q, keys.k, keys.v)
