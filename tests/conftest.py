@@ -24,6 +24,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Without a GPU, Triton kernels run in its interpreter; the flag is read when triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ["TRITON_INTERPRET"] == "1":
+        from tests.triton_interpreter import install
+
+        install()  # the interpreter's bitwise reductions (tl.sort's and tl.topk's) in numpy
 
 # Tests that take tens of seconds to minutes each (the embedded model's, the tensor-parallel engines').
 # Run first: the last tests of a run then are short ones, and under `make test`'s `--dist worksteal` a

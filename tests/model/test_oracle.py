@@ -104,11 +104,18 @@ def test_half_precision_tracks_fp32(tmp_path, dtype, device):
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_matches_transformers_gguf_loader(embedded_model):
+def test_smollm2_gguf_matches_transformers_gguf_loader(embedded_model, monkeypatch):
     """SmolLM2-135M from the embedded Q4_1 GGUF: our dequantization and un-permutation of q/k versus
     transformers' own GGUF loader."""
+    import functools
+
+    import gguf
     from transformers import AutoModelForCausalLM
 
+    # transformers' loader parses the file twice (config, then weights) and builds gguf's tensor name
+    # map once per module of the model: the same read-only results, made once each here.
+    monkeypatch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
     path = embedded_model
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     loaded = load_model(None, dtype="float32")

@@ -10,6 +10,7 @@ import pytest
 
 from tests.methods.turn_helpers import MESSAGES, NEW, SYSTEM
 from tests.parallel import faults
+from tests.parallel.conftest import TIMEOUT_S
 from turnkv.errors import InvalidRequestError, ModelLoadError, ParallelError
 from turnkv.parallel.kept import kept
 from turnkv.parallel.mirror import gather
@@ -52,12 +53,13 @@ def test_one_call_at_a_time_and_an_early_close_finishes_the_turn(tp_engines):
 
 @pytest.mark.parametrize("fault, timeout, error", [
     (faults.exit_at_next_forward, "60", "rank 1 exited"),
-    (faults.hang_at_next_forward, "20", "did not answer within 20 s"),  # the engine builds within it on a loaded 2-core machine
+    (faults.hang_at_next_forward, "5", "did not answer within 5 s"),
 ])
 def test_a_failed_rank_raises_on_rank_0(chat_model_dir, monkeypatch, fault, timeout, error):
     import turnkv
 
     monkeypatch.setenv("TURNKV_TP_TIMEOUT", timeout)
+    monkeypatch.setenv("TURNKV_TP_BUILD_TIMEOUT", TIMEOUT_S)  # the engine builds within it on a loaded 2-core machine
     llm = turnkv.LLM(str(chat_model_dir), device="cpu", kv_memory="16MiB", tensor_parallel=2)
     processes = llm.parallel.leader.processes
     try:
@@ -113,3 +115,18 @@ def test_the_server_refuses_a_tier_hook_of_its_own_on_a_tensor_parallel_engine(t
     _, pair = tp_engines
     with pytest.raises(InvalidRequestError, match="tensor-parallel"):
         create_app(pair, tiers=object())
+
+
+def test_the_build_timeout_defaults_to_the_collective_timeout(monkeypatch):
+    from turnkv.parallel.launch import build_timeout, collective_timeout
+
+    monkeypatch.delenv("TURNKV_TP_TIMEOUT", raising=False)
+    monkeypatch.delenv("TURNKV_TP_BUILD_TIMEOUT", raising=False)
+    assert collective_timeout() == build_timeout() == 600
+    monkeypatch.setenv("TURNKV_TP_TIMEOUT", "7")
+    assert build_timeout() == 7
+    monkeypatch.setenv("TURNKV_TP_BUILD_TIMEOUT", "90")
+    assert (collective_timeout(), build_timeout()) == (7, 90)
+    monkeypatch.setenv("TURNKV_TP_BUILD_TIMEOUT", "soon")
+    with pytest.raises(ParallelError, match="TURNKV_TP_BUILD_TIMEOUT='soon' is not a number"):
+        build_timeout()

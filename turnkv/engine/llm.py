@@ -163,6 +163,7 @@ class LLM:
                                   _optional_bytes(state_disk_memory), _optional_bytes(state_gpu_memory))
         if self.parallel is not None and self.parallel.leader is not None:
             self.parallel.leader.wait_ready()
+            self.parallel.built()
 
     def resolve_recipe(self, recipe=None, **options) -> Recipe:
         """The Recipe that `recipe` and `options` name (see Recipe.of), over this engine's default

@@ -5,10 +5,11 @@ runs the same calls in the same order, so every collective of a forward meets it
 takes the user's calls and sends each one to the workers before running it (turnkv/parallel/mirror.py);
 the logits are gathered on every rank, so each samples the same token.
 
-Failure: the collectives time out after `collective_timeout()` seconds (TURNKV_TP_TIMEOUT). Rank 0
-waits for each worker's answer to every call with the same limit, checking every 0.2 s that the
-worker lives: a dead or hung worker, or one that failed where rank 0 did not, raises ParallelError on
-rank 0 and marks the engine broken (every later call raises it too).
+Failure: the collectives time out after `collective_timeout()` seconds (TURNKV_TP_TIMEOUT); those
+run while the engines are built, after `build_timeout()` (TURNKV_TP_BUILD_TIMEOUT, by default the
+same). Rank 0 waits for each worker's answer to every call with the collective timeout, checking
+every 0.2 s that the worker lives: a dead or hung worker, or one that failed where rank 0 did not,
+raises ParallelError on rank 0 and marks the engine broken (every later call raises it too).
 
 The ranks' process group is their own (a TCP store on rank 0 and a gloo or NCCL group over it), not
 torch.distributed's default group: a process may hold several engines, one after the other or at
@@ -44,6 +45,7 @@ from turnkv.model.parallel import Shard
 from turnkv.parallel.worker_loop import serve
 
 TIMEOUT_ENV = "TURNKV_TP_TIMEOUT"
+BUILD_TIMEOUT_ENV = "TURNKV_TP_BUILD_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0
 STOP_WAIT_S = 5.0  # how long a stopping worker may take before it is terminated
 # How long rank 0 waits for the workers to start (imports) and to build their engines (loading the
@@ -54,13 +56,23 @@ POLL_S = 0.2
 
 def collective_timeout() -> float:
     """Seconds a collective, or rank 0's wait for a worker's answer, may take: TURNKV_TP_TIMEOUT, else 600."""
-    value = os.environ.get(TIMEOUT_ENV)
+    return _seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
+
+
+def build_timeout() -> float:
+    """Seconds a collective may take while the engines are built (the ranks load their shards at
+    their own pace): TURNKV_TP_BUILD_TIMEOUT, else collective_timeout()."""
+    return _seconds(BUILD_TIMEOUT_ENV, collective_timeout())
+
+
+def _seconds(name: str, default: float) -> float:
+    value = os.environ.get(name)
     try:
-        seconds = float(value) if value else DEFAULT_TIMEOUT_S
+        seconds = float(value) if value else default
     except ValueError:
-        raise ParallelError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds") from None
+        raise ParallelError(f"{name}={value!r} is not a number of seconds") from None
     if seconds <= 0:
-        raise ParallelError(f"{TIMEOUT_ENV} must be positive, got {value}")
+        raise ParallelError(f"{name} must be positive, got {value}")
     return seconds
 
 
@@ -75,6 +87,15 @@ class Membership:
     group: object
     store: object
     leader: Leader | None = None
+    timeout: float = DEFAULT_TIMEOUT_S  # the collectives' limit once the engine is built
+    group_timeout: float = DEFAULT_TIMEOUT_S  # the limit the group's collectives have now
+
+    def built(self) -> None:
+        """This rank's engine is built: from now on its collectives time out after `timeout` seconds
+        (the group was formed with build_timeout())."""
+        if self.timeout != self.group_timeout:
+            self.group.set_timeout(timedelta(seconds=self.timeout))
+            self.group_timeout = self.timeout
 
     def shard(self, config: ModelConfig) -> Shard:
         return Shard(self.rank, self.size, config, self.group)
@@ -106,6 +127,7 @@ class _Seat:
     size: int
     port: int
     timeout: float
+    build_timeout: float
     acks: object  # the queue of the workers' answers to rank 0
 
 
@@ -124,9 +146,10 @@ def start(size: int, device: torch.device, engine_class: type, launch_args: dict
     rank_device = _rank_device(device, size, _SEAT.rank if _SEAT is not None else 0)
     if _SEAT is not None:
         _SEAT.acks.put((_SEAT.rank, "joining", None))
-        return Membership(_SEAT.rank, size, rank_device, *_join(_SEAT.rank, size, _SEAT.port, rank_device,
-                                                                _SEAT.timeout))
-    timeout = collective_timeout()
+        group, store = _join(_SEAT.rank, size, _SEAT.port, rank_device, _SEAT.build_timeout)
+        return Membership(_SEAT.rank, size, rank_device, group, store, timeout=_SEAT.timeout,
+                          group_timeout=_SEAT.build_timeout)
+    timeout, building = collective_timeout(), build_timeout()
     port = _free_port()
     context = mp.get_context("spawn")
     commands = [context.Queue() for _ in range(size - 1)]
@@ -135,7 +158,8 @@ def start(size: int, device: torch.device, engine_class: type, launch_args: dict
     leader = Leader(processes, commands, acks, timeout)
     for rank in range(1, size):
         process = context.Process(target=_worker_main, daemon=True, name=f"turnkv-tp-rank{rank}",
-                                  args=(rank, size, port, timeout, engine_class, launch_args, commands[rank - 1], acks))
+                                  args=(rank, size, port, (timeout, building), engine_class, launch_args,
+                                        commands[rank - 1], acks))
         try:
             process.start()  # pickles the arguments
         except (pickle.PicklingError, AttributeError, TypeError) as e:
@@ -147,13 +171,13 @@ def start(size: int, device: torch.device, engine_class: type, launch_args: dict
         # Every worker is about to join before rank 0 does: one that dies on its way there is
         # reported now, instead of making the rendezvous wait out its timeout.
         leader.expect("joining", "could not start")
-        group, store = _join(0, size, port, rank_device, timeout)
+        group, store = _join(0, size, port, rank_device, building)
     except BaseException:
         leader.shutdown()
         raise
     if rank_device.type == "cuda":
         leader.closers.append(functools.partial(_abort, group))
-    return Membership(0, size, rank_device, group, store, leader)
+    return Membership(0, size, rank_device, group, store, leader, timeout=timeout, group_timeout=building)
 
 
 def _rank_device(device: torch.device, size: int, rank: int) -> torch.device:
@@ -307,12 +331,12 @@ def _describe(error: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(error), error)).strip()
 
 
-def _worker_main(rank: int, size: int, port: int, timeout: float, engine_class: type, launch_args: dict,
-                 commands, acks) -> None:
+def _worker_main(rank: int, size: int, port: int, timeouts: tuple[float, float], engine_class: type,
+                 launch_args: dict, commands, acks) -> None:
     """A worker's life: build the engine for its rank, then run rank 0's commands until told to stop
-    or rank 0's process is gone."""
+    or rank 0's process is gone. timeouts: (collective_timeout(), build_timeout()) of rank 0."""
     global _SEAT
-    _SEAT = _Seat(rank, size, port, timeout, acks)
+    _SEAT = _Seat(rank, size, port, *timeouts, acks)
     code = 0
     try:
         try:
@@ -321,6 +345,7 @@ def _worker_main(rank: int, size: int, port: int, timeout: float, engine_class: 
             acks.put((rank, "failed", _describe(e)))
             code = 1
             return
+        engine.parallel.built()
         acks.put((rank, "ready", None))
         serve(rank, engine, commands, acks)
     finally:
