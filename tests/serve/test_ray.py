@@ -50,8 +50,11 @@ def ray_app(chat_model_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {"HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
-    os.environ.update({"RAY_USAGE_STATS_ENABLED": "0"})
+    # On a loaded 2-core machine the proxy can take longer than Ray Serve's 5 s ready check, and the
+    # controller then kills it before it runs: give its checks a minute.
+    patience = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
+    env = {"HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1", **patience}
+    os.environ.update({"RAY_USAGE_STATS_ENABLED": "0", **patience})
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
