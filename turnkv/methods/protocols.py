@@ -21,7 +21,7 @@ chunk, S keys a head holds (padded to the longest head), D head dim.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -316,6 +316,34 @@ class DecodeSelection(ABC):
             its first counts[r] entries, ascending. R = H (row r reads KV head r) or Hq (row r reads
             KV head r // G). None: every kept token (the step's paged tables).
         """
+
+    def batch_key(self, layer: int, seq: SequenceKV) -> Hashable | None:
+        """Selections of one class whose keys in `layer` are equal (and not None) answer a decode step's
+        `layer` together, through `entries_batch`. None (the default): this one answers alone, through
+        `entries`."""
+        return None
+
+    @classmethod
+    def entries_batch(cls, layer: int, seqs: Sequence[SequenceKV], selections: Sequence[DecodeSelection],
+                      tables: torch.Tensor) -> tuple[np.ndarray, torch.Tensor, np.ndarray] | None:
+        """`entries` of n selections of equal batch_key at once, leaving each one's state as its own
+        `entries` call would.
+
+        Parameters
+        ----------
+        seqs, selections : the n conversations and their selections, in the step's order.
+        tables : torch.Tensor
+            [n, H, P] the conversations' page tables of `layer` (the step's, any int dtype, zero-padded
+            to the widest).
+
+        Returns
+        -------
+        (which, entries, counts) or None
+            which: ascending indices into seqs of the m conversations that read a selection, entries
+            [m, R, W] and counts [m, R] their `entries` (padded to the widest); the other conversations
+            read every kept token. None: all of them do.
+        """
+        raise NotImplementedError(f"{cls.__name__} gives a batch_key but no entries_batch")
 
     @abstractmethod
     def discard_step(self, seq: SequenceKV, position: int) -> None:

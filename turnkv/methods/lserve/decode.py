@@ -18,7 +18,7 @@ never select: they read their whole table, which the static-sparsity axis keeps 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import numpy as np
 import torch
@@ -76,6 +76,7 @@ class PagedSelection(DecodeSelection, WriteWatcher):
 
     def __init__(self, config: SelectorConfig, num_layers: int):
         self.selector = PageSelector(config)
+        self._config_key = astuple(config)  # batch_key's part for the selector
         self.state = SelectionState(num_layers)
         self.static = None  # the recipe's streaming-heads component (LServe), whose heads never select
         self.queries: list[torch.Tensor | None] = [None] * num_layers  # the step's last query [Hq, D]
@@ -181,21 +182,40 @@ class PagedSelection(DecodeSelection, WriteWatcher):
 
     def entries(self, layer: int, seq):
         """What this decode step reads in `layer` (engine/selection.py), or None: everything."""
-        cfg = self.selector.config
-        summaries = summaries_for(seq.pool, cfg.logical_page)
-        self._sync(layer, seq, summaries)
-        lengths = seq.lengths[layer]  # [H], this step's token included
-        streaming = self._streaming(seq, layer)
-        pages = -(-lengths // cfg.physical_page)
-        if layer < cfg.dense_layers or pages[~streaming].max(initial=0) <= cfg.pages_budget:
-            return None  # no selection while the history is within budget
-        device = seq.pool.device
         width = int(seq.num_pages[layer].max())
-        table = seq.device_table()[layer][None, :, :width]
+        picked = self.entries_batch(layer, [seq], [self], seq.device_table()[layer][None, :, :width])
+        return None if picked is None else (picked[1][0], picked[2][0])
+
+    def batch_key(self, layer: int, seq):
+        """Conversations of equal selector configs and streaming heads share one select per layer."""
+        return self._config_key, self._streaming(seq, layer).tobytes()
+
+    @classmethod
+    def entries_batch(cls, layer: int, seqs, selections, tables: torch.Tensor):
+        """`entries` of conversations of equal batch_key (DecodeSelection.entries_batch): one select
+        over those whose selecting heads are over budget, each with its own SelectionState."""
+        cfg = selections[0].selector.config
+        summaries = summaries_for(seqs[0].pool, cfg.logical_page)
+        for sel, seq in zip(selections, seqs):
+            sel._sync(layer, seq, summaries)
+        lengths = np.stack([seq.lengths[layer] for seq in seqs])  # [n, H], this step's token included
+        streaming = selections[0]._streaming(seqs[0], layer)
+        pages = -(-lengths // cfg.physical_page)
+        over = np.where(streaming, 0, pages).max(axis=1, initial=0) > cfg.pages_budget  # [n]
+        if layer < cfg.dense_layers or not over.any():
+            return None  # no selection while the history is within budget
+        which = np.flatnonzero(over)
+        device = seqs[0].pool.device
+        if len(which) < len(seqs):
+            tables = tables.index_select(0, torch.from_numpy(which).to(tables.device))
+        states = [selections[i].state for i in which]
+        queries = torch.stack([selections[i].queries[layer] for i in which])  # [m, Hq, D]
         dense = torch.from_numpy(~streaming) if streaming.any() else None
-        self.selector.select(layer, self.queries[layer][None], table, torch.from_numpy(lengths).to(device)[None],
-                             summaries, [self.state], dense, host_lengths=lengths[None], tables_out=False)
-        return _to_entries(self.state.chosen[layer], lengths, streaming, cfg.physical_page)
+        selections[0].selector.select(layer, queries, tables, torch.from_numpy(lengths[which]).to(device), summaries,
+                                      states, dense, host_lengths=lengths[which], tables_out=False)
+        # [m, X, K]: a selection made over budget has K = pages_budget (it had more pages than that).
+        chosen = torch.stack([s.chosen[layer] for s in states])
+        return (which, *_to_entries(chosen, lengths[which], streaming, cfg.physical_page))
 
     def streaming_flags(self, seq) -> np.ndarray:
         """[L, H] bool: the heads that never select (LServe's streaming heads)."""
@@ -207,22 +227,23 @@ class PagedSelection(DecodeSelection, WriteWatcher):
 
 
 def _to_entries(chosen: torch.Tensor, lengths: np.ndarray, streaming: np.ndarray, page: int):
-    """Physical page ids [X, K] (ascending, the newest last for heads over budget, 0..K-1 for heads
-    within it) -> the token entries each row reads [X, W] and their counts [X]. Streaming rows read
-    their whole list."""
-    X, K = chosen.shape
-    group = X // len(lengths)
-    row_len = np.repeat(lengths, group)
+    """Physical page ids [n, X, K] of n conversations (per row ascending, the newest last for heads
+    over budget, 0..K-1 for heads within it), their heads' lengths [n, H] and the streaming heads [H]
+    -> the token entries each row reads [n, X, W] and their counts [n, X]. Streaming rows read their
+    whole list."""
+    n, X, K = chosen.shape
+    group = X // lengths.shape[1]
+    row_len = np.repeat(lengths, group, axis=1)
     row_pages = -(-row_len // page)
     read = np.minimum(row_pages, K)
     # Every chosen page is full except the newest, whose tokens end the row.
     counts = np.where(row_len > 0, (read - 1) * page + row_len - (row_pages - 1) * page, 0)
-    entries = (chosen[:, :, None] * page + torch.arange(page, device=chosen.device)).reshape(X, K * page)
+    entries = (chosen[..., None] * page + torch.arange(page, device=chosen.device)).reshape(n, X, K * page)
     rows_streaming = np.repeat(streaming, group)
     if rows_streaming.any():
-        width = max(K * page, int(row_len[rows_streaming].max()))
-        entries = torch.nn.functional.pad(entries, (0, width - entries.shape[1]))
-        everything = torch.arange(width, device=chosen.device).expand(X, width)
+        width = max(K * page, int(row_len[:, rows_streaming].max()))
+        entries = torch.nn.functional.pad(entries, (0, width - entries.shape[2]))
+        everything = torch.arange(width, device=chosen.device)
         entries = torch.where(torch.from_numpy(rows_streaming).to(chosen.device)[:, None], everything, entries)
         counts = np.where(rows_streaming, row_len, counts)
     return entries, counts.astype(np.int64)
