@@ -60,13 +60,13 @@ def old_slots(step, layer: int, picks: dict, Hq: int):
         pick = picks.get(id(seq))
         lengths = seq.lengths[layer]
         if pick is None:
-            entries = torch.arange(int(lengths.max())).expand(H, -1)
+            entries = torch.arange(int(lengths.max()), device=pool.device).expand(H, -1)
             count = lengths
         else:
             entries, count = pick
         entries = entries.repeat_interleave(rows // entries.shape[0], dim=0)
         count = np.repeat(count, rows // len(count))
-        table = seq.device_table()[layer][torch.arange(rows) // (rows // H)]
+        table = seq.device_table()[layer][torch.arange(rows, device=pool.device) // (rows // H)]
         pages = table.gather(1, (entries // ps).clamp_max(table.shape[1] - 1))
         slots.append(pages * ps + entries % ps)
         counts.append(count)
@@ -86,7 +86,7 @@ def record(monkeypatch, check_reference: bool):
         seen = None
         if slot:
             seen = kwargs["key_positions"].view(-1)[table.long()]
-            seen = seen.masked_fill(torch.arange(table.shape[2]) >= lengths[..., None], -1)
+            seen = seen.masked_fill(torch.arange(table.shape[2], device=table.device) >= lengths[..., None], -1)
         calls.append((slot, seen, lengths.clone()))
         return real_decode(q, k_cache, v_cache, table, lengths, *args, **kwargs)
 
@@ -101,7 +101,7 @@ def record(monkeypatch, check_reference: bool):
         if check_reference and out is not None:
             table, lengths, _ = out
             slots, counts, width = old_slots(step, layer, picks, q.shape[1])
-            assert table.shape[2] == width and np.array_equal(lengths.numpy(), counts)
+            assert table.shape[2] == width and np.array_equal(lengths.cpu().numpy(), counts)
             for b, s in enumerate(slots):
                 for r, n in enumerate(counts[b]):
                     assert torch.equal(table[b, r, :n].long(), s[r, :n])

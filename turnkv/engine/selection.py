@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from turnkv.attention import decode
+from turnkv.gpu import upload
 
 
 def tables(step, layer: int, q: torch.Tensor):
@@ -31,7 +32,7 @@ def tables(step, layer: int, q: torch.Tensor):
             if pick is not None:
                 parts.append((np.asarray(members), pick[0][None], np.asarray(pick[1])[None]))
             continue
-        index = torch.tensor(members, device=layer_tables.device) if len(members) < len(seqs) else None
+        index = upload(np.asarray(members), layer_tables.device) if len(members) < len(seqs) else None
         group_tables = layer_tables if index is None else layer_tables.index_select(0, index)
         picked = type(first).entries_batch(layer, [seqs[b] for b in members],
                                            [step.selectors[b] for b in members], group_tables)
@@ -53,7 +54,7 @@ def tables(step, layer: int, q: torch.Tensor):
     table = (pages * ps + entries % ps).to(torch.int32)
     width = entries.shape[2]
     splits = decode.num_splits(pool.device, B * rows, width, pool.kv_dtype, selected=True)
-    return table, torch.from_numpy(counts.astype(np.int32)).to(pool.device), splits
+    return table, upload(counts.astype(np.int32), pool.device), splits
 
 
 def _groups(selectors, seqs, layer: int) -> list[tuple[bool, list[int]]]:
@@ -88,6 +89,6 @@ def _merge(parts, lengths: np.ndarray, rows: int, device) -> tuple[torch.Tensor,
             entries = entries.repeat_interleave(rows // R, dim=1)
             part_counts = np.repeat(part_counts, rows // R, axis=1)
         entries = torch.nn.functional.pad(entries, (0, width - entries.shape[2]))
-        out[torch.from_numpy(index).to(device)] = entries
+        out[upload(index, device)] = entries
         counts[index] = part_counts
     return out, counts

@@ -23,6 +23,7 @@ from dataclasses import astuple, dataclass
 import numpy as np
 import torch
 
+from turnkv.gpu import upload
 from turnkv.methods.lserve.selector import PageSelector, SelectionState, SelectorConfig
 from turnkv.methods.lserve.summaries import PageSummaries
 from turnkv.methods.protocols import Decode, DecodeSelection, StaticSparsity, WriteWatcher
@@ -207,11 +208,11 @@ class PagedSelection(DecodeSelection, WriteWatcher):
         which = np.flatnonzero(over)
         device = seqs[0].pool.device
         if len(which) < len(seqs):
-            tables = tables.index_select(0, torch.from_numpy(which).to(tables.device))
+            tables = tables.index_select(0, upload(which, tables.device))
         states = [selections[i].state for i in which]
         queries = torch.stack([selections[i].queries[layer] for i in which])  # [m, Hq, D]
         dense = torch.from_numpy(~streaming) if streaming.any() else None
-        selections[0].selector.select(layer, queries, tables, torch.from_numpy(lengths[which]).to(device), summaries,
+        selections[0].selector.select(layer, queries, tables, upload(lengths[which], device), summaries,
                                       states, dense, host_lengths=lengths[which], tables_out=False)
         # [m, X, K]: a selection made over budget has K = pages_budget (it had more pages than that).
         chosen = torch.stack([s.chosen[layer] for s in states])
@@ -244,6 +245,6 @@ def _to_entries(chosen: torch.Tensor, lengths: np.ndarray, streaming: np.ndarray
         width = max(K * page, int(row_len[:, rows_streaming].max()))
         entries = torch.nn.functional.pad(entries, (0, width - entries.shape[2]))
         everything = torch.arange(width, device=chosen.device)
-        entries = torch.where(torch.from_numpy(rows_streaming).to(chosen.device)[:, None], everything, entries)
+        entries = torch.where(upload(rows_streaming, chosen.device)[:, None], everything, entries)
         counts = np.where(rows_streaming, row_len, counts)
     return entries, counts.astype(np.int64)

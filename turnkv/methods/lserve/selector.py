@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from turnkv.attention import decode, top_k
+from turnkv.gpu import upload
 
 GROUPS = ("query", "max", "sum")
 
@@ -211,7 +212,7 @@ class PageSelector:
                    or s.age[layer] >= cfg.reuse_interval or not np.array_equal(s.num_pages[layer], selecting_pages[b])]
         if refresh:
             fresh = self._fresh(layer, q[refresh], tables[refresh], lengths[refresh], summaries,
-                                dense, torch.from_numpy(host_pages[refresh]).to(q.device),
+                                dense, upload(host_pages[refresh], q.device),
                                 any_over=bool((selecting_pages[refresh] > cfg.pages_budget).any()))
             for i, b in enumerate(refresh):
                 s = states[b]
@@ -249,7 +250,7 @@ class PageSelector:
         tables = torch.nn.functional.pad(tables, (0, max(0, n_phys * r - tables.shape[2])))[:, :, : n_phys * r]
         kmax, kmin = summaries.gather(layer, tables)
         scores = page_scores(q, kmax, kmin, lengths, cfg)  # [B, H, G, n_phys]
-        selecting = num_pages if dense is None else torch.where(dense.to(q.device)[None], num_pages, 0)
+        selecting = num_pages if dense is None else torch.where(upload(dense, q.device)[None], num_pages, 0)
         if cfg.group == "query":
             scores, selecting = scores.reshape(B, Hq, n_phys), selecting.repeat_interleave(Hq // H, dim=1)
         elif cfg.group == "max":
