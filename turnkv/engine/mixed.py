@@ -103,9 +103,11 @@ def forward(runner, parts: list[Part]) -> list[torch.Tensor]:
 
 def rides_mixed_step(runner, turn: TurnRun) -> bool:
     """Whether a decoding turn's next token goes into a mixed forward. Not where its decode selects
-    and the runner replays CUDA graphs: the graphed step selects for the whole batch at once, an
-    eager step once per conversation and layer, which at tens of conversations costs more than the
-    forward the token would share. Such turns take a graphed decode step beside the mixed forward."""
+    and the runner replays CUDA graphs: the graphed step selects for the whole batch inside its
+    graphs, an eager step launches each layer's selection (engine/selection.py) and folds each
+    conversation's key into the statistics one by one, which at tens of conversations costs more
+    than the forward the token would share. Such turns take a graphed decode step beside the mixed
+    forward."""
     return runner.graphs is None or turn.context.selector is None
 
 
