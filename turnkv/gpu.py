@@ -16,10 +16,11 @@ def num_sms(device_index: int) -> int:
 
 
 def upload(host: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host array as a tensor on `device`. On CUDA through pinned memory and a non-blocking copy: a
-    pageable copy holds the host until the device has run everything queued before it, which an eager
-    step's per-layer uploads would pay at every layer."""
+    """A host array as a tensor on `device` (a tensor already on a device: .to(device)). A CPU array
+    goes to CUDA through pinned memory and a non-blocking copy: a pageable copy holds the host until
+    the device has run everything queued before it, which an eager step's per-layer uploads would pay
+    at every layer."""
     host = torch.from_numpy(host) if isinstance(host, np.ndarray) else host
-    if device.type != "cuda":
+    if device.type != "cuda" or host.device.type != "cpu":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
