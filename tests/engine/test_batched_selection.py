@@ -49,7 +49,7 @@ def per_sequence(monkeypatch):
     monkeypatch.setattr(PagedSelection, "batch_key", lambda self, layer, seq: None)
 
 
-def old_slots(step, layer: int, picks: dict, Hq: int):
+def reference_slots(step, layer: int, picks: dict, Hq: int):
     """Reference: each sequence's entries (or, without a pick, 0..its longest head) through its own
     page table, one sequence at a time -> (slots per sequence [rows, W_b], counts [B, rows], width)."""
     pool = step.pool
@@ -77,7 +77,7 @@ def record(monkeypatch, check_reference: bool):
     """Spies: every indexed_decode call (of slot tables, the positions each row reads, -1 past its count;
     the pool's slots differ from run to run) and, after every
     selection.tables call, each selection's state of that layer. check_reference: also compare each
-    slot table to old_slots over the picks `entries` gave (the per-sequence path)."""
+    slot table to reference_slots over the picks `entries` gave (the per-sequence path)."""
     calls, states, picks = [], [], {}
     real_decode, real_tables, real_entries = decode_module.indexed_decode, selection.tables, PagedSelection.entries
 
@@ -100,7 +100,7 @@ def record(monkeypatch, check_reference: bool):
         out = real_tables(step, layer, q)
         if check_reference and out is not None:
             table, lengths, _ = out
-            slots, counts, width = old_slots(step, layer, picks, q.shape[1])
+            slots, counts, width = reference_slots(step, layer, picks, q.shape[1])
             assert table.shape[2] == width and np.array_equal(lengths.cpu().numpy(), counts)
             for b, s in enumerate(slots):
                 for r, n in enumerate(counts[b]):
