@@ -140,8 +140,7 @@ class GraphedDecode:
         """Reserve one token in each sequence and run the decode step: token_ids [B] (on the device)
         -> fp32 logits [B, V] (a view of the graph's output: use it before the next step). On an
         error nothing is reserved."""
-        B, L, H = len(seqs), self.pool.num_layers, self.pool.num_kv_heads
-        bucket = next(b for b in self.buckets if b >= B)
+        bucket = next(b for b in self.buckets if b >= len(seqs))
         # All or nothing, one PagePool.room for the step: the same outcome on every tensor-parallel rank.
         reserved = list(reserve_step_on_host(seqs)[..., 0])  # B x [L, H]
         try:

@@ -216,8 +216,8 @@ class PagePool:
         counts = np.asarray(counts, dtype=np.int64)
         short = np.flatnonzero(counts > self._top)
         if not len(short):
-            return KVCacheFullError(f"KV pool full on another rank of the tensor-parallel engine (its KV heads keep "
-                                    f"more tokens); free a conversation or give the pool more memory")
+            return KVCacheFullError("KV pool full on another rank of the tensor-parallel engine (its KV heads keep "
+                                    "more tokens); free a conversation or give the pool more memory")
         layer = int(short[0])
         return KVCacheFullError(
             f"KV pool full: layer {layer} needs {int(counts[layer])} pages and has {int(self._top[layer])} free "
