@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 import torch
 
 from turnkv.errors import KVCacheFullError
@@ -141,6 +142,21 @@ def test_a_decode_step_agrees_once_on_the_first_sequence_that_does_not_fit():
     for batch in batches:  # the first gave its token back: none holds one more, on either rank
         assert [s.next_position for s in batch] == [PS] * 3 and all((s.lengths == PS).all() for s in batch)
     assert [p.free_pages(0) for p in pools_] == [PAGES - 3, 1]
+
+
+def test_a_decode_step_that_does_not_fit_reserves_nothing_on_one_device_too():
+    """The sequences before the one that does not fit give their token back: its position was never
+    written, so a truncate by position would keep it (a stale token in the KV)."""
+    pool = PagePool(L, H, D, 3, PS)
+    a, b = SequenceKV(pool), SequenceKV(pool)
+    a.reserve(PS)
+    b.reserve(PS)
+    with pytest.raises(KVCacheFullError):
+        reserve_step([a, b])  # a's next page is the last free one; b has none
+    for s in (a, b):
+        s.truncate(PS)  # what the runner does after a failed step: nothing to do
+        assert s.next_position == PS and (s.lengths == PS).all() and (s.num_pages == 1).all()
+    assert pool.free_pages(0) == 1
 
 
 def test_a_compaction_s_page_copies_are_agreed_in_lockstep():
