@@ -129,7 +129,7 @@ def test_the_prefix_index_finds_the_longest_entry_and_drops_the_least_recently_u
     assert index.get("m", list(range(8))) is None and index.get("m", list(range(4))) is short_entry
     assert pool.bytes_in_use() == index.bytes() == L * H * 2 * pool.page_bytes
     # The pool reclaims index entries when an allocation lacks room.
-    pool.reclaim = index.reclaim
+    pool.cache = index
     big = SequenceKV(pool)
     _append(big, pool.num_pages // H * PS, 4)
     assert len(index) == 0 and pool.free_pages(0) == 0

@@ -17,7 +17,7 @@ import torch
 from turnkv.attention import decode
 from turnkv.capture_lock import CAPTURE_LOCK
 from turnkv.kv.pool import PagePool
-from turnkv.kv.sequence import SequenceKV
+from turnkv.kv.sequence import SequenceKV, reserve_step_on_host
 from turnkv.model import ops
 from turnkv.model.decoder import Transformer
 from turnkv.model.parallel import collectives_skipped
@@ -140,16 +140,9 @@ class GraphedDecode:
         """Reserve one token in each sequence and run the decode step: token_ids [B] (on the device)
         -> fp32 logits [B, V] (a view of the graph's output: use it before the next step). On an
         error nothing is reserved."""
-        B, L, H = len(seqs), self.pool.num_layers, self.pool.num_kv_heads
-        bucket = next(b for b in self.buckets if b >= B)
-        reserved = []
-        try:
-            for s in seqs:
-                reserved.append(s.reserve_on_host(1)[:, :, 0])  # [L, H]
-        except BaseException:
-            for s in seqs[: len(reserved)]:
-                s.truncate(s.next_position - 1)
-            raise
+        bucket = next(b for b in self.buckets if b >= len(seqs))
+        # All or nothing, one PagePool.room for the step: the same outcome on every tensor-parallel rank.
+        reserved = list(reserve_step_on_host(seqs)[..., 0])  # B x [L, H]
         try:
             return self._step(seqs, token_ids, reserved, bucket)
         except BaseException:

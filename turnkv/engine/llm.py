@@ -134,6 +134,8 @@ class LLM:
             budget = self.parallel.smallest(budget)
         self.pool = PagePool.for_budget(self.config, budget, page_size, self.dtype, self.device, self.kv_dtype)
         self.pool.shard = getattr(self.model, "shard", None)
+        if self.parallel is not None:  # every reservation's outcome is agreed across ranks (PagePool.room)
+            self.pool.agree = self.parallel.agree
         # FlashAttention-4's kernels compile here (once per machine with its disk cache), not inside the
         # first long prompt (attention/flash.py); a no-op where it is not used.
         flash.warm_up(self.device, self.dtype, self.config.num_heads, self.config.num_kv_heads, self.config.head_dim,
@@ -142,7 +144,7 @@ class LLM:
         if self.prefix_mode != "off":
             cap = _optional_bytes(prefix_cache_memory)
             self.prefix_index = PrefixIndex(self.pool, self.pool.capacity_bytes() // 4 if cap is None else cap)
-            self.pool.reclaim = self.prefix_index.reclaim
+            self.pool.cache = self.prefix_index  # its entries go first when an allocation lacks room
         if prefill_chunk is None:
             # Bigger chunks on a GPU: each chunk re-reads the kept history, and flash attention runs
             # well below its peak rate on short query blocks (benchmarks/prefill/README.md).

@@ -38,6 +38,11 @@ class PagePool:
     # The tensor-parallel shard (turnkv/model/parallel.py) whose KV heads the pool holds, set by the
     # engine; None on one device. Layer-wide decisions over heads (an eviction's) gather across ranks.
     shard: Shard | None = None
+    # Set by the engine under tensor parallelism (None on one device): agree(values) -> each of the
+    # ints `values` at its largest over the ranks, a collective that waits for no device stream. Every
+    # rank's pool holds its own KV heads, which may keep more tokens than another rank's (a head-wise
+    # allocation), so `room` asks it: the ranks reserve alike or all raise KVCacheFullError.
+    agree = None
 
     def __init__(
         self,
@@ -77,9 +82,11 @@ class PagePool:
         self._top = np.full(num_layers, num_pages, dtype=np.int64)
         # Holders of each page [layers, pages]: 0 free, 1 private, more shared.
         self.refs = np.zeros((num_layers, num_pages), dtype=np.int32)
-        # Called as reclaim(counts) when an allocation lacks room: frees what it can of pages that
-        # only a cache holds (the prefix index), so that counts[layer] pages may be taken.
-        self.reclaim = None
+        # A cache whose entries hold pages that nobody else may need (the prefix index), dropped
+        # oldest first when an allocation lacks room: len(cache), cache.freed_by_drops() ->
+        # [len + 1, layers] pages freed per layer by dropping its k oldest entries (k = 0..len, counted
+        # without dropping any), cache.drop_oldest(k).
+        self.cache = None
 
     @staticmethod
     def token_head_bytes(head_dim: int, dtype: torch.dtype, kv_dtype=None) -> int:
@@ -152,18 +159,15 @@ class PagePool:
         return np.split(self.allocate_flat(counts), np.cumsum(counts)[:-1])
 
     def allocate_flat(self, counts) -> np.ndarray:
-        """allocate(), its page ids laid end to end in layer order."""
+        """allocate(), its page ids laid end to end in layer order. Decides from this rank's pool alone:
+        callers that run in step on every rank of a tensor-parallel engine ask `room` first."""
         counts = np.asarray(counts, dtype=np.int64)
-        if (counts > self._top).any() and self.reclaim is not None:
-            self.reclaim(counts.tolist())
-        short = np.flatnonzero(counts > self._top)
-        if len(short):
-            layer = int(short[0])
-            raise KVCacheFullError(
-                f"KV pool full: layer {layer} needs {int(counts[layer])} pages and has {int(self._top[layer])} free "
-                f"({self.num_pages} pages of {self.page_size} tokens per layer); free a conversation or "
-                f"give the pool more memory"
-            )
+        if (counts > self._top).any():
+            fit, drops = self._plan_room(counts[None])
+            if drops:
+                self.cache.drop_oldest(drops)
+            if not fit:
+                raise self.full_error(counts)
         # Each layer pops counts[layer] pages off its free stack, the top first: one gather for all.
         layers = np.repeat(np.arange(len(counts)), counts)
         depth = np.arange(len(layers)) - np.repeat(np.cumsum(counts) - counts, counts)
@@ -171,6 +175,55 @@ class PagePool:
         self._top -= counts
         self.refs[layers, pages] = 1
         return pages
+
+    def room(self, rows, most: int | None = None) -> int:
+        """How many leading rows of rows [B, layers] (pages per layer of B allocations to be made one
+        after another) fit, the same number on every rank of a tensor-parallel engine; most caps this
+        rank's answer (a limit of its own besides the pages). Makes the room: the cache's oldest
+        entries are dropped until they fit, every entry when some row does not (the same entries on
+        every rank). Allocates nothing; allocations of the rows that fit then succeed. Under tensor
+        parallelism a collective (`agree`): every rank calls it at the same point, with rows of the
+        same B."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1, self.num_layers)
+        fit, drops = self._plan_room(rows)
+        if most is not None:
+            fit = min(fit, most)
+        if self.agree is not None:
+            least, drops = self.agree([-fit, drops])
+            fit = -least
+        if drops:
+            self.cache.drop_oldest(drops)
+        return fit
+
+    def _plan_room(self, rows: np.ndarray) -> tuple[int, int]:
+        """(how many leading rows [B, layers] fit in this pool, how many of the cache's oldest entries
+        to drop first: as few as make them fit, or every one when a row does not). Changes nothing."""
+        need = np.cumsum(rows, axis=0)  # [B, layers]: the pages taken once each row is
+        over = (need > self._top).any(axis=1)
+        if not over.any():
+            return len(rows), 0
+        if self.cache is None or not len(self.cache):
+            return int(over.argmax()), 0
+        freed = self.cache.freed_by_drops()  # [E + 1, layers]
+        ok = (need[:, None, :] <= self._top + freed).all(axis=2)  # [B, E + 1]: row b fits after k drops
+        fits = ok.any(axis=1)
+        if not fits.all():
+            return int(fits.argmin()), len(freed) - 1
+        return len(rows), int(ok.argmax(axis=1).max())
+
+    def full_error(self, counts) -> KVCacheFullError:
+        """The error of an allocation of counts[layer] pages that does not fit (here, or on another rank)."""
+        counts = np.asarray(counts, dtype=np.int64)
+        short = np.flatnonzero(counts > self._top)
+        if not len(short):
+            return KVCacheFullError("KV pool full on another rank of the tensor-parallel engine (its KV heads keep "
+                                    "more tokens); free a conversation or give the pool more memory")
+        layer = int(short[0])
+        return KVCacheFullError(
+            f"KV pool full: layer {layer} needs {int(counts[layer])} pages and has {int(self._top[layer])} free "
+            f"({self.num_pages} pages of {self.page_size} tokens per layer); free a conversation or "
+            f"give the pool more memory"
+        )
 
     def release(self, layer, pages) -> None:
         """One holder lets go of `pages` (distinct ids per layer, each held) of `layer` (one layer, or

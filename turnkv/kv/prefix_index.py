@@ -11,7 +11,8 @@ observation window, its log), opaque here.
 
 Entries are kept least recently used first, under `max_bytes` of the distinct pages they hold: the
 successive turn ends of one conversation share their earlier pages, which count once. The pool
-calls `reclaim` when an allocation lacks room, which drops entries in the same order. Dropping an
+drops entries in the same order when an allocation lacks room (PagePool.room: `freed_by_drops` counts
+what dropping them would free, `drop_oldest` drops them). Dropping an
 entry releases its hold only: a page that a conversation still holds stays in the pool.
 """
 
@@ -145,21 +146,39 @@ class PrefixIndex:
             self.remove(entry)
         self._roots.clear()
 
-    def reclaim(self, counts) -> None:
-        """Drop entries, least recently used first, until every layer has counts[layer] free pages
-        (or no entry is left)."""
-        def short() -> bool:
-            return any(n > self.pool.free_pages(layer) for layer, n in enumerate(counts))
+    def freed_by_drops(self) -> np.ndarray:
+        """[len + 1, layers]: the pages per layer that go back to the pool once the k least recently
+        used entries are dropped (drop_oldest(k)), for k = 0..len; drops nothing. A page goes back
+        with the entry that lets go of its last hold (the pool's refs count every holder)."""
+        entries = self._oldest_first()
+        freed = np.zeros((len(entries) + 1, self.pool.num_layers), dtype=np.int64)
+        if not entries:
+            return freed
+        flat = np.concatenate([e.flat_pages for e in entries])
+        owner = np.repeat(np.arange(len(entries)), [len(e.flat_pages) for e in entries])
+        # How many of these entries, up to and including each one, hold each of its pages.
+        order = np.argsort(flat, kind="stable")  # stable: a page's holds stay in age order
+        ordered = flat[order]
+        first = np.r_[0, np.flatnonzero(np.diff(ordered)) + 1]
+        runs = np.diff(np.r_[first, len(flat)])
+        seen = np.empty_like(order)
+        seen[order] = np.arange(len(flat)) - np.repeat(first, runs) + 1
+        last = seen == self.pool.refs.reshape(-1)[flat]  # this entry's hold is the page's last
+        np.add.at(freed, (owner[last] + 1, flat[last] // self.pool.num_pages), 1)
+        return np.cumsum(freed, axis=0)
 
-        for entry in sorted(self._entries.values(), key=lambda e: e.last_used):
-            if not short():
-                return
+    def drop_oldest(self, count: int) -> None:
+        """Drop the `count` least recently used entries (the order freed_by_drops counts in)."""
+        for entry in self._oldest_first()[:count]:
             self.remove(entry)
+
+    def _oldest_first(self) -> list[PrefixEntry]:
+        return sorted(self._entries.values(), key=lambda e: e.last_used)
 
     # ---- internals --------------------------------------------------------------------------
     def _shrink_to(self, limit: int, keep: PrefixEntry | None = None) -> None:
         """Drop entries but `keep`, least recently used first, until the distinct pages fit `limit`."""
-        for entry in sorted(self._entries.values(), key=lambda e: e.last_used):
+        for entry in self._oldest_first():
             if self.bytes() <= limit:
                 return
             if entry is not keep:

@@ -20,6 +20,8 @@ to the copy, `shrinks` and the head's `moves` are bumped, as for any page a head
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -143,7 +145,7 @@ class SequenceKV(Compaction):
         layers must write their K/V. All-or-nothing: if the pool lacks pages, nothing changes.
         """
         ps = self.pool.page_size
-        self._take_pages(num_tokens)
+        self._take_pages(num_tokens)  # all or nothing, decided alike on every rank
 
         # On the device: a long prefill reserves layers x heads x tokens slots (8M for 32K tokens of
         # an 8B model), which numpy on the host would build and then copy over.
@@ -164,8 +166,13 @@ class SequenceKV(Compaction):
         """reserve() without any device work, for a decode step that uploads its metadata in one copy:
         returns the slots [layers, kv_heads, num_tokens] as numpy. The caller must write the tokens'
         positions and zero their attention mass in the pool (the CUDA-graph step does, on the device)."""
-        ps = self.pool.page_size
         self._take_pages(num_tokens)
+        return self._append_on_host(num_tokens)
+
+    def _append_on_host(self, num_tokens: int) -> np.ndarray:
+        """Count `num_tokens` more tokens in every head, whose pages are placed: their slots [layers,
+        kv_heads, num_tokens] (numpy)."""
+        ps = self.pool.page_size
         index = self.lengths[:, :, None] + np.arange(num_tokens)
         pages = np.take_along_axis(self.table, index // ps, axis=2)
         self.lengths += num_tokens
@@ -173,19 +180,45 @@ class SequenceKV(Compaction):
         return pages * ps + index % ps
 
     def _take_pages(self, num_tokens: int) -> None:
-        """Allocate the pages `num_tokens` more tokens need, in every (layer, head); all or nothing."""
+        """Allocate the pages `num_tokens` more tokens need, in every (layer, head); all or nothing, and
+        decided alike on every rank of a tensor-parallel engine (PagePool.room, one call)."""
+        plan = self._pages_for(num_tokens)
+        counts = plan.counts(self.pool.num_layers)
+        if not self.pool.room(counts[None]):
+            raise self.pool.full_error(counts)
+        self._grow(plan)
+
+    def _pages_for(self, num_tokens: int, released: dict | None = None) -> _Growth:
+        """What `num_tokens` more tokens in every (layer, head) take; changes nothing. released: in a
+        batch of sequences planned before any grows, {layer * pool pages + page: holds the sequences
+        planned so far give up} (their copies on write), which this one's plan adds to."""
         ps = self.pool.page_size
-        if num_tokens > 0:
-            # An append into a shared, partly filled last page writes into it: copy it first.
-            partial = (self.lengths % ps != 0) & (self.num_pages > 0)
-            if partial.any():
-                last = np.take_along_axis(self.table, np.maximum(self.num_pages - 1, 0)[:, :, None], 2)[:, :, 0]
-                partial &= self.pool.refs[np.arange(len(last))[:, None], last] > 1
-                if partial.any():  # every layer's shared last pages, copied in one batch
-                    layers, heads = np.nonzero(partial)
-                    self._privatize(layers, heads, self.num_pages[layers, heads] - 1)
-        needed_pages = -(-(self.lengths + num_tokens) // ps) - self.num_pages
-        self._place_pages(needed_pages, self.pool.allocate_flat(needed_pages.sum(axis=1)))
+        needed = -(-(self.lengths + num_tokens) // ps) - self.num_pages
+        if num_tokens <= 0:
+            return _Growth(needed)
+        # An append into a shared, partly filled last page writes into it: it is copied first.
+        partial = (self.lengths % ps != 0) & (self.num_pages > 0)
+        if not partial.any():
+            return _Growth(needed)
+        layers, heads = np.nonzero(partial)
+        flat = layers * self.pool.num_pages + self.table[layers, heads, self.num_pages[layers, heads] - 1]
+        refs = self.pool.refs.reshape(-1)[flat]
+        if released:
+            refs = refs - np.array([released.get(int(f), 0) for f in flat], dtype=refs.dtype)
+        shared = refs > 1
+        if not shared.any():
+            return _Growth(needed)
+        if released is not None:
+            for f in flat[shared].tolist():
+                released[f] = released.get(f, 0) + 1
+        return _Growth(needed, layers[shared], heads[shared])
+
+    def _grow(self, plan: _Growth) -> None:
+        """Carry out a plan of _pages_for, whose pages `room` found: copy the shared last pages (every
+        layer's in one batch; one that stopped being shared meanwhile stays), then place the new pages."""
+        if plan.cow_layers is not None:
+            self._privatize(plan.cow_layers, plan.cow_heads, self.num_pages[plan.cow_layers, plan.cow_heads] - 1)
+        self._place_pages(plan.needed, self.pool.allocate_flat(plan.needed.sum(axis=1)))
 
     def reserve_layout(self, lengths: np.ndarray, next_position: int) -> list[torch.Tensor]:
         """Give an empty sequence pages for lengths[layer, head] tokens each (heads may differ, as after
@@ -200,7 +233,10 @@ class SequenceKV(Compaction):
             raise ValueError(f"lengths must be non-negative, of shape {self.lengths.shape}")
         ps = self.pool.page_size
         needed = -(-lengths // ps)
-        self._place_pages(needed, self.pool.allocate_flat(needed.sum(axis=1)))
+        counts = needed.sum(axis=1)
+        if not self.pool.room(counts[None]):  # decided alike on every rank (one call)
+            raise self.pool.full_error(counts)
+        self._place_pages(needed, self.pool.allocate_flat(counts))
         self.lengths = lengths.copy()
         self.moves += 1  # written behind the page statistics' back (a restore)
         self.next_position = int(next_position)
@@ -326,47 +362,7 @@ class SequenceKV(Compaction):
         pos = self.gather_positions([layer])
         return ((pos >= lo) & (pos < hi) & self.held([layer], pos.shape[-1], pos.device))[0].sum(dim=1).cpu().numpy()
 
-    # ---- eviction and rollback (keep and keep_masks: turnkv/kv/compaction.py) ---------------------
-    def drop_pages(self, layers, heads, first, count) -> None:
-        """Drop whole pages from inside heads' lists: for each (layers[i], heads[i]), the `count[i]`
-        pages at table columns [first[i], first[i] + count[i]) go back to the pool and the columns
-        after them shift left. Arguments broadcast (ints or arrays). The dropped pages must be full
-        (their tokens are the head's indices [first * page_size, (first + count) * page_size)): the
-        rest keeps its order, so positions still ascend. No K/V data moves; no device work.
-
-        This is how streaming heads trim their window (a sink, then a ring of recent pages): the
-        oldest pages of the ring go. Everything is checked before anything changes."""
-        ls, hs, fs, cs = (a.astype(np.int64).ravel() for a in np.broadcast_arrays(layers, heads, first, count))
-        L, H = self.lengths.shape
-        ps = self.pool.page_size
-        if ((ls < 0) | (ls >= L) | (hs < 0) | (hs >= H)).any():
-            raise ValueError(f"drop_pages: layers must be in [0, {L}) and heads in [0, {H})")
-        if len(set(zip(ls.tolist(), hs.tolist()))) != len(ls):
-            raise ValueError("drop_pages: each (layer, head) at most once per call")
-        if ((fs < 0) | (cs < 0) | ((fs + cs) * ps > self.lengths[ls, hs])).any():
-            raise ValueError("drop_pages: pages to drop must be whole pages within each head's list")
-        todo = cs > 0
-        ls, hs, fs, cs = ls[todo], hs[todo], fs[todo], cs[todo]
-        if not len(ls):
-            return
-        num_pages = self.num_pages[ls, hs]
-        # Vectorised per distinct (first, count) (streaming heads share one): gather what goes, then
-        # shift the columns after it left, up to the longest of these heads' tables.
-        for f, c in set(zip(fs.tolist(), cs.tolist())):
-            sel = (fs == f) & (cs == c)
-            l, h = ls[sel], hs[sel]
-            width = int(num_pages[sel].max())
-            dropped = self.table[l, h, f : f + c]  # [n, c] (advanced indexing copies)
-            self.table[l, h, f : width - c] = self.table[l, h, f + c : width]
-            for layer in np.unique(l):
-                self.pool.release(int(layer), dropped[l == layer].ravel())
-        self.num_pages[ls, hs] -= cs
-        self.lengths[ls, hs] -= cs * ps
-        self.moves[ls, hs] += 1
-        self.table_edits[ls, hs] += 1
-        self.edited_from[ls, hs] = np.minimum(self.edited_from[ls, hs], fs)
-        self._dirty_from = min(self._dirty_from, int(fs.min()))
-
+    # ---- eviction and rollback (keep, keep_masks and drop_pages: turnkv/kv/compaction.py) --------
     def _shrink(self, layer: int, new_lengths: np.ndarray, moved: np.ndarray | None = None) -> None:
         self.shrinks += 1
         self.moves[layer] += (new_lengths < self.lengths[layer]) if moved is None else moved
@@ -421,13 +417,53 @@ def _staged(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return host.pin_memory() if device.type == "cuda" else host
 
 
+@dataclass
+class _Growth:
+    """What a reserve takes (SequenceKV._pages_for): new pages [layers, kv_heads], and the (layer, head)
+    pairs [n] whose shared last page is copied first (None: none)."""
+
+    needed: np.ndarray
+    cow_layers: np.ndarray | None = None
+    cow_heads: np.ndarray | None = None
+
+    def counts(self, num_layers: int) -> np.ndarray:
+        """Pages per layer [layers], the copies included."""
+        counts = self.needed.sum(axis=1)
+        if self.cow_layers is not None:
+            counts = counts + np.bincount(self.cow_layers, minlength=num_layers)
+        return counts
+
+
+def reserve_step_on_host(seqs: list[SequenceKV]) -> np.ndarray:
+    """reserve_on_host(1) for every sequence of a decode step, with one PagePool.room for the step (one
+    collective under tensor parallelism, not one per sequence): slots [B, layers, kv_heads, 1] (numpy).
+    All or nothing: when a sequence cannot take its token, KVCacheFullError, at the same sequence on
+    every rank, with no sequence's token reserved (those before it give theirs back: their positions
+    were never written, so a truncate by position could not tell them from the tokens before)."""
+    pool = seqs[0].pool
+    released: dict = {}
+    plans = [s._pages_for(1, released) for s in seqs]
+    rows = np.stack([plan.counts(pool.num_layers) for plan in plans])  # [B, layers]
+    fit = pool.room(rows)
+    host = []
+    for s, plan in zip(seqs[:fit], plans):
+        s._grow(plan)
+        host.append(s._append_on_host(1))
+    if fit < len(seqs):
+        error = pool.full_error(rows[fit])
+        for s in seqs[:fit]:
+            s.unreserve(1)
+        raise error
+    return np.stack(host)
+
+
 def reserve_step(seqs: list[SequenceKV]) -> list[torch.Tensor]:
     """reserve(1) for every sequence of a decode step, the batch's slots uploaded in one copy: per
     sequence the slots [layers, kv_heads, 1] on the pool's device, with the tokens' positions written
-    and their attention mass zeroed in the pool, as reserve() does. A sequence that cannot take its
-    token raises KVCacheFullError with the ones before it reserved (the caller truncates them)."""
+    and their attention mass zeroed in the pool, as reserve() does. All or nothing, one PagePool.room
+    deciding for the whole step (reserve_step_on_host)."""
     pool = seqs[0].pool
-    host = np.stack([s.reserve_on_host(1) for s in seqs])  # [B, L, H, 1]
+    host = reserve_step_on_host(seqs)  # [B, L, H, 1]
     B, L, H, _ = host.shape
     flat = host + np.arange(L)[None, :, None, None] * pool.positions[0].numel()
     positions = np.repeat(np.array([s.next_position - 1 for s in seqs], dtype=np.int64), L * H)

@@ -247,6 +247,16 @@ def all_max(value: int, shard: Shard, device: torch.device) -> int:
     return int(t)
 
 
+def host_max(values: list[int], group) -> list[int]:
+    """Each of `values` (ints) at its largest over the ranks of `group`, which takes host tensors (gloo):
+    no device stream waits for it. Inside collectives_skipped: the values as they are (no collective)."""
+    if getattr(_SKIPPING, "on", False):
+        return [int(v) for v in values]
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
 def rank0_values(values: list[float], shard: Shard, device: torch.device) -> list[float]:
     """Rank 0's `values` on every rank (an all-reduce of float64 in which the other ranks add zeros), for
     decisions that must agree across ranks but derive from each rank's own measurements."""

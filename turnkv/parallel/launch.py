@@ -41,7 +41,7 @@ import torch.multiprocessing as mp
 
 from turnkv.errors import DeviceError, InvalidRequestError, ParallelError
 from turnkv.model.config import ModelConfig
-from turnkv.model.parallel import Shard
+from turnkv.model.parallel import Shard, host_max
 from turnkv.parallel.worker_loop import serve
 
 TIMEOUT_ENV = "TURNKV_TP_TIMEOUT"
@@ -79,7 +79,9 @@ def _seconds(name: str, default: float) -> float:
 @dataclass
 class Membership:
     """This process's place in a tensor-parallel engine: its rank, device and process group (over
-    `store`); leader: rank 0's link to the workers (None on a worker)."""
+    `store`); host_group: a gloo group of the same ranks for small host-side agreements (`agree`):
+    `group` itself where that is gloo, else one formed beside it; leader: rank 0's link to the
+    workers (None on a worker)."""
 
     rank: int
     size: int
@@ -89,13 +91,26 @@ class Membership:
     leader: Leader | None = None
     timeout: float = DEFAULT_TIMEOUT_S  # the collectives' limit once the engine is built
     group_timeout: float = DEFAULT_TIMEOUT_S  # the limit the group's collectives have now
+    host_group: object = None
+
+    def __post_init__(self):
+        if self.host_group is None:
+            self.host_group = self.group
 
     def built(self) -> None:
         """This rank's engine is built: from now on its collectives time out after `timeout` seconds
-        (the group was formed with build_timeout())."""
+        (the groups were formed with build_timeout())."""
         if self.timeout != self.group_timeout:
-            self.group.set_timeout(timedelta(seconds=self.timeout))
+            for group in {id(g): g for g in (self.group, self.host_group)}.values():
+                group.set_timeout(timedelta(seconds=self.timeout))
             self.group_timeout = self.timeout
+
+    def agree(self, values: list[int]) -> list[int]:
+        """Each of `values` (ints) at its largest over the ranks: PagePool.agree. A collective over
+        host_group with a host tensor, so no device stream waits for it (decode's CPU work stays ahead
+        of the GPU); every rank calls it at the same point. Inside collectives_skipped (a CUDA
+        graph's warm-up, which may run on one rank alone): the values as they are."""
+        return host_max(values, self.host_group)
 
     def shard(self, config: ModelConfig) -> Shard:
         return Shard(self.rank, self.size, config, self.group)
@@ -146,9 +161,9 @@ def start(size: int, device: torch.device, engine_class: type, launch_args: dict
     rank_device = _rank_device(device, size, _SEAT.rank if _SEAT is not None else 0)
     if _SEAT is not None:
         _SEAT.acks.put((_SEAT.rank, "joining", None))
-        group, store = _join(_SEAT.rank, size, _SEAT.port, rank_device, _SEAT.build_timeout)
+        group, host_group, store = _join(_SEAT.rank, size, _SEAT.port, rank_device, _SEAT.build_timeout)
         return Membership(_SEAT.rank, size, rank_device, group, store, timeout=_SEAT.timeout,
-                          group_timeout=_SEAT.build_timeout)
+                          group_timeout=_SEAT.build_timeout, host_group=host_group)
     timeout, building = collective_timeout(), build_timeout()
     port = _free_port()
     context = mp.get_context("spawn")
@@ -171,13 +186,14 @@ def start(size: int, device: torch.device, engine_class: type, launch_args: dict
         # Every worker is about to join before rank 0 does: one that dies on its way there is
         # reported now, instead of making the rendezvous wait out its timeout.
         leader.expect("joining", "could not start")
-        group, store = _join(0, size, port, rank_device, building)
+        group, host_group, store = _join(0, size, port, rank_device, building)
     except BaseException:
         leader.shutdown()
         raise
     if rank_device.type == "cuda":
         leader.closers.append(functools.partial(_abort, group))
-    return Membership(0, size, rank_device, group, store, leader, timeout=timeout, group_timeout=building)
+    return Membership(0, size, rank_device, group, store, leader, timeout=timeout, group_timeout=building,
+                      host_group=host_group)
 
 
 def _rank_device(device: torch.device, size: int, rank: int) -> torch.device:
@@ -193,16 +209,20 @@ def _rank_device(device: torch.device, size: int, rank: int) -> torch.device:
     return torch.device("cuda", rank)
 
 
-def _join(rank: int, size: int, port: int, device: torch.device, timeout: float) -> tuple[object, object]:
-    """(process group, its store) of the engine's ranks; rank 0 serves the store."""
+def _join(rank: int, size: int, port: int, device: torch.device, timeout: float) -> tuple[object, object, object]:
+    """(process group, host group, their store) of the engine's ranks; rank 0 serves the store. On CUDA
+    the process group is NCCL's and the host group a gloo group beside it (its keys under their own
+    prefix in the store); on CPU both are the one gloo group."""
     limit = timedelta(seconds=timeout)
     store = dist.TCPStore("127.0.0.1", port, size, rank == 0, limit)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = limit
-        return dist.ProcessGroupNCCL(store, rank, size, options), store
-    return dist.ProcessGroupGloo(store, rank, size, limit), store
+        host = dist.ProcessGroupGloo(dist.PrefixStore("host", store), rank, size, limit)
+        return dist.ProcessGroupNCCL(store, rank, size, options), host, store
+    group = dist.ProcessGroupGloo(store, rank, size, limit)
+    return group, group, store
 
 
 def _free_port() -> int:

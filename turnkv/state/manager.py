@@ -386,15 +386,15 @@ class StateManager:
         self.land_packs()
 
         def short() -> bool:
-            if pool.reclaim is not None:  # pages only a cache holds (the prefix index) go first
-                pool.reclaim(need.tolist())
-            if any(pool.free_pages(layer) < need[layer] for layer in range(pool.num_layers)):
-                return True
-            if self.gpu_memory is None:
-                return False
-            held = sum(c.kv.bytes() for c in self.resident.values())
-            held += sum(x.conv.kv.bytes() for x in self.leaving.values())  # freed once their packs land
-            return held + need_bytes > self.gpu_memory
+            # Pages only a cache holds (the prefix index) go first. Decided alike on every rank of a
+            # tensor-parallel engine (PagePool.room), whose pools may fill unevenly: the ranks demote
+            # the same conversations.
+            over_budget = False
+            if self.gpu_memory is not None:
+                held = sum(c.kv.bytes() for c in self.resident.values())
+                held += sum(x.conv.kv.bytes() for x in self.leaving.values())  # freed once their packs land
+                over_budget = held + need_bytes > self.gpu_memory
+            return not pool.room(need[None], most=0 if over_budget else None)
 
         for victim_id in list(self.resident):
             if not short():

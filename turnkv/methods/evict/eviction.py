@@ -127,7 +127,8 @@ class Eviction:
         order = scores.argsort(dim=-1, descending=True, stable=True)
         chosen = torch.zeros_like(candidate)
         chosen.scatter_(-1, order, torch.arange(S, device=device) < counts[..., None])
-        kv.keep_masks(todo, (valid[rows] & ~candidate) | (chosen & candidate))
+        # Every rank compacts the same layers here: copies of shared pages take room agreed across ranks.
+        kv.keep_masks(todo, (valid[rows] & ~candidate) | (chosen & candidate), lockstep=True)
         return {"span": [lo, hi], "budget_per_layer": budget.tolist(), "kept_per_head": kv.lengths.tolist(),
                 "kv_bytes": kv.bytes()}
 
