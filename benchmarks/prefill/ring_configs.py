@@ -27,6 +27,12 @@ CONFIGS = [
     dict(block_m=128, block_n=32, num_warps=4, num_stages=4),
     dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
     dict(block_m=256, block_n=64, num_warps=8, num_stages=3),
+    dict(block_m=256, block_n=64, num_warps=8, num_stages=2),
+    dict(block_m=256, block_n=64, num_warps=8, num_stages=4),
+    dict(block_m=256, block_n=32, num_warps=8, num_stages=3),
+    dict(block_m=256, block_n=128, num_warps=8, num_stages=2),
+    dict(block_m=256, block_n=64, num_warps=16, num_stages=3),
+    dict(block_m=256, block_n=128, num_warps=16, num_stages=2),
 ]
 
 

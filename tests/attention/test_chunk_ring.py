@@ -129,6 +129,15 @@ def test_the_position_path_agrees_on_ring_heads():
     assert rel(ring, ref) < 1e-5 and rel(plain, ring) < 1e-5
 
 
+def test_the_ring_launch_config_of_a_long_chunks_streaming_heads():
+    """Half precision, one split, a head subset, no config given: the ring's own launch settings
+    (RING_CONFIG's taller row blocks), rows past one block. fp16: the interpreter has no bf16."""
+    case = ring_case(1, 2, 4, 32, 16, [0, 0], 130, 130, sink=16, dtype=torch.float16)
+    out, ref = run(case, [NO_WINDOW, 48], sink=16, config=None, heads=[1])
+    assert rel(out[:, 4:8], ref[:, 4:8]) < 1e-2
+    assert out[:, :4].isnan().all()
+
+
 @pytest.mark.gpu
 @CUDA
 @pytest.mark.parametrize("kept", [0, 8448])

@@ -20,6 +20,9 @@ LOG2E = 1.4426950408889634
 # the alternatives); fp32 queries take FP32_CONFIG, small enough for fp32 tiles in registers.
 DEFAULT_CONFIG = dict(block_m=128, block_n=64, num_warps=4, num_stages=3)
 FP32_CONFIG = dict(block_m=64, block_n=32, num_warps=4, num_stages=2)
+# A ring launch without splits (a long chunk's streaming heads): taller row blocks share each key
+# tile among more rows (benchmarks/prefill/ring_configs.py).
+RING_CONFIG = dict(block_m=256, block_n=64, num_warps=16, num_stages=3)
 # Keys per split at least; splits aim at PROGRAMS_PER_SM programs per SM (choose_splits).
 MIN_SPLIT_KEYS = 1024
 PROGRAMS_PER_SM = 2
@@ -320,6 +323,8 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if out is None:
         out = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)
     launch = launch_config(q.dtype, D, config)
+    if ring and num_splits == 1 and config is None and q.dtype != torch.float32 and D <= 128:
+        launch.update(RING_CONFIG)
     block_m = launch["block_m"]
     num_blocks_m = triton.cdiv(G * T, block_m)
     split = num_splits > 1

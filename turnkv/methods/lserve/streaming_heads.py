@@ -323,10 +323,18 @@ def _ring_windows(seqs, T: int, streaming: np.ndarray, sink: int, local: int) ->
     if not (run > local).any():  # the newest row, the one that sees least far back, misses nothing
         return ChunkWindows(None, sink, causal, causal)
     N = np.broadcast_to(np.array([kv.next_position for kv in seqs])[None, :, None], lengths.shape)[flags]
-    p = N[:, None] - T + np.arange(T)[None, :]  # [X, T] the rows' positions
-    in_sink = np.minimum(np.minimum(n, sink)[:, None], p + 1)
-    run_seen = np.maximum(p - np.maximum((N - run)[:, None], p - local + 1) + 1, 0)
+    # The rows p in [N - T, N) each see min(s0, p + 1) sink keys and clamp(p + 1 - (N - run), 0, local)
+    # of the run: both sums in closed form (_capped_sum), exact in integers.
+    s0, first, run_start = np.minimum(n, sink), N - T, N - run
+    in_sink = _capped_sum(N, s0) - _capped_sum(first, s0)
+    run_seen = _capped_sum(run, local) - _capped_sum(first - run_start, local)
     computed = causal.copy()
-    computed[flags] = (in_sink + run_seen).sum(axis=1)
+    computed[flags] = in_sink + run_seen
     return ChunkWindows(np.where(streaming, local, NO_WINDOW), sink, computed, causal)
 
+
+def _capped_sum(u: np.ndarray, cap) -> np.ndarray:
+    """sum(min(i, cap) for i in 1..u), 0 where u <= 0 (int64 arrays; cap an int or an array)."""
+    u = np.maximum(u, 0)
+    below = np.minimum(u, cap)
+    return below * (below + 1) // 2 + (u - below) * cap
