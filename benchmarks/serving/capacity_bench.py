@@ -31,6 +31,10 @@ H100 80GB, Llama-3.1-8B shape with random weights, SmolLM2's tokenizer rendering
         --users 64 --turns 6 --doc-tokens 32768 --max-tokens 128 --kv-memory 56GiB --state-cpu-memory 100GiB \\
         --prefill-chunk 2048 --max-step-tokens 4096 --arrival-rate 0.5 --think-s 5 \\
         --out benchmarks/serving/results/capacity_h100
+Tensor parallel (--tensor-parallel N: each configuration's server runs on N GPUs, --kv-memory per rank),
+e.g. the Llama-3.1-70B shape over 32 users with 32K documents:
+    python benchmarks/serving/capacity_bench.py --model llama-3.1-70b --tensor-parallel 4 --users 32 \\
+        --doc-tokens 32768 --configs full,ada-snapkv --out benchmarks/serving/results/capacity_70b_tp4
 """
 
 from __future__ import annotations
@@ -91,6 +95,8 @@ def server_command(args, config: str, port: int) -> list[str]:
                         ("--tokenizer", args.tokenizer)):
         if value is not None:
             cmd += [flag, value]
+    if args.tensor_parallel > 1:
+        cmd += ["--tensor-parallel", str(args.tensor_parallel)]
     return cmd + CONFIGS[config]  # a later --max-step-tokens wins
 
 
@@ -140,7 +146,9 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tokenizer", default=None, help="for a shape: default the embedded SmolLM2's")
-    p.add_argument("--kv-memory", default=None)
+    p.add_argument("--kv-memory", default=None, help="per rank under --tensor-parallel")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="serve each configuration on N devices (turnkv serve --tensor-parallel N)")
     p.add_argument("--state-cpu-memory", default="64GiB")
     p.add_argument("--users", type=int, default=64)
     p.add_argument("--turns", default="6", help="turns per user: N or LO-HI (drawn per user)")

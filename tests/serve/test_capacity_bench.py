@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,18 @@ def test_smoke_run_writes_results_table_and_plots(tmp_path, embedded_model):
     assert "| client event loop stalls over 100 ms: count / longest (ms) |" in md
     assert "| aggregate output tokens/s |" in md and "TTFT turn 2 p50 / p99 (ms)" in md
     assert (out / "capacity_ttft.png").stat().st_size > 0 and (out / "capacity_capacity.png").stat().st_size > 0
+
+
+def test_tensor_parallel_reaches_the_server_command():
+    """--tensor-parallel N starts each configuration's server on N ranks; N=1 adds no flag."""
+    sys.path.insert(0, str(REPO / "benchmarks/serving"))
+    import capacity_bench
+
+    for n, expected in ((1, None), (2, "2")):
+        args = SimpleNamespace(max_running=None, users=4, prefill_chunk=64, max_step_tokens=256, max_tokens=8,
+                               model=None, dtype="float32", device="cpu", kv_memory="64MiB",
+                               state_cpu_memory=None, tokenizer=None, tensor_parallel=n)
+        cmd = capacity_bench.server_command(args, "full", 1234)
+        got = cmd[cmd.index("--tensor-parallel") + 1] if "--tensor-parallel" in cmd else None
+        assert got == expected
+        assert cmd[-2:] == ["--recipe", "full"]
