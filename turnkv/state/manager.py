@@ -41,9 +41,9 @@ import torch
 from turnkv.errors import InvalidRequestError
 from turnkv.kv.disk import CorruptStateError
 from turnkv.kv.tiers import StateTiersFullError, TieredStore
-from turnkv.parallel.disk_layout import elsewhere_hint, root_of
 from turnkv.methods.protocols import StateStrategy
 from turnkv.methods.registry import build
+from turnkv.parallel.disk_layout import elsewhere_hint, root_of
 from turnkv.state.background import Packer, PackInFlight, PackJob
 from turnkv.state.context import RestoreContext
 from turnkv.state.recompute import RecomputeStrategy as Recompute
