@@ -116,3 +116,32 @@ def test_a_server_of_another_size_takes_none_back_and_says_so(runs):
     assert any("2 stored conversations" in m and "tensor_parallel=2" in m for m in last["warned"])
     assert f"no stored conversation has the id {two['ids'][None]!r}" in refused
     assert "an engine at tensor_parallel=2 stored it" in refused
+
+
+def test_a_conversation_not_held_alike_by_every_rank_is_left_on_disk(tmp_path, caplog):
+    """kept() takes back only what every rank's folder holds with the same history: one that a rank lacks,
+    or holds with other tokens, stays on disk (logged), and no rank takes it back."""
+    from types import SimpleNamespace
+
+    from turnkv.serve import lockstep_tiers
+
+    held = [{"same": (3, 7), "other": (3, 7), "missing": (3, 7)}, {"same": (3, 7), "other": (3, 8)}]
+    taken = []
+
+    class Ops:
+        llm = None
+
+        def run(self, op, cid):
+            assert op is lockstep_tiers.take_back
+            taken.append(cid)
+            return SimpleNamespace(id=cid)
+
+    tiers = SimpleNamespace(disk=object(), meta=lambda cid: {"last_used": 5.0})
+    manager = SimpleNamespace(tiers=tiers, disk_root=lambda: (tmp_path, 2))
+    hook = lockstep_tiers.LockstepTiers(Ops(), SimpleNamespace(names=("cpu", "disk"), manager=manager))
+    with pytest.MonkeyPatch.context() as mp, caplog.at_level(logging.WARNING, "turnkv.serve"):
+        mp.setattr(lockstep_tiers, "gather", lambda llm, fn: held)
+        kept = hook.kept()
+    assert taken == ["same"] and [(conv.id, used) for conv, used in kept] == [("same", 5.0)]
+    left = [r.getMessage() for r in caplog.records if "not held alike" in r.getMessage()]
+    assert len(left) == 2 and any("missing" in m for m in left) and any("other" in m for m in left)

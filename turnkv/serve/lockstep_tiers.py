@@ -43,13 +43,14 @@ def take_back(ctx, cid: str) -> Conversation:
     return conv
 
 
-def disk_entries(llm) -> dict[str, int]:
-    """{id: tokens of its history} of each conversation the rank's disk tier holds (read through
-    mirror.gather; an entry whose record cannot be read is left out)."""
+def disk_entries(llm) -> dict[str, tuple[int, int]]:
+    """{id: (tokens of its history, their hash)} of each conversation the rank's disk tier holds (read
+    through mirror.gather; an entry whose record cannot be read is left out)."""
     tiers, out = llm.state.tiers, {}
     for key in tiers.keys("disk"):
         try:
-            out[key] = len(tiers.meta(key)["conversation"]["tokens"])
+            tokens = tiers.meta(key)["conversation"]["tokens"]
+            out[key] = (len(tokens), hash(tuple(tokens)))  # an int tuple's hash is the same in every process
         except Exception as e:  # noqa: BLE001 - left on disk as it is
             log.warning("stored conversation %s cannot be read: %s", key, e)
     return out
@@ -103,7 +104,7 @@ class LockstepTiers:
 
     def kept(self) -> list[tuple[Conversation, float]]:
         """Conversations an earlier server at this size left in the disk tier that every rank holds
-        alike (the same history length), each taken back on every rank; with the time.time() of their
+        alike (the same token history), each taken back on every rank; with the time.time() of their
         last use. Only at start-up, before the worker thread runs (it reads every rank through
         mirror.gather)."""
         warn_stored_elsewhere(self.manager)
