@@ -443,8 +443,15 @@ class StateStrategy(ABC):
         looks at the whole turn's attention records more."""
         return QueryWindow(num_layers, size) if size else None
 
+    def prepare(self, ctx, seq: SequenceKV, window: QueryWindow | None):
+        """The part of a pack that runs on the caller's thread, once per pack, before `pack`: under
+        tensor parallelism it may run collectives (every rank calls it at the same point), and what
+        it returns is the same on every rank. `pack(..., prepared=its result)` then runs no
+        collective, so it may run on a background packer's thread. Default: None (nothing to agree)."""
+        return None
+
     @abstractmethod
-    def pack(self, ctx, seq: SequenceKV, window: QueryWindow | None, tier: str = "cpu"):
+    def pack(self, ctx, seq: SequenceKV, window: QueryWindow | None, tier: str = "cpu", prepared=None):
         """What to store for the conversation.
 
         Parameters
@@ -457,6 +464,8 @@ class StateStrategy(ABC):
             The turn's recorded queries (what `query_window` made).
         tier : str
             "cpu" or "disk", where the state goes.
+        prepared : object
+            What `prepare` returned for this pack (None: `pack` prepares itself).
 
         Returns
         -------

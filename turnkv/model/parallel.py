@@ -112,9 +112,31 @@ def collectives_skipped():
         _SKIPPING.on = before
 
 
+_REFUSED = threading.local()  # .what: this thread runs no collective (collectives_refused), and why
+
+
+@contextmanager
+def collectives_refused(what: str):
+    """Inside (on this thread): a collective raises RuntimeError naming `what` instead of waiting for
+    ranks that will never join it. For work that runs off the ranks' common order (a background pack)."""
+    before = getattr(_REFUSED, "what", None)
+    _REFUSED.what = what
+    try:
+        yield
+    finally:
+        _REFUSED.what = before
+
+
+def _refuse() -> None:
+    what = getattr(_REFUSED, "what", None)
+    if what is not None:
+        raise RuntimeError(f"a collective in {what}, which runs none (the other ranks would not join it)")
+
+
 def all_reduce(x: torch.Tensor, shard: Shard) -> torch.Tensor:
     """Sum x over the ranks, in place; returns x. Synchronous on the current stream (NCCL: its own stream,
     joined by the current one), so a CUDA graph captures it."""
+    _refuse()
     if not getattr(_SKIPPING, "on", False):
         dist.all_reduce(x, group=shard.group)
     return x
@@ -161,6 +183,7 @@ class VocabParallelHead(Linear):
         local = super().forward(x).contiguous()
         if getattr(_SKIPPING, "on", False):
             return torch.cat([local] * self.shard.size, dim=-1)[..., : self.shard.config.vocab_size]
+        _refuse()
         parts = [torch.empty_like(local) for _ in range(self.shard.size)]
         dist.all_gather(parts, local, group=self.shard.group)
         return torch.cat(parts, dim=-1)[..., : self.shard.config.vocab_size]
@@ -231,6 +254,7 @@ def _vocab_rows(weight: torch.Tensor, vocab: range) -> torch.Tensor:
 def gather_heads(x: torch.Tensor, shard: Shard, dim: int) -> torch.Tensor:
     """x holds this rank's KV heads along `dim` (the same shape on every rank) -> the whole model's KV
     heads along `dim`, each taken from the first rank that holds it. Every rank gets the same tensor."""
+    _refuse()
     parts = [torch.empty_like(x) for _ in range(shard.size)]
     dist.all_gather(parts, x.contiguous(), group=shard.group)
     if shard.replicas == 1:
@@ -242,6 +266,7 @@ def gather_heads(x: torch.Tensor, shard: Shard, dim: int) -> torch.Tensor:
 def all_max(value: int, shard: Shard, device: torch.device) -> int:
     """The largest of every rank's `value`, through a tensor on `device` (the backend's: NCCL takes CUDA
     tensors only)."""
+    _refuse()
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=shard.group)
     return int(t)
@@ -252,6 +277,7 @@ def host_max(values: list[int], group) -> list[int]:
     no device stream waits for it. Inside collectives_skipped: the values as they are (no collective)."""
     if getattr(_SKIPPING, "on", False):
         return [int(v) for v in values]
+    _refuse()
     t = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()

@@ -42,6 +42,7 @@ import torch.multiprocessing as mp
 from turnkv.errors import DeviceError, InvalidRequestError, ParallelError
 from turnkv.model.config import ModelConfig
 from turnkv.model.parallel import Shard, host_max
+from turnkv.parallel.disk_layout import rank_dir
 from turnkv.parallel.worker_loop import serve
 
 TIMEOUT_ENV = "TURNKV_TP_TIMEOUT"
@@ -131,7 +132,7 @@ class Membership:
         """The rank's own folder under the engine's disk tier: each rank stores its shard of a conversation."""
         if state_disk_dir is None:
             return None
-        return os.path.join(os.path.expanduser(state_disk_dir), f"tp{self.size}-rank{self.rank}")
+        return rank_dir(state_disk_dir, self.size, self.rank)
 
 
 @dataclass

@@ -45,13 +45,14 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
     engine's CPU and disk tiers, `llm.state`; conversations a server left in its disk directory are
     taken back now), another TierHook, or None (they are dropped)."""
     config = config or ServeConfig()
-    parallel = getattr(llm, "parallel", None) is not None  # every rank runs the worker's operations (engine_ops.py)
     model_name = config.served_model_name or llm.name
     metrics = Metrics(model_name)
     if tiers == "state":
         tiers = StateTierHook(llm.state, on_traffic=metrics.count_traffic) if config.reuse else None
-        if tiers is not None and config.background_packs and llm.state.packer is None and not parallel:
-            llm.state.pack_in_background()  # the scheduler's worker lands the packs (store.settle)
+        if tiers is not None and config.background_packs and llm.state.packer is None:
+            # The scheduler's worker lands the packs (store.settle); under tensor parallelism every rank
+            # packs in the background (ops.start).
+            llm.state.pack_in_background()
     ops = EngineOps(llm, tiers)
     # With the engine's tiers, every rank calibrates the restore costs now, not at the first turn's end,
     # where the running streams would wait.
@@ -78,7 +79,10 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
         finally:
             await asyncio.to_thread(scheduler.stop, config.drain_timeout_s)
             if isinstance(tiers, StateTierHook):
-                llm.state.pack_inline()  # the engine outlives the app: its later turns pack where they end
+                try:  # the engine outlives the app: its later turns pack where they end, on every rank
+                    await asyncio.to_thread(ops.pack_inline)
+                except Exception:  # a tensor-parallel engine that broke: nothing left to pack
+                    log.exception("could not take the packs in flight")
 
     app = FastAPI(title="turnkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler, app.state.store, app.state.metrics, app.state.config = scheduler, store, metrics, config

@@ -16,8 +16,9 @@ Contracts:
 - Only the worker thread calls EngineOps (one operation at a time on every rank).
 - A conversation exists on every rank from new_conversation() to close(); a turn from begin_turn()
   to finish() or abandon().
-- Under tensor parallelism the state tiers are not durable (no restart takes conversations back) and
-  pack inline (a background pack would run collectives off the worker's order).
+- Under tensor parallelism the store's tier hook is a LockstepTiers (lockstep_tiers.py): rank 0
+  decides what depends on time (which background packs are taken) and every rank makes the moves; a
+  pack's collectives run in the operation, its copies on each rank's background packer.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from turnkv.engine.turn import TurnInput, TurnRun
 from turnkv.errors import InvalidRequestError
 from turnkv.methods.recipe import Recipe
 from turnkv.parallel.mirror import lockstep
+from turnkv.serve.lockstep_tiers import LockstepTiers
 from turnkv.serve.tier_hook import StateTierHook
 
 
@@ -63,6 +65,8 @@ def _signature(result):
     """What the ranks must agree on after an operation."""
     if isinstance(result, Stepped):
         return sorted(result.errors)
+    if isinstance(result, tuple) and all(isinstance(x, str) for x in result):
+        return result  # the tiers the packs an operation took landed in
     return result if isinstance(result, (bool, int, str, type(None))) else None
 
 
@@ -80,16 +84,23 @@ def _replay(engine, pending: list, op, args: tuple):
 
 
 # ---- operations: op(ctx, *args), run alike on every rank ----------------------------------------------
-def start(ctx, calibrate: bool, recipe_key: str) -> None:
+def start(ctx, calibrate: bool, recipe_key: str, background: bool = False) -> None:
     """A server starts on the engine: forget an earlier server's objects (a worker gets a TierHook over
     its own state tiers); with calibrate, calibrate the restore costs of the default recipe's state
-    strategy (it runs the model)."""
+    strategy (it runs the model); with background, pack on a background packer (rank 0 has one)."""
     ctx.convs.clear()
     ctx.turns.clear()
     if ctx.tiers is None and ctx.llm.parallel is not None and ctx.llm.parallel.leader is None:
         ctx.tiers = StateTierHook(ctx.llm.state)  # a worker's: no metrics
     if calibrate:
         ctx.llm.state.calibrate_for(_recipe(ctx, recipe_key).state)
+    if background and ctx.llm.state.packer is None:
+        ctx.llm.state.pack_in_background()
+
+
+def pack_inline(ctx) -> None:
+    """The server stopped: take every pack in flight, and pack inside a turn's end again."""
+    ctx.llm.state.pack_inline()
 
 
 def _recipe(ctx, key: str) -> Recipe:
@@ -128,12 +139,6 @@ def clear_index(ctx) -> int:
     entries = len(index)
     index.clear()
     return entries
-
-
-def tier(ctx, method: str, cid: str | None, *args):
-    """ctx.tiers.<method>(conversation, *args) (cid None: without a conversation, as settle)."""
-    call = getattr(ctx.tiers, method)
-    return call(*args) if cid is None else call(ctx.convs[cid], *args)
 
 
 def begin_turn(ctx, tid: int, cid: str, inputs: TurnInput, params) -> TurnRun:
@@ -240,9 +245,15 @@ class EngineOps:
     # ---- conversations ----
     def start(self, recipe, calibrate: bool) -> None:
         """The server starts (before its worker thread runs); with calibrate, every rank calibrates
-        the restore costs of `recipe`'s state strategy."""
+        the restore costs of `recipe`'s state strategy. Where rank 0 packs on a background packer,
+        every rank does."""
         self.ctx.recipes[str(recipe)] = recipe
-        self.run(start, calibrate, str(recipe))
+        background = self.parallel and self.ctx.tiers is not None and self.llm.state.packer is not None
+        self.run(start, calibrate, str(recipe), background)
+
+    def pack_inline(self) -> None:
+        """The server stopped (its worker thread has ended): every rank packs inline again."""
+        self.run(pack_inline)
 
     def new_conversation(self, recipe, recipe_key: str, cid: str | None = None) -> Conversation:
         self.ctx.recipes.setdefault(recipe_key, recipe)
@@ -267,7 +278,8 @@ class EngineOps:
         return self.run(clear_index)
 
     def adopt(self, conv) -> None:
-        """A conversation taken back from a durable tier (one device)."""
+        """A conversation taken back from a durable tier (under tensor parallelism, every rank took it
+        back already: LockstepTiers.kept)."""
         self.ctx.convs[conv.id] = conv
 
     # ---- turns ----
@@ -329,40 +341,3 @@ class EngineOps:
 
 def _by_turn(step: Stepped, turns: list) -> Stepped:
     return Stepped(step.value, {id(turns[i]): e for i, e in step.errors.items()})
-
-
-class LockstepTiers:
-    """The store's TierHook under tensor parallelism: each change runs on every rank's own hook
-    (each rank stores its shard under the conversation's id); reads are rank 0's. Not durable."""
-
-    durable = False
-
-    def __init__(self, ops: EngineOps, hook):
-        self.ops, self.hook, self.names = ops, hook, hook.names
-
-    def begin(self, conv) -> list[str]:
-        return self.ops.run(tier, "begin", conv.id)
-
-    def end(self, conv) -> None:
-        self.ops.run(tier, "end", conv.id)
-
-    def offload(self, conv, durable: bool = False) -> bool:
-        return False if durable else self.ops.run(tier, "offload", conv.id)
-
-    def discard(self, conv) -> None:
-        self.ops.run(tier, "discard", conv.id)
-
-    def settle(self, block: bool = False) -> int:
-        return self.ops.run(tier, "settle", None, block)
-
-    def where(self, conv) -> str:
-        return self.hook.where(conv)
-
-    def stored_bytes(self, conv) -> int:
-        return self.hook.stored_bytes(conv)
-
-    def kept(self) -> list:
-        return []
-
-    def reserve(self) -> None:
-        self.hook.reserve()

@@ -3,7 +3,8 @@
 Idle conversations the store evicts from the KV pool go to the CPU tier (and from there to the disk,
 least recently used first), in the form their recipe's state strategy stores; they come back when a
 request continues them. At shutdown they go to the disk tier, where a server started over the same
-directory finds them again (`kept`).
+directory finds them again (`kept`); under tensor parallelism only a server of the same size does
+(turnkv/parallel/disk_layout.py), and one of another size logs what it leaves there.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 
 from turnkv.engine.conversation import Conversation
 from turnkv.kv.tiers import StateTiersFullError
+from turnkv.parallel.disk_layout import stored_elsewhere
 
 log = logging.getLogger("turnkv.serve")
 
@@ -45,10 +47,14 @@ class StateTierHook:
     def durable(self) -> bool:
         return self.manager.tiers.disk is not None
 
-    def begin(self, conv) -> list[str]:
+    def begin(self, conv, wait_for_pack: bool = False) -> list[str]:
         # A conversation still being packed in the background raises PackInFlight (its pack moves to
         # the front): the worker retries once settle() has taken the pack, instead of waiting here.
-        self.manager.check_not_leaving(conv)
+        # wait_for_pack: wait for it instead (a tensor-parallel worker, whose rank 0 saw it done).
+        if not wait_for_pack:
+            self.manager.check_not_leaving(conv)
+        if conv.id in self.manager.leaving:  # done, not taken yet: take it first (counted as settle does)
+            self.land([conv.id])
         # before_turn restores the state if it left the GPU, making room by demoting idle resident
         # conversations, and puts this one in the manager's busy set: while a request runs on it,
         # making room for another conversation never demotes it (its next decode step reads the pages).
@@ -98,13 +104,27 @@ class StateTierHook:
         """Take the packs that finished in the background (with block, wait for one first when none
         has): their pages go back to the pool. Returns how many conversations it took."""
         start = len(self.manager.events)
-        landed = self.manager.land_packs(block)
+        return len(self._landed(start, self.manager.land_packs(block)))
+
+    def land(self, conversation_ids: list[str]) -> tuple[str, ...]:
+        """Take the packs of these conversations (waiting for those not finished): as settle, for a
+        tensor-parallel worker told by rank 0 which to take. The tier each one landed in."""
+        start = len(self.manager.events)
+        return tuple(x["tier"] for x in self._landed(start, self.manager.land(conversation_ids)))
+
+    def hurry(self, conv) -> None:
+        """Run the conversation's pack next, if it is being packed and its pack has not started."""
+        self.manager.hurry(conv)
+
+    def _landed(self, start: int, landed: list[dict]) -> list[dict]:
+        """Count the packs the manager just took (its land_packs or land, which added the events
+        from `start`) in the metrics."""
         self._take_events(start)
         if self.on_traffic is not None:
             for x in landed:
                 if x["tier"] != "gpu":  # the worker's time: the pack ran on the packer's thread
                     self.on_traffic("offload", x["bytes"], 0.0)
-        return len(landed)
+        return landed
 
     def discard(self, conv) -> None:
         self.manager.discard(conv)
@@ -117,6 +137,7 @@ class StateTierHook:
 
     def kept(self) -> list[tuple[object, float]]:
         """Conversations an earlier process left on disk, with the time.time() of their last use."""
+        warn_stored_elsewhere(self.manager)
         out = []
         for key in self.manager.tiers.keys("disk"):
             try:
@@ -146,3 +167,15 @@ class StateTierHook:
                 except (KeyError, OSError):
                     pass
         return ["offloaded" for _ in demoted]
+
+
+def warn_stored_elsewhere(manager) -> None:
+    """Log the conversations that engines of another tensor-parallel size left under the disk tier's
+    state_disk_dir: a server at this size does not take them back."""
+    if manager.tiers.disk is None:
+        return
+    root, size = manager.disk_root()
+    for m, ids in stored_elsewhere(root, size).items():
+        log.warning("%d stored conversations in %s were left by a server at tensor_parallel=%d; this one runs at "
+                    "tensor_parallel=%d and does not take them back (a server at tensor_parallel=%d over the same "
+                    "folder continues them)", len(ids), root, m, size, m)

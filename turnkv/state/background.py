@@ -14,7 +14,9 @@ The contract between the submitting thread and the packer:
   completes: once it is done, the device has finished every read of the pages (then they may be freed)
   and the results are on the host;
 - the device work holds CAPTURE_LOCK (a CUDA graph capture on the worker would fail on this thread's
-  calls); the host work after it (storing into the tiers) does not.
+  calls); the host work after it (storing into the tiers) does not;
+- a job runs no collective (one raises RuntimeError): under tensor parallelism each rank's packer
+  runs on its own time, so the submitter runs a pack's collectives first (StateStrategy.prepare).
 Jobs run one at a time, in the order submitted, but a job may be moved to the front (`hurry`) or
 taken out before it starts (`cancel`). On a CPU device the same thread runs the same work.
 """
@@ -31,6 +33,7 @@ import torch
 
 from turnkv.capture_lock import CAPTURE_LOCK
 from turnkv.errors import TurnkvError
+from turnkv.model.parallel import collectives_refused
 
 
 class PackInFlight(TurnkvError):
@@ -107,8 +110,11 @@ class Packer:
                 continue
             start = time.perf_counter()
             try:
-                out = self._device(job)
-                result = job.host_work(out) if job.host_work is not None else out
+                # Under tensor parallelism the ranks' packers run apart: a collective here would wait for
+                # ranks that never join it (StateStrategy.prepare runs those on the submitting thread).
+                with collectives_refused("a pack on the packer's thread"):
+                    out = self._device(job)
+                    result = job.host_work(out) if job.host_work is not None else out
             except BaseException as e:  # the submitter sees it when it takes the job
                 job.seconds = time.perf_counter() - start
                 job.future.set_exception(e)

@@ -58,16 +58,25 @@ class SharedLayers(StateStrategy):
     def pairs(self, ctx, seq, window, clock) -> tuple[list[tuple[int, int]], dict]:
         raise NotImplementedError
 
-    def fallback_for(self, ctx, seq, starts, pairs, tier) -> tuple[StateStrategy, dict] | None:
+    def fallback_for(self, ctx, seq, starts, pairs, tier, prepared: dict | None = None
+                     ) -> tuple[StateStrategy, dict] | None:
         """A baseline to store the conversation by instead of the split plan, with the predictions
-        that chose it; None keeps the plan (default: always)."""
+        that chose it (prepared: what prepare() returned); None keeps the plan (default: always)."""
         return None
 
-    def pack(self, ctx, seq, window, tier="cpu") -> Stored:
-        c = ctx.config
+    def prepare(self, ctx, seq, window) -> dict:
+        """{"pairs", "info", "timing"}: the layer pairs (Krul's estimator sums every rank's query
+        heads: a collective under tensor parallelism), what chose them, and the seconds it took."""
         timing = {}
+        pairs, info = self.pairs(ctx, seq, window, _Clock(seq.pool.device, timing))
+        return {"pairs": pairs, "info": info, "timing": timing}
+
+    def pack(self, ctx, seq, window, tier="cpu", prepared=None) -> Stored:
+        c = ctx.config
+        prepared = self.prepare(ctx, seq, window) if prepared is None else prepared
+        timing = dict(prepared["timing"])
         clock = _Clock(seq.pool.device, timing)
-        pairs, info = self.pairs(ctx, seq, window, clock)
+        pairs, info = prepared["pairs"], prepared["info"]
         n = seq.next_position
         ratio = self.recompute_ratio if self.recompute_ratio is not None else ctx.recompute_ratio(n, tier)
         if ratio == 0 and self.allocation == "min_storage" and self.storage is None:
@@ -77,7 +86,7 @@ class SharedLayers(StateStrategy):
                                       ctx.element_size, self.allocation, retained_share=self.max_retained,
                                       storage=self.storage)
         clock.lap("schedule_s")
-        fallback = self.fallback_for(ctx, seq, starts, pairs, tier)
+        fallback = self.fallback_for(ctx, seq, starts, pairs, tier, prepared)
         if fallback is not None:
             baseline, predicted = fallback
             stored = baseline.pack(ctx, seq, window, tier)
@@ -129,7 +138,19 @@ class KrulStrategy(SharedLayers):
         if self.overhead < 1 or self.overhead_s < 0:
             raise ValueError("overhead must be >= 1 and overhead_s >= 0")
 
-    def fallback_for(self, ctx, seq, starts, pairs, tier):
+    def prepare(self, ctx, seq, window) -> dict:
+        """Also "recomputable" with fallback="auto": whether a prefill rebuilds the state of every
+        rank's heads (under tensor parallelism agreed by a collective, so that every rank stores its
+        shard by the same baseline)."""
+        prepared = super().prepare(ctx, seq, window)
+        if self.fallback != "never":
+            recomputable = layout_of(seq).meta()["recomputable"]
+            if seq.pool.agree is not None:
+                recomputable = seq.pool.agree([int(not recomputable)])[0] == 0
+            prepared["recomputable"] = recomputable
+        return prepared
+
+    def fallback_for(self, ctx, seq, starts, pairs, tier, prepared=None):
         """`load` or `recompute` when the plan's predicted restore, its streams' contention and fixed
         cost counted (overhead x max(T_C, T_L) + overhead_s), is no faster than theirs; recompute only
         where a prefill rebuilds the same state (nothing evicted)."""
@@ -143,7 +164,8 @@ class KrulStrategy(SharedLayers):
         if self.storage is None or self.storage >= 1:
             full = schedule.full_bytes(n, c.num_layers, c.num_kv_heads, c.head_dim, ctx.element_size)
             predicted["load"] = float(cost.load_s(full))
-        if layout_of(seq).meta()["recomputable"]:
+        prepared = prepared or {}
+        if prepared["recomputable"] if "recomputable" in prepared else layout_of(seq).meta()["recomputable"]:
             predicted["recompute"] = float(cost.compute_s(np.full(c.num_layers, n)))
         best = min(predicted, key=predicted.get)
         if best == "krul":

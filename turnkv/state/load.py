@@ -21,7 +21,7 @@ class LoadStrategy(StateStrategy):
 
     layerwise: bool = True
 
-    def pack(self, ctx, seq, window, tier="cpu") -> Stored:
+    def pack(self, ctx, seq, window, tier="cpu", prepared=None) -> Stored:
         return Stored(*pack_split(seq, [0] * seq.pool.num_layers, on_host=ctx.stage_on_host))
 
     def restore(self, ctx, seq, tokens, meta, tensors):

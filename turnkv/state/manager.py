@@ -18,6 +18,11 @@ finished pack with `land_packs`, which frees its pages. Meanwhile its pages stay
 pages do not count them; `_make_room` waits for packs before it gives up), `where` names the tier it
 goes to, and nothing touches it: a turn on it waits for the pack, then restores what it stored, so its
 tokens are those of a pack run inline. The tiers are shared with the packer's thread under `lock`.
+
+Under tensor parallelism (`lockstep`) every rank's manager makes the same moves at the same points,
+and nothing it decides may depend on time: a pack's collectives (StateStrategy.prepare) run on the
+caller's thread, which packs are taken is the caller's choice (`land`, as rank 0 saw them done), and a
+disk entry is always read, never recomputed by the disk's measured rate (each rank measures its own).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -37,6 +43,7 @@ from turnkv.kv.disk import CorruptStateError
 from turnkv.kv.tiers import StateTiersFullError, TieredStore
 from turnkv.methods.protocols import StateStrategy
 from turnkv.methods.registry import build
+from turnkv.parallel.disk_layout import elsewhere_hint, root_of
 from turnkv.state.background import Packer, PackInFlight, PackJob
 from turnkv.state.context import RestoreContext
 from turnkv.state.recompute import RecomputeStrategy as Recompute
@@ -64,6 +71,7 @@ class StateManager:
         # Held around every use of self.tiers (and of self._pending, whose entries the tiers must
         # not demote): the packer's thread stores into them.
         self.lock = threading.RLock()
+        self.lockstep = getattr(llm, "parallel", None) is not None  # tensor parallel: the same moves on every rank
 
     def pack_in_background(self, packer: Packer | None = None) -> None:
         """From now on, store a conversation whose strategy offloads between turns on `packer`'s
@@ -200,7 +208,7 @@ class StateManager:
                 return self.tiers.tier_of(conv.id)
         strategy = conv.recipe.state
         window = conv.method_state.window
-        stored = self._pack(conv, strategy, window, tier, self.ctx)
+        stored = self._pack(conv, strategy, window, tier, self.ctx, strategy.prepare(self.ctx, conv.kv, window))
         self._note_fallback(conv, strategy, stored.meta)
         tensors, state = _with_window(stored, window)
         with self.lock:
@@ -223,9 +231,11 @@ class StateManager:
         self.calibrate_for(strategy, tier)
         ctx = copy.copy(self.ctx)  # its own stage_on_host
         record = conv.to_record()
+        # Under tensor parallelism the pack's collectives run here, in the ranks' common order.
+        prepared = strategy.prepare(ctx, conv.kv, window) if self.lockstep else None
 
         def device_work():
-            stored = self._pack(conv, strategy, window, tier, ctx)
+            stored = self._pack(conv, strategy, window, tier, ctx, prepared)
             tensors, state = _with_window(stored, window)
             _ = held  # the window's tensors stay referenced until the stream has read them
             # Straight into the CPU tier's pinned pool: no pinned staging copy, and no host-to-host copy
@@ -278,11 +288,24 @@ class StateManager:
         on the GPU (resident, idle) one no tier could take. With `block`, first wait until at least
         one pack has finished, when any is in flight. Returns per conversation taken
         {"conversation", "tier" ("gpu" when kept), "bytes" stored, "pack_s" on the packer}."""
-        if block and self.leaving and not any(x.job.future.done() for x in self.leaving.values()):
+        if block:
+            self.wait_for_a_pack()
+        return self.land(self.packs_done())
+
+    def wait_for_a_pack(self) -> None:
+        """Until at least one pack in flight has finished (at once when none is in flight)."""
+        if self.leaving and not any(x.job.future.done() for x in self.leaving.values()):
             concurrent.futures.wait([x.job.future for x in self.leaving.values()],
                                     return_when=concurrent.futures.FIRST_COMPLETED)
-        done = [cid for cid, x in self.leaving.items() if x.job.future.done()]
-        return [self._land(self.leaving.pop(cid)) for cid in done]
+
+    def packs_done(self) -> list[str]:
+        """The conversations whose pack has finished and is not taken yet, oldest first."""
+        return [cid for cid, x in self.leaving.items() if x.job.future.done()]
+
+    def land(self, conversation_ids: list[str]) -> list[dict]:
+        """Take the packs of these leaving conversations, in order, waiting for those not finished
+        (under tensor parallelism rank 0 names them: those finished there); as land_packs."""
+        return [self._land(self.leaving.pop(cid)) for cid in conversation_ids if cid in self.leaving]
 
     def _land(self, leaving: Leaving) -> dict:
         """Wait for one pack and take it (leaving was popped from self.leaving)."""
@@ -318,14 +341,15 @@ class StateManager:
                 "conversation": record}
 
     @staticmethod
-    def _pack(conv, strategy, window, tier: str, ctx):
-        """strategy.pack, which stages the state's rows on the GPU before they go down; where that
-        finds no GPU memory (an offload to make room), again one layer at a time through host memory.
-        StateTiersFullError when even that fails; the pages are untouched either way."""
+    def _pack(conv, strategy, window, tier: str, ctx, prepared=None):
+        """strategy.pack (from `prepared`, strategy.prepare's result; None: it prepares), which stages
+        the state's rows on the GPU before they go down; where that finds no GPU memory (an offload to
+        make room), again one layer at a time through host memory. StateTiersFullError when even that
+        fails; the pages are untouched either way."""
         for on_host in (False, True):
             ctx.stage_on_host = on_host
             try:
-                return strategy.pack(ctx, conv.kv, window, tier)
+                return strategy.pack(ctx, conv.kv, window, tier, prepared)
             except torch.OutOfMemoryError as e:
                 torch.cuda.empty_cache()
                 error = str(e).splitlines()[0]
@@ -349,8 +373,15 @@ class StateManager:
         before a restart; InvalidRequestError when none is stored under this id."""
         with self.lock:
             if self.tiers.tier_of(conversation_id) is None:
-                raise InvalidRequestError(f"no stored conversation has the id {conversation_id!r}")
+                hint = "" if self.tiers.disk is None else elsewhere_hint(*self.disk_root(), conversation_id)
+                raise InvalidRequestError(f"no stored conversation has the id {conversation_id!r}{hint}")
             return self.tiers.meta(conversation_id)["conversation"]
+
+    def disk_root(self) -> tuple[Path, int]:
+        """(state_disk_dir, the engine's tensor-parallel size): the disk tier is this rank's folder in
+        it (turnkv/parallel/disk_layout.py)."""
+        size = self.llm.parallel.size if self.lockstep else 1
+        return root_of(self.tiers.disk.dir, size), size
 
     # ---- internals --------------------------------------------------------------------------
     def _disk_estimate(self, meta: dict) -> dict | None:
@@ -359,7 +390,7 @@ class StateManager:
         recompute its history; None where recompute would not rebuild the same state, or before the
         disk's rate is known (the first read measures it)."""
         disk = self.tiers.disk
-        if not meta["state"].get("recomputable") or disk is None or not disk.read_rate:
+        if not meta["state"].get("recomputable") or disk is None or not disk.read_rate or self.lockstep:
             return None
         n = meta["state"]["next_position"]
         cost = self.ctx.cost("disk")
@@ -383,7 +414,8 @@ class StateManager:
         need = np.maximum(pages - conv.kv.num_pages, 0).sum(axis=1)  # [L] pages to add per layer
         need_bytes = int(need.sum()) * pool.page_bytes
 
-        self.land_packs()
+        if not self.lockstep:  # under tensor parallelism which packs are done is rank 0's to say
+            self.land_packs()
 
         def short() -> bool:
             # Pages only a cache holds (the prefix index) go first. Decided alike on every rank of a
@@ -408,7 +440,10 @@ class StateManager:
                         f"{victim_id} cannot move down: {e}") from None
                 self.events.append({"conversation": victim_id, "event": "demoted", "tier": landed})
         while wait_for_packs and self.leaving and short():  # their pages come back as they land
-            self.land_packs(block=True)
+            if self.lockstep:
+                self.land([next(iter(self.leaving))])  # the oldest, on every rank
+            else:
+                self.land_packs(block=True)
 
 
 @dataclass(eq=False)

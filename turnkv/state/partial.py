@@ -27,7 +27,7 @@ class PartialStrategy(StateStrategy):
         if self.recompute_ratio is not None and not 0 <= self.recompute_ratio <= 1:
             raise ValueError("recompute_ratio must be in [0, 1]")
 
-    def pack(self, ctx, seq, window, tier="cpu") -> Stored:
+    def pack(self, ctx, seq, window, tier="cpu", prepared=None) -> Stored:
         n = seq.next_position
         ratio = self.recompute_ratio if self.recompute_ratio is not None else ctx.recompute_ratio(n, tier)
         meta, tensors = pack_split(seq, [int(round(ratio * n))] * seq.pool.num_layers, on_host=ctx.stage_on_host)

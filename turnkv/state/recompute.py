@@ -21,7 +21,7 @@ class RecomputeStrategy(StateStrategy):
     After eviction the heads keep the positions they held (from a full-cache recompute, so their
     values are those of the uncompressed history, not bit-identical to the evicted run's)."""
 
-    def pack(self, ctx, seq, window, tier="cpu") -> Stored:
+    def pack(self, ctx, seq, window, tier="cpu", prepared=None) -> Stored:
         layout = layout_of(seq)
         return Stored(layout.meta(), layout.tensors())
 
