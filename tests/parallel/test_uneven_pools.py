@@ -107,7 +107,11 @@ def test_a_server_whose_ranks_fill_unevenly_evicts_instead_of_breaking(chat_mode
                 got = list(pool.map(lambda i: chat(s.url, i), range(len(TOPICS))))
             assert httpx.get(s.url + "/health").json()["status"] == "ok"
             evicted = s.metric("turnkv:conversation_evictions_total", reason="offloaded")
-        assert all(turn == (200, "length") for turns in got for turn in turns), got
+        # With no idle conversation left to move, the scheduler ends the newest request (as on one
+        # device): a timing-dependent 503 kv_cache_full, never a broken engine or another error.
+        turns = [turn for turns in got for turn in turns]
+        assert all(turn in {(200, "length"), (503, "kv_cache_full")} for turn in turns), got
+        assert turns.count((200, "length")) > len(turns) // 2, got
         assert evicted > 0
         assert sum(gather(pair, uneven.overruled)) > 0  # some rank's pool decided where another's would not have
         assert pair.parallel.leader.broken is None
