@@ -18,6 +18,7 @@ from turnkv.methods.loopserve import greedy as greedy_module
 from turnkv.methods.loopserve import prefill as prefill_module
 from turnkv.methods.loopserve.decode import LoopServeDecode
 from turnkv.methods.loopserve.prefill import LoopServePrefill
+from turnkv.methods.prefill.pattern_hook import summarise
 from turnkv.methods.recipe import Recipe
 
 PROMPTS = ["The river flows past the old mill where the miller counts sacks of grain every morning before dawn.",
@@ -327,6 +328,15 @@ def test_all_lines_equal_dense_prefill(chat_llm):
         went_dense += (share >= threshold + 1e-9).tolist()
         assert "vertical" in entry and "recovered" in entry
     assert any(went_dense) and not all(went_dense)
+    # The turn's summary counts, per layer, the (chunk, unit) entries that computed every causal cell.
+    L = chat_llm.config.num_layers
+    per_layer = [[] for _ in range(L)]
+    for entry in st_mixed.pattern_stats:
+        per_layer[entry["layer"]] += (entry["computed"] == entry["causal"]).reshape(-1).tolist()
+    summary = summarise(st_mixed.pattern_stats, L)
+    assert summary["dense_per_layer"] == pytest.approx([sum(d) / len(d) for d in per_layer])
+    assert summary["dense_share"] == pytest.approx(sum(map(sum, per_layer)) / sum(map(len, per_layer)))
+    assert 0 < summary["dense_share"] < 1
     assert not torch.allclose(mixed, dense, atol=1e-3) and not torch.allclose(mixed, sparse, atol=1e-3)
     everything, _ = prefill_logits(chat_llm, ids, Recipe.parse(lower.replace("None", "0")), chunks)
     torch.testing.assert_close(everything, dense, rtol=1e-4, atol=1e-4)

@@ -58,10 +58,14 @@ class PatternHook:
 
 def summarise(stats: list[dict], num_layers: int) -> dict:
     """One turn's layer entries (several per layer when the prompt was prefilled in chunks) ->
-    density (computed / causal cells over every layer, head and chunk), per-layer density, lines per
-    head (summed over chunks), the mass recovered on the sample (LoopServe), and seconds per stage."""
+    density (computed / causal cells over every layer, head and chunk), per-layer density, the share
+    of units that computed every causal cell of their chunk (dense_per_layer over the (chunk, sequence,
+    unit) entries of a layer, dense_share over all: LoopServe's heads that went dense), lines per head
+    (summed over chunks), the mass recovered on the sample (LoopServe), and seconds per stage."""
     computed = np.zeros(num_layers)
     causal = np.zeros(num_layers)
+    dense = np.zeros(num_layers)  # units with every causal cell computed, per layer
+    units = np.zeros(num_layers)  # units with at least one causal cell, per layer
     out: dict = {}
     per_layer: dict[str, list] = {}
     times: dict[str, float] = {}
@@ -70,6 +74,10 @@ def summarise(stats: list[dict], num_layers: int) -> dict:
         layer = entry["layer"]
         computed[layer] += float(entry["computed"].sum())
         causal[layer] += float(entry["causal"].sum())
+        unit_cells = torch.as_tensor(entry["causal"]).cpu().double()  # [B, U]
+        has_cells = unit_cells > 0
+        dense[layer] += float((has_cells & (torch.as_tensor(entry["computed"]).cpu().double() >= unit_cells)).sum())
+        units[layer] += float(has_cells.sum())
         for kind in ("vertical", "slash"):
             if kind in entry:
                 counts = per_layer.setdefault(kind, [None] * num_layers)
@@ -83,6 +91,8 @@ def summarise(stats: list[dict], num_layers: int) -> dict:
                 times[key] = times.get(key, 0.0) + value
     out["density"] = float(computed.sum() / max(causal.sum(), 1))
     out["density_per_layer"] = (computed / np.maximum(causal, 1)).tolist()
+    out["dense_per_layer"] = (dense / np.maximum(units, 1)).tolist()
+    out["dense_share"] = float(dense.sum() / max(units.sum(), 1))
     for kind, counts in per_layer.items():
         # [layers][batch][heads] -> [layers][heads] for the single sequence a prefill runs
         out[f"{kind}_lines"] = [c[0].tolist() if c is not None else None for c in counts]
