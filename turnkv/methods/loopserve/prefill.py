@@ -202,29 +202,34 @@ class LoopServePrefill(Prefill):
 
     def _attend_dense_units(self, keys: lines.Keys, vertical, slash, per_q: bool, dense, causal, layout):
         """Dense attention for the `dense` units [B, U], their lines elsewhere: (out, computed, causal).
-        Where some units keep lines, the dense units' lines shrink to the diagonal for the line pass
-        and the dense pass's rows replace them."""
-        out = _every_cell(keys)
+        Where some units keep lines, the dense units' lines shrink to the diagonal for the line pass,
+        and the dense pass runs only over the KV heads holding a dense unit; its rows replace theirs."""
         if bool(dense.all()):
-            return out, causal, causal
+            return _every_cell(keys.q, keys.k, keys.v), causal, causal
         flat = dense.reshape(-1)
         vertical = vertical & ~flat[:, None]
         slash = torch.where(flat[:, None], torch.arange(slash.shape[1], device=slash.device) == 0, slash)
-        sparse_out, computed, _ = lines.line_attention(keys, vertical, slash, per_q, layout=layout)
+        out, computed, _ = lines.line_attention(keys, vertical, slash, per_q, layout=layout)
         B, Hq = keys.q.shape[:2]
+        H = keys.k.shape[1]
+        G = Hq // H
         per_head = dense if per_q else dense.repeat_interleave(Hq // dense.shape[1], dim=1)  # [B, Hq]
-        out = torch.where(per_head[:, :, None, None], out, sparse_out)
+        heads = per_head.view(B, H, G).any(dim=2).any(dim=0).nonzero().flatten()  # KV heads with a dense unit
+        rows = (heads[:, None] * G + torch.arange(G, device=heads.device)).flatten()
+        every = _every_cell(keys.q[:, rows], keys.k[:, heads], keys.v[:, heads])
+        out[:, rows] = torch.where(per_head[:, rows, None, None], every, out[:, rows])
         return out, torch.where(dense, causal, computed), causal
 
 
-def _every_cell(keys: lines.Keys) -> torch.Tensor:
-    """Causal attention of the chunk's T rows over every key (each head holds the same S keys at their
-    entries, the chunk's last), on the paths the full cache's chunk takes: a fresh chunk's causal
-    kernel, the split history path over a long history (chunk.uses_split), else SDPA bottom-right."""
-    T, S = keys.q.shape[2], keys.k.shape[2]
+def _every_cell(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of the chunk's T rows q [B, Hq, T, D] over every key k, v [B, H, S, D] (each
+    head holds the same S keys at their entries, the chunk's last), on the paths the full cache's
+    chunk takes: a fresh chunk's causal kernel, the split history path over a long history
+    (chunk.uses_split), else SDPA bottom-right."""
+    T, S = q.shape[2], k.shape[2]
     if S == T:
-        return chunk.fresh_causal(keys.q, keys.k, keys.v)
-    if chunk.uses_split(keys.q.device, keys.q.dtype, T, S - T):
+        return chunk.fresh_causal(q, k, v)
+    if chunk.uses_split(q.device, q.dtype, T, S - T):
         h = S - T
-        return chunk.split_history(keys.q, keys.k[:, :, :h], keys.v[:, :, :h], keys.k[:, :, h:], keys.v[:, :, h:])
-    return reference.causal_suffix(keys.q, keys.k, keys.v)
+        return chunk.split_history(q, k[:, :, :h], v[:, :, :h], k[:, :, h:], v[:, :, h:])
+    return reference.causal_suffix(q, k, v)
