@@ -15,7 +15,8 @@ aten calls) and device kernel launches per step, the ops' counts by name, and th
         prefill=streaming_heads(pattern=random,sink=16,local=64,prefill_local=128)"
 
 `lserve` names the capacity benchmark's LServe (`lserve-random`: random weights have no calibrated head
-pattern). A recipe that cannot hold every conversation runs with those that fit (`admitted`), less one
+pattern). --graphs-on-cpu runs the graphed decode's host side on CPU (the steps the graphs would replay run
+eagerly, as the engine's CPU tests run them). A recipe that cannot hold every conversation runs with those that fit (`admitted`), less one
 whose room the mixed steps' prompt takes.
 """
 
@@ -33,6 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import turnkv
 from turnkv.engine import decode_loop, mixed
+from turnkv.engine.cuda_graphs import GraphedDecode
 from turnkv.engine.turn import TurnInput
 from turnkv.errors import KVCacheFullError
 from turnkv.methods.recipe import Recipe
@@ -237,6 +239,9 @@ def main() -> None:
     p.add_argument("--kv-memory", default=None)
     p.add_argument("--prefill-chunk", type=int, default=None)
     p.add_argument("--no-cuda-graphs", action="store_true", help="eager decode steps on CUDA too")
+    p.add_argument("--graphs-on-cpu", action="store_true",
+                   help="on CPU, decode through the CUDA-graph decode's buffers and host planning, without graphs")
+    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--profile-steps", type=int, default=2)
@@ -247,7 +252,10 @@ def main() -> None:
     if model == "tiny":
         model_config.SHAPES["tiny"] = TINY
     llm = turnkv.LLM(model, dtype=getattr(torch, args.dtype), device=args.device, kv_memory=args.kv_memory,
-                     prefill_chunk=args.prefill_chunk, cuda_graphs=not args.no_cuda_graphs)
+                     prefill_chunk=args.prefill_chunk, cuda_graphs=not args.no_cuda_graphs,
+                     max_model_len=args.max_model_len)
+    if args.graphs_on_cpu and llm.device.type == "cpu":  # the same steps as the graphs', run eagerly
+        llm.runner.graphs = GraphedDecode(llm.model, llm.pool, llm.max_model_len, max_batch=args.batch)
     cuda = llm.device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(llm.device)) if cuda else (lambda: None)
     ops = EngineOps(llm)

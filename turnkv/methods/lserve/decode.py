@@ -195,9 +195,18 @@ class PagedSelection(DecodeSelection, WriteWatcher):
         return written
 
     def _exact(self, seq) -> bool:
-        """Whether every layer's statistics are exact for `seq` (no head moved since its last sync)."""
-        return (self._synced_seq is seq and bool(self._synced_ok.all())
-                and np.array_equal(self._synced_moves, seq.moves))
+        """Whether every layer's statistics are exact for `seq`: no selecting head moved since its last
+        sync. Streaming heads keep no statistics: their moves are taken as synced here, as `_sync`
+        would take them (the trim moves them every page of decode)."""
+        if self._synced_seq is not seq or not self._synced_ok.all():
+            return False
+        if np.array_equal(self._synced_moves, seq.moves):
+            return True
+        streaming = self.streaming_flags(seq)
+        if not np.array_equal(self._synced_moves[~streaming], seq.moves[~streaming]):
+            return False
+        self._synced_moves[streaming] = seq.moves[streaming]
+        return True
 
     def _mark_synced(self, layer: int, seq) -> None:
         if self._synced_seq is not seq:
