@@ -8,6 +8,10 @@ row r valid and ascending; or None to read everything. Selectors of one class wi
 group, e.g. one PageSelector.select call); the others one by one. The step turns the entries into
 pool slots, one row per (sequence, row), for indexed_decode over the pool seen as single-slot pages
 (page_size 1): one gather through the step's page tables for the whole batch.
+
+The step's other per-layer calls to its selections are grouped once per step as well (Rows,
+observer_groups, write_groups): each class observes a layer's queries in one observe_batch call, and
+WriteWatchers of one class and equal write_key take a layer's K writes in one step_writes call.
 """
 
 from __future__ import annotations
