@@ -16,7 +16,8 @@ aten calls) and device kernel launches per step, the ops' counts by name, and th
 
 `lserve` names the capacity benchmark's LServe (`lserve-random`: random weights have no calibrated head
 pattern). --graphs-on-cpu runs the graphed decode's host side on CPU (the steps the graphs would replay run
-eagerly, as the engine's CPU tests run them). A recipe that cannot hold every conversation runs with those that fit (`admitted`), less one
+eagerly, as the engine's CPU tests run them); --ride-mixed puts every decoding turn in the mixed forward, where
+the server sends turns whose decode selects under CUDA graphs to a graphed decode step first. A recipe that cannot hold every conversation runs with those that fit (`admitted`), less one
 whose room the mixed steps' prompt takes.
 """
 
@@ -69,8 +70,8 @@ def recipe_of(name: str) -> str:
 class Server:
     """The worker's side of the steps for one recipe: EngineOps over its turns."""
 
-    def __init__(self, llm, ops: EngineOps, recipe_key: str, context: int, seed: int):
-        self.llm, self.ops, self.key = llm, ops, recipe_key
+    def __init__(self, llm, ops: EngineOps, recipe_key: str, context: int, seed: int, ride_mixed: bool = False):
+        self.llm, self.ops, self.key, self.ride_mixed = llm, ops, recipe_key, ride_mixed
         self.recipe = llm.resolve_recipe(Recipe.parse(recipe_key))
         self.context = context
         self.gen = torch.Generator().manual_seed(seed)
@@ -126,11 +127,11 @@ class Server:
 
     def mixed_step(self, size: int) -> None:
         """scheduler._mixed: turns whose decode selects under graphs take a graphed step first; one
-        forward carries the others' tokens and a slice of the long prompt (never its last: a prompt
+        forward carries the others' tokens (with ride_mixed, every turn's) and a slice of the long prompt (never its last: a prompt
         whose next slice would end it is dropped and another begins)."""
-        runner = self.llm.runner
-        riding = [t for t in self.turns if mixed.rides_mixed_step(runner, t)]
-        graphed = [t for t in self.turns if not mixed.rides_mixed_step(runner, t)]
+        rides = lambda t: self.ride_mixed or mixed.rides_mixed_step(self.llm.runner, t)  # noqa: E731
+        riding = [t for t in self.turns if rides(t)]
+        graphed = [t for t in self.turns if not rides(t)]
         if graphed:
             self._decode(graphed)
         if self.long is None or self.long.prefill_left <= size:
@@ -242,6 +243,8 @@ def main() -> None:
     p.add_argument("--graphs-on-cpu", action="store_true",
                    help="on CPU, decode through the CUDA-graph decode's buffers and host planning, without graphs")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--ride-mixed", action="store_true",
+                   help="every decoding turn rides the mixed forward, selecting ones too (not the server's rule)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--profile-steps", type=int, default=2)
@@ -265,7 +268,7 @@ def main() -> None:
     for name in split_recipes(args.recipes):
         key = recipe_of(name)
         print(f"{name} ({key}):", flush=True)
-        server = Server(llm, ops, key, args.context, seed=0)
+        server = Server(llm, ops, key, args.context, seed=0, ride_mixed=args.ride_mixed)
         admitted = server.admit(args.batch, max_new=4 * steps)
         row = {"recipe": key, "admitted": admitted}
         print(f"  {admitted} conversations admitted", flush=True)

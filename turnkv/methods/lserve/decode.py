@@ -90,6 +90,7 @@ class PagedSelection(DecodeSelection, WriteWatcher):
         self._config_key = astuple(config)  # batch_key's part for the selector
         self.state = SelectionState(num_layers)
         self.static = None  # the recipe's streaming-heads component (LServe), whose heads never select
+        self._flags = None  # (shape [L, H], streaming flags, batch_key per layer), made at the first call
         self.queries: list[Query | None] = [None] * num_layers  # the step's last query [Hq, D]
         # The statistics are exact for the heads whose SequenceKV.moves match these (per layer).
         self._synced_seq = None
@@ -142,6 +143,7 @@ class PagedSelection(DecodeSelection, WriteWatcher):
 
     def exclude_static(self, static: StaticSparsity) -> None:
         self.static = static
+        self._flags = None
 
     def written(self, layer: int, seq, slots: torch.Tensor, k: torch.Tensor) -> None:
         summaries = summaries_for(seq.pool, self.selector.config.logical_page)
@@ -254,7 +256,8 @@ class PagedSelection(DecodeSelection, WriteWatcher):
 
     def batch_key(self, layer: int, seq):
         """Conversations of equal selector configs and streaming heads share one select per layer."""
-        return self._config_key, self._streaming(seq, layer).tobytes()
+        self.streaming_flags(seq)
+        return self._flags[2][layer]
 
     @classmethod
     def entries_batch(cls, layer: int, seqs, selections, tables: torch.Tensor):
@@ -285,9 +288,14 @@ class PagedSelection(DecodeSelection, WriteWatcher):
         return (which, *_to_entries(chosen, lengths[which], streaming, cfg.physical_page))
 
     def streaming_flags(self, seq) -> np.ndarray:
-        """[L, H] bool: the heads that never select (LServe's streaming heads)."""
-        L, H = seq.lengths.shape
-        return np.zeros((L, H), dtype=bool) if self.static is None else self.static.flags(L, H)
+        """[L, H] bool: the heads that never select (LServe's streaming heads). Read only: one array
+        serves every call for a model's shape."""
+        shape = seq.lengths.shape
+        if self._flags is None or self._flags[0] != shape:
+            L, H = shape
+            flags = np.zeros((L, H), dtype=bool) if self.static is None else self.static.flags(L, H)
+            self._flags = (shape, flags, [(self._config_key, row.tobytes()) for row in flags])
+        return self._flags[1]
 
     def _streaming(self, seq, layer: int) -> np.ndarray:
         return self.streaming_flags(seq)[layer]
