@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -346,10 +347,15 @@ def test_reserve_step_gives_what_reserve_gives():
         for seq in (a, b):
             seq.reserve(20)
             seq.keep(0, [list(range(n)) for n in (3, 17, 20)])
-    for _ in range(20):
+    for _ in range(20):  # most steps place no page (nothing to allocate), some cross pages in a few heads
         slots = [s.reserve(1) for s in pairs[0]]
         assert [torch.equal(x, y) for x, y in zip(slots, reserve_step(pairs[1]))] == [True] * 3
         assert torch.equal(pools[0].positions, pools[1].positions)
+        for seq, got in zip(pairs[1], slots):  # each head's new token at its last index, in its own pages
+            n = seq.lengths - 1
+            pages = seq.table[np.arange(2)[:, None], np.arange(3)[None, :], n // PS]
+            assert np.array_equal(got.numpy()[..., 0], pages * PS + n % PS)
+        check_pool(pools[1], pairs[1])
     assert [s.lengths.tolist() for s in pairs[0]] == [s.lengths.tolist() for s in pairs[1]]
 
 
