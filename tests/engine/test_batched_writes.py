@@ -2,7 +2,8 @@
 (engine/selection.py: write_groups, observer_groups; PagedSelection.step_writes, observe_batch): the
 same tokens, logprobs, page statistics and selection states as each conversation watching its own
 writes and queries, over eager decode steps and mixed steps (a prefill slice beside the decode
-tokens); and one statistics fold and one observe call per layer, whatever the batch."""
+tokens); and one statistics fold and one observe call per layer, whatever the batch. The step's page
+tables copy once for the batch, bar the tables narrower than the widest."""
 
 from __future__ import annotations
 
@@ -200,3 +201,28 @@ def test_one_fold_and_one_observe_per_layer_for_a_batch(chat_llm, monkeypatch, k
     # Alone, the protocol's observe_batch calls observe once per conversation.
     assert counts["alone"] == {"fold": {layer: B for layer in range(L)}, "observe": B * L, "observe_batch": L,
                                "sync": 2 * B * L, "written": B * L}
+
+
+def test_step_tables_pad_only_the_narrower_tables(chat_llm, monkeypatch):
+    """The step's page tables [L, B, H, P]: every sequence's table as padding each would give it, with
+    a copy per sequence only where its table is narrower than the widest (not one per sequence)."""
+    from turnkv.engine import step as step_module
+    from turnkv.kv.sequence import SequenceKV
+
+    seqs = [SequenceKV(chat_llm.pool) for _ in range(4)]
+    try:
+        for seq, n in zip(seqs, [40, 300, 300, 90]):
+            seq.reserve(n)
+        pads = []
+        real_pad = torch.nn.functional.pad
+        monkeypatch.setattr(torch.nn.functional, "pad", lambda t, *a, **k: pads.append(t.shape) or real_pad(t, *a, **k))
+        tables = step_module._tables(seqs)
+        monkeypatch.undo()
+        width = max(int(s.num_pages.max()) for s in seqs)
+        expected = torch.stack([real_pad(s.device_table()[:, :, :width], (0, width - min(width, s.table.shape[2])))
+                                for s in seqs], dim=1)
+        assert torch.equal(tables, expected)
+        assert len(pads) == sum(s.table.shape[2] < width for s in seqs) < len(seqs)
+    finally:
+        for seq in seqs:
+            seq.free()

@@ -360,7 +360,9 @@ def _tables(seqs: list[SequenceKV]) -> torch.Tensor:
     """The sequences' page tables side by side, [L, B, H, P], zero-padded to the widest."""
     width = max(int(s.num_pages.max(initial=0)) for s in seqs)
     tables = [s.device_table()[:, :, :width] for s in seqs]
-    return torch.stack([torch.nn.functional.pad(t, (0, width - t.shape[2])) for t in tables], dim=1)
+    # Views where a table holds the width (one copy for the batch, the stack), a padded copy elsewhere.
+    return torch.stack([t if t.shape[2] == width else torch.nn.functional.pad(t, (0, width - t.shape[2]))
+                        for t in tables], dim=1)
 
 
 def _ring_heads(windows: np.ndarray, device: torch.device) -> list[torch.Tensor]:
