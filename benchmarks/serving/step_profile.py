@@ -76,6 +76,7 @@ class Server:
         self.context = context
         self.gen = torch.Generator().manual_seed(seed)
         self.convs, self.turns, self.long = [], [], None
+        self.parts = collections.Counter()
 
     def _prompt(self) -> list[int]:
         return torch.randint(10, self.llm.config.vocab_size - 10, (self.context,), generator=self.gen).tolist()
@@ -127,13 +128,16 @@ class Server:
 
     def mixed_step(self, size: int) -> None:
         """scheduler._mixed: turns whose decode selects under graphs take a graphed step first; one
-        forward carries the others' tokens (with ride_mixed, every turn's) and a slice of the long prompt (never its last: a prompt
-        whose next slice would end it is dropped and another begins)."""
+        forward carries the others' tokens (with ride_mixed, every turn's) and a slice of the long
+        prompt (never its last: a prompt whose next slice would end it is dropped and another begins).
+        Adds the ms of the two parts (each ends in the host's read of its tokens) to self.parts."""
         rides = lambda t: self.ride_mixed or mixed.rides_mixed_step(self.llm.runner, t)  # noqa: E731
         riding = [t for t in self.turns if rides(t)]
         graphed = [t for t in self.turns if not rides(t)]
+        start = time.perf_counter()
         if graphed:
             self._decode(graphed)
+        middle = time.perf_counter()
         if self.long is None or self.long.prefill_left <= size:
             if self.long is not None:
                 self.ops.abandon(self.long)
@@ -144,6 +148,8 @@ class Server:
         for batch, rows in zip(batches, step.value[0]):
             for turn, row in zip(batch, rows):
                 self.ops.take(turn, row)
+        self.parts["graphed_decode_ms"] += (middle - start) * 1000
+        self.parts["mixed_forward_ms"] += (time.perf_counter() - middle) * 1000
 
     def close(self) -> None:
         for turn in self.turns:
@@ -167,17 +173,18 @@ def timed(fn, steps: int, sync) -> list[float]:
 
 def op_profile(fn, steps: int, sync, cuda: bool) -> dict:
     """torch.profiler over `steps` steps: top-level aten ops (not inside another aten op) per step, by
-    name, and device kernels per step."""
+    name, and device kernels per step, by name, with their device ms per step."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync()
     with profile(activities=activities) as prof:
         for _ in range(steps):
             fn()
         sync()
-    ops, kernels = collections.Counter(), collections.Counter()
+    ops, kernels, kernel_us = collections.Counter(), collections.Counter(), collections.Counter()
     for e in prof.events():
         if e.device_type.name == "CUDA":
             kernels[e.name[:80]] += 1
+            kernel_us[e.name[:80]] += e.time_range.end - e.time_range.start
             continue
         if not e.name.startswith("aten::"):
             continue
@@ -188,7 +195,8 @@ def op_profile(fn, steps: int, sync, cuda: bool) -> dict:
             ops[e.name] += 1
     per = lambda c: {k: v / steps for k, v in c.most_common()}  # noqa: E731
     return {"torch_ops_per_step": sum(ops.values()) / steps, "kernels_per_step": sum(kernels.values()) / steps,
-            "ops": per(ops), "kernels": per(kernels)}
+            "kernel_ms_per_step": sum(kernel_us.values()) / 1000 / steps, "ops": per(ops), "kernels": per(kernels),
+            "kernel_ms": {k: v / 1000 / steps for k, v in kernel_us.most_common()}}
 
 
 def host_profile(fn, steps: int, top: int) -> list[dict]:
@@ -208,12 +216,14 @@ def host_profile(fn, steps: int, top: int) -> list[dict]:
 def measure(server: Server, name: str, fn, args, sync, cuda: bool) -> dict:
     for _ in range(args.warmup):
         fn()
+    server.parts.clear()
     ms = timed(fn, args.steps, sync)
     row = {"ms_per_step": sum(ms) / len(ms), "ms": ms}
+    row.update({k: v / args.steps for k, v in server.parts.items()})  # a mixed step's two parts
     row.update(op_profile(fn, args.profile_steps, sync, cuda))
     row["host"] = host_profile(fn, args.profile_steps, args.top)
     print(f"  {name}: {row['ms_per_step']:.1f} ms/step, {row['torch_ops_per_step']:.0f} torch ops, "
-          f"{row['kernels_per_step']:.0f} kernels per step", flush=True)
+          f"{row['kernels_per_step']:.0f} kernels ({row['kernel_ms_per_step']:.1f} ms on the device) per step", flush=True)
     return row
 
 
@@ -222,7 +232,8 @@ def report(recipe: str, rows: dict, top: int) -> None:
         print(f"--- {recipe}: {kind} ---")
         print("  torch ops per step: " + ", ".join(f"{k} {v:g}" for k, v in list(row["ops"].items())[:top]))
         if row["kernels"]:
-            print("  kernels per step: " + ", ".join(f"{k} {v:g}" for k, v in list(row["kernels"].items())[:top]))
+            print("  kernels per step (launches, device ms): " + ", ".join(
+                f"{k} {row['kernels'][k]:g} {ms:.3f}" for k, ms in list(row["kernel_ms"].items())[:top]))
         for h in row["host"]:
             print(f"  {h['own_ms_per_step']:8.2f} ms own {h['cum_ms_per_step']:8.2f} cum {h['calls_per_step']:8.1f} "
                   f"calls  {h['function']}")
