@@ -8,7 +8,7 @@ aten calls) and device kernel launches per step, the ops' counts by name, and th
 
     # H100: Llama-3.1-8B shape, random weights
     python benchmarks/serving/step_profile.py --model llama-3.1-8b --dtype bfloat16 --device cuda \\
-        --recipes full,lserve --batch 32 --context 16384 --slice 2048 --kv-memory 60GiB --out step_profile.json
+        --recipes full,lserve --batch 32 --context 16384 --slice 2048 --kv-memory 56GiB --out step_profile.json
     # CPU: a tiny random model, LServe scaled to its context (selection and trimming both run)
     python benchmarks/serving/step_profile.py --model tiny --dtype float32 --device cpu --batch 16 --context 512 \\
         --slice 128 --recipes "full,lserve-random decode=lserve(budget=128) \\
