@@ -15,9 +15,10 @@ aten calls) and device kernel launches per step, the ops' counts by name, and th
         prefill=streaming_heads(pattern=random,sink=16,local=64,prefill_local=128)"
 
 `lserve` names the capacity benchmark's LServe (`lserve-random`: random weights have no calibrated head
-pattern). --graphs-on-cpu runs the graphed decode's host side on CPU (the steps the graphs would replay run
-eagerly, as the engine's CPU tests run them); --ride-mixed puts every decoding turn in the mixed forward, where
-the server sends turns whose decode selects under CUDA graphs to a graphed decode step first. A recipe that cannot hold every conversation runs with those that fit (`admitted`), less one
+pattern). --graphs-on-cpu runs the graphed decode's host side on CPU (the steps the graphs would replay
+run eagerly, as the engine's CPU tests run them); --ride-mixed puts every decoding turn in the mixed
+forward, where the server sends turns whose decode selects under CUDA graphs to a graphed decode step
+first. A recipe that cannot hold every conversation runs with those that fit (`admitted`), less one
 whose room the mixed steps' prompt takes.
 """
 
@@ -223,7 +224,8 @@ def measure(server: Server, name: str, fn, args, sync, cuda: bool) -> dict:
     row.update(op_profile(fn, args.profile_steps, sync, cuda))
     row["host"] = host_profile(fn, args.profile_steps, args.top)
     print(f"  {name}: {row['ms_per_step']:.1f} ms/step, {row['torch_ops_per_step']:.0f} torch ops, "
-          f"{row['kernels_per_step']:.0f} kernels ({row['kernel_ms_per_step']:.1f} ms on the device) per step", flush=True)
+          f"{row['kernels_per_step']:.0f} kernels ({row['kernel_ms_per_step']:.1f} ms on the device) per step",
+          flush=True)
     return row
 
 

@@ -56,7 +56,8 @@ def test_step_profile_times_and_counts_the_servers_steps(tmp_path):
     streaming heads' trim both running at this context), decode-only and mixed steps through the
     server's seam, with per-step ms, torch ops by name and host functions."""
     out = tmp_path / "steps.json"
-    lserve = "lserve-random decode=lserve(budget=64) prefill=streaming_heads(pattern=random,sink=16,local=32,prefill_local=64)"
+    lserve = ("lserve-random decode=lserve(budget=64) "
+              "prefill=streaming_heads(pattern=random,sink=16,local=32,prefill_local=64)")
     run = subprocess.run([sys.executable, str(REPO / "benchmarks/serving/step_profile.py"), "--model", "tiny",
                           "--dtype", "float32", "--device", "cpu", "--batch", "3", "--context", "160", "--slice", "32",
                           "--kv-memory", "16MiB", "--warmup", "1", "--steps", "2", "--profile-steps", "1",
