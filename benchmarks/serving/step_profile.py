@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import cProfile
 import json
 import pstats
@@ -91,7 +92,9 @@ class Server:
         return conv, self.ops.begin_turn(conv, TurnInput(0, ids, len(ids), None, None, "", prefix_end=0), gen)
 
     def admit(self, batch: int, max_new: int) -> int:
-        """Prefill `batch` conversations in the server's slices, take each first token, settle."""
+        """Prefill `batch` conversations in the server's slices, take each first token, settle; then
+        let the last ones go until the pool holds the mixed steps' prompt and max_new more tokens of
+        every conversation."""
         chunk = self.llm.runner.prefill_chunk
         for _ in range(batch):
             conv, turn = self._begin(max_new)
@@ -106,7 +109,10 @@ class Server:
             self.ops.take(turn, logits)
             self.ops.settle(turn)
             self.turns.append(turn)
-        if len(self.turns) < batch and self.turns:  # room for the mixed steps' prompt
+        pool = self.llm.pool
+        per_head = lambda tokens: -(-tokens // pool.page_size) + 1  # noqa: E731 - pages, a partial one too
+        while self.turns and min(pool.free_pages(layer) for layer in range(pool.num_layers)) < pool.num_kv_heads * (
+                per_head(self.context) + len(self.turns) * per_head(max_new)):
             turn = self.turns.pop()
             self.ops.finish(turn)
             self._close(turn.conv)
@@ -244,6 +250,8 @@ def report(recipe: str, rows: dict, top: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-3.1-8b", help="a shape name (random weights), a model path, or tiny")
+    p.add_argument("--tiny-layers", type=int, default=TINY.num_layers, help="the tiny model's layers")
+    p.add_argument("--tiny-kv-heads", type=int, default=TINY.num_kv_heads, help="the tiny model's KV heads")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
     p.add_argument("--recipes", default="full,lserve", help="comma-separated recipes")
@@ -266,7 +274,9 @@ def main() -> None:
     args = p.parse_args()
     model = args.model
     if model == "tiny":
-        model_config.SHAPES["tiny"] = TINY
+        model_config.SHAPES["tiny"] = dataclasses.replace(TINY, num_layers=args.tiny_layers,
+                                                          num_kv_heads=args.tiny_kv_heads,
+                                                          num_heads=2 * args.tiny_kv_heads)
     llm = turnkv.LLM(model, dtype=getattr(torch, args.dtype), device=args.device, kv_memory=args.kv_memory,
                      prefill_chunk=args.prefill_chunk, cuda_graphs=not args.no_cuda_graphs,
                      max_model_len=args.max_model_len)
