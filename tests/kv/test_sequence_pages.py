@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -206,6 +207,38 @@ def drop_expected(seq: SequenceKV, exp: Expected, layer: int, head: int, first: 
     assert len(keep) == H
 
 
+def test_drop_pages_releases_every_layer_at_once_in_per_layer_order(gen, monkeypatch):
+    """Streaming heads drop the same pages in every layer: one pool.release for all the layers, which
+    hands each layer's pages back in the order a release per layer would (its heads in order, each
+    head's pages in table order), so the next allocation takes the same pages."""
+    pool = make_pool(layers=3, heads=3, num_pages=30)
+    seq, exp = SequenceKV(pool), Expected(pool)
+    append(seq, exp, 22, gen)
+    layers, heads = [0, 0, 1, 2, 2], [0, 2, 1, 0, 2]
+    freed = [[int(p) for h in sorted(hs) for p in seq.table[layer, h, 1:3]]
+             for layer, hs in ((0, [0, 2]), (1, [1]), (2, [0, 2]))]
+    calls = []
+    real = type(pool).release
+    monkeypatch.setattr(type(pool), "release", lambda self, *a: calls.append(a) or real(self, *a))
+    seq.drop_pages(layers, heads, 1, 2)
+    assert len(calls) == 1
+    for layer, hs in ((0, [0, 2]), (1, [1]), (2, [0, 2])):
+        drop_expected_heads(seq, exp, layer, hs, 1, 2)
+    check(seq, exp)
+    check_pool(pool, [seq])
+    taken = pool.allocate([len(f) for f in freed])
+    assert [t.tolist() for t in taken] == freed  # the first freed page on top of each layer's stack
+    for layer, pages in enumerate(taken):
+        pool.release(layer, pages)
+
+
+def drop_expected_heads(seq, exp, layer: int, heads: list[int], first: int, count: int):
+    keep = [list(range(int(n))) for n in exp.lengths()[layer]]
+    for head in heads:
+        keep[head] = [i for i in keep[head] if not first * PS <= i < (first + count) * PS]
+    exp.keep(layer, keep)
+
+
 def test_drop_pages_shifts_the_table_frees_pages_and_moves_no_data(gen):
     pool = make_pool(layers=2, heads=3, num_pages=24)
     seq, exp = SequenceKV(pool), Expected(pool)
@@ -314,10 +347,15 @@ def test_reserve_step_gives_what_reserve_gives():
         for seq in (a, b):
             seq.reserve(20)
             seq.keep(0, [list(range(n)) for n in (3, 17, 20)])
-    for _ in range(20):
+    for _ in range(20):  # most steps place no page (nothing to allocate), some cross pages in a few heads
         slots = [s.reserve(1) for s in pairs[0]]
         assert [torch.equal(x, y) for x, y in zip(slots, reserve_step(pairs[1]))] == [True] * 3
         assert torch.equal(pools[0].positions, pools[1].positions)
+        for seq, got in zip(pairs[1], slots):  # each head's new token at its last index, in its own pages
+            n = seq.lengths - 1
+            pages = seq.table[np.arange(2)[:, None], np.arange(3)[None, :], n // PS]
+            assert np.array_equal(got.numpy()[..., 0], pages * PS + n % PS)
+        check_pool(pools[1], pairs[1])
     assert [s.lengths.tolist() for s in pairs[0]] == [s.lengths.tolist() for s in pairs[1]]
 
 

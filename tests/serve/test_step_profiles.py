@@ -49,3 +49,28 @@ def test_profile_compress_times_each_turns_compression(tmp_path, chat_model_dir)
     assert turns[1]["cached_tokens"] > 0  # the later turn reused the compressed history
     assert turns[0]["compressions"][0]["kept_tokens"] < 0.3 * turns[0]["prompt_tokens"] * 2 * 2  # 2 layers x 2 heads
     assert "--- host profile: compression 2 ---" in run.stdout
+
+
+def test_step_profile_times_and_counts_the_servers_steps(tmp_path):
+    """step_profile.py on CPU: a tiny random model, the full cache and LServe (its selection and the
+    streaming heads' trim both running at this context), decode-only and mixed steps through the
+    server's seam, with per-step ms, torch ops by name and host functions."""
+    out = tmp_path / "steps.json"
+    lserve = ("lserve-random decode=lserve(budget=64) "
+              "prefill=streaming_heads(pattern=random,sink=16,local=32,prefill_local=64)")
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks/serving/step_profile.py"), "--model", "tiny",
+                          "--dtype", "float32", "--device", "cpu", "--batch", "3", "--context", "160", "--slice", "32",
+                          "--kv-memory", "16MiB", "--warmup", "1", "--steps", "2", "--profile-steps", "1",
+                          "--recipes", f"full,{lserve}", "--out", str(out)],
+                         check=True, timeout=600, capture_output=True, text=True)
+    figures = json.loads(out.read_text())
+    assert list(figures["recipes"]) == ["full", lserve] and figures["graph_batch"] is None
+    for name, row in figures["recipes"].items():
+        assert row["admitted"] == 3, name
+        for kind in ("decode", "mixed"):
+            step = row[kind]
+            assert step["ms_per_step"] > 0 and len(step["ms"]) == 2
+            assert step["torch_ops_per_step"] == sum(step["ops"].values()) > 0
+            assert step["kernels_per_step"] == 0 and step["host"]
+    assert "aten::linear" in figures["recipes"]["full"]["decode"]["ops"]
+    assert f"--- {lserve}: mixed ---" in run.stdout

@@ -48,10 +48,14 @@ class PagedHandler(Handler):
         PP, ps = cfg.physical_page, self.graphs.pool.page_size
         moved = np.stack([sel.sync_all(seq) for sel, seq in zip(sels, seqs)])  # [B, L]; stats exact again
         recs = [self.record(sel) for sel in sels]
-        for rec, m in zip(recs, moved):
-            rec.valid[m] = False  # a selecting head's tokens moved: its selection names old pages
+        for b in np.flatnonzero(moved.any(axis=1)).tolist():
+            recs[b].valid[moved[b]] = False  # a selecting head's tokens moved: its selection names old pages
         lengths = np.stack([seq.lengths for seq in seqs]) + 1  # [B, L, H] once the step's token is in
-        streaming = np.stack([sel.streaming_flags(seq) for sel, seq in zip(sels, seqs)])
+        flags = [sel.streaming_flags(seq) for sel, seq in zip(sels, seqs)]
+        if all(f is flags[0] for f in flags):  # one recipe's flags (read only): no copy per conversation
+            streaming = np.broadcast_to(flags[0], lengths.shape)
+        else:
+            streaming = np.stack(flags)
         pages = -(-lengths // PP)
         sel_pages = np.where(streaming, 0, pages)  # streaming heads never select
         layer_selects = np.arange(L) >= cfg.dense_layers
@@ -86,10 +90,11 @@ class PagedHandler(Handler):
                 sel.begin(True)
                 sel.state.invalidate()  # the eager selector's cache: this selection lives in the graph
                 fresh = refresh[b]
-                rec.valid[fresh], rec.age[fresh], rec.pages[fresh] = True, 0, sel_pages[b][fresh]
+                if fresh.any():
+                    rec.valid[fresh], rec.age[fresh], rec.pages[fresh] = True, 0, sel_pages[b][fresh]
+                    for layer in np.flatnonzero(fresh).tolist():
+                        sel.state.selections[layer] += 1
                 rec.age[selecting[b]] += 1
-                for layer in np.flatnonzero(fresh):
-                    sel.state.selections[layer] += 1
                 rec.ticks, rec.row = sel.ticks, b
                 self.owner[b] = sel
             host_whole, host_read, host_refresh = self.upload.host()

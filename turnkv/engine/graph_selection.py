@@ -36,13 +36,12 @@ class SelectionGraphs:
     def handler(self, selectors):
         if not selectors or any(s is None or s.graph_config() is None for s in selectors):
             return None
-        keys = set()
-        for s in selectors:
-            kind, config = s.graph_config()
-            keys.add((kind, dataclasses.astuple(config)))
-        if len(keys) != 1:
-            return None
-        key = keys.pop()
+        kind, config = selectors[0].graph_config()
+        for s in selectors[1:]:  # one kind and equal configs (compared field by field, not copied out)
+            other_kind, other = s.graph_config()
+            if other_kind != kind or not (other is config or (type(other) is type(config) and other == config)):
+                return None
+        key = (kind, dataclasses.astuple(config))
         if key not in self.handlers:
             kind, config = selectors[0].graph_config()
             Hq = self.graphs.queries.shape[2]

@@ -104,10 +104,9 @@ def forward(runner, parts: list[Part]) -> list[torch.Tensor]:
 def rides_mixed_step(runner, turn: TurnRun) -> bool:
     """Whether a decoding turn's next token goes into a mixed forward. Not where its decode selects
     and the runner replays CUDA graphs: the graphed step selects for the whole batch inside its
-    graphs, an eager step launches each layer's selection (engine/selection.py) and folds each
-    conversation's key into the statistics one by one, which at tens of conversations costs more
-    than the forward the token would share. Such turns take a graphed decode step beside the mixed
-    forward."""
+    graphs, with its host planning once per step, where an eager step plans and launches each
+    layer's selection and statistics fold from the host (engine/selection.py). Such turns take a
+    graphed decode step beside the mixed forward."""
     return runner.graphs is None or turn.context.selector is None
 
 

@@ -8,6 +8,10 @@ row r valid and ascending; or None to read everything. Selectors of one class wi
 group, e.g. one PageSelector.select call); the others one by one. The step turns the entries into
 pool slots, one row per (sequence, row), for indexed_decode over the pool seen as single-slot pages
 (page_size 1): one gather through the step's page tables for the whole batch.
+
+The step's other per-layer calls to its selections are grouped once per step as well (Rows,
+observer_groups, write_groups): each class observes a layer's queries in one observe_batch call, and
+WriteWatchers of one class and equal write_key take a layer's K writes in one step_writes call.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from turnkv.attention import decode
 from turnkv.gpu import upload
+from turnkv.methods.protocols import WriteWatcher
 
 
 def tables(step, layer: int, q: torch.Tensor):
@@ -92,3 +97,61 @@ def _merge(parts, lengths: np.ndarray, rows: int, device) -> tuple[torch.Tensor,
         out[upload(index, device)] = entries
         counts[index] = part_counts
     return out, counts
+
+
+# ---- a step's per-layer calls to its selections, grouped once per step --------------------------------
+class Rows:
+    """Some rows of a step's batch, [m] ascending indices into its B sequences: picks them out of any
+    tensor whose first axis is the batch (the tensor itself, a slice view, or one index_select)."""
+
+    def __init__(self, members: list[int], batch: int, device):
+        self.members = members
+        self.index = None
+        self.span = None
+        if members != list(range(batch)):
+            if members == list(range(members[0], members[-1] + 1)):
+                self.span = slice(members[0], members[-1] + 1)
+            else:
+                self.index = upload(np.asarray(members), device)
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        if self.index is not None:
+            return t.index_select(0, self.index)
+        return t if self.span is None else t[self.span]
+
+
+def observer_groups(observers, device) -> list[tuple[type, list, Rows]]:
+    """(class, its selections, their rows) per class of the step's selections (None: no selection):
+    each class observes a layer's queries in one observe_batch call."""
+    groups: dict = {}
+    for b, sel in enumerate(observers):
+        if sel is not None:
+            groups.setdefault(type(sel), []).append(b)
+    return [(cls, [observers[b] for b in members], Rows(members, len(observers), device))
+            for cls, members in groups.items()]
+
+
+def write_groups(observers, seqs, num_new: int, device) -> list[tuple[Rows, object]]:
+    """(rows, written(layer, slots [m, H, T], k [m, T, H, D])) per group of the step's WriteWatchers:
+    those of one class and equal write_key share one step_writes; the others write alone."""
+    groups: dict = {}
+    for b, (sel, seq) in enumerate(zip(observers, seqs)):
+        if isinstance(sel, WriteWatcher):
+            key = sel.write_key(seq)
+            groups.setdefault((type(sel), key) if key is not None else b, []).append(b)
+    out = []
+    for key, members in groups.items():
+        rows = Rows(members, len(seqs), device)
+        if isinstance(key, tuple):
+            written = key[0].step_writes([seqs[b] for b in members], [observers[b] for b in members], num_new)
+        else:
+            written = _alone(observers[key], seqs[key])
+        out.append((rows, written))
+    return out
+
+
+def _alone(watcher, seq):
+    def written(layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
+        watcher.written(layer, seq, slots.reshape(-1), k[0])
+
+    return written

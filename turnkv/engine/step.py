@@ -12,7 +12,7 @@ from turnkv.attention import chunk, decode, flash, lines, reference, streaming
 from turnkv.engine import selection
 from turnkv.kv.pool import PagePool
 from turnkv.kv.sequence import SequenceKV
-from turnkv.methods.protocols import NO_WINDOW, WriteWatcher
+from turnkv.methods.protocols import NO_WINDOW
 from turnkv.methods.step_context import PLAIN, StepContext
 
 
@@ -55,9 +55,6 @@ class Step:
         selectors = [c.selector for c in contexts]
         self.selectors = selectors if any(s is not None for s in selectors) else None
         self.observers = self.selectors
-        # Selectors that keep statistics beside the pages (LServe's per-page key min/max) see every K
-        # write of their sequence, prefill and decode: `written(layer, seq, slots, k)`, k a view.
-        self.writers = [(b, s) for b, s in enumerate(self.observers or []) if isinstance(s, WriteWatcher)]
         self.seqs = seqs
         # Per sequence a QueryWindow (or None) that records each layer's queries for the scorers.
         windows = [c.window for c in contexts]
@@ -130,6 +127,13 @@ class Step:
                     sel.begin(decoding)
             if not (self.indexed and decoding):
                 self.selectors = None
+        # Per layer, each class of selections observes the queries in one call, and selectors that keep
+        # statistics beside the pages (LServe's per-page key min/max) take every K write of their
+        # sequences, prefill and decode, one call per group of equal write_key (engine/selection.py).
+        self.observe_groups, self.writers = [], []
+        if self.observers is not None:
+            self.observe_groups = selection.observer_groups(self.observers, pool.device)
+            self.writers = selection.write_groups(self.observers, seqs, num_new, pool.device)
 
     def _record_windows(self, layer: int, q: torch.Tensor) -> None:
         """Hand q [B, T, Hq, D] to the observation windows. A one-token step hands every layer's at
@@ -153,15 +157,13 @@ class Step:
         B, T, Hq, D = q.shape
         self.pool.write_heads(layer, self.slots[layer], k, v)
         if self.writers:
-            n = self.slots.shape[1] // B  # the slots are in (sequence, head, token) order
-            for b, sel in self.writers:  # each sequence's keys as they are, [T, H, D]
-                sel.written(layer, self.seqs[b], self.slots[layer][b * n : (b + 1) * n], k[b])
+            slots = self.slots[layer].view(B, k.shape[2], T)  # (sequence, head, token) order
+            for rows, written in self.writers:  # the sequences' keys as they are, [m, T, H, D]
+                written(layer, rows.of(slots), rows.of(k))
         if self.windows is not None:
             self._record_windows(layer, q)
-        if self.observers is not None:
-            for b, sel in enumerate(self.observers):
-                if sel is not None:
-                    sel.observe(layer, q[b], self.query_positions[b])
+        for cls, sels, rows in self.observe_groups:
+            cls.observe_batch(layer, sels, rows.of(q), rows.of(self.query_positions))
         q = q.transpose(1, 2)
         if self.pattern is not None:
             return self._pattern_attention(layer, q, k, v).transpose(1, 2)
@@ -358,7 +360,9 @@ def _tables(seqs: list[SequenceKV]) -> torch.Tensor:
     """The sequences' page tables side by side, [L, B, H, P], zero-padded to the widest."""
     width = max(int(s.num_pages.max(initial=0)) for s in seqs)
     tables = [s.device_table()[:, :, :width] for s in seqs]
-    return torch.stack([torch.nn.functional.pad(t, (0, width - t.shape[2])) for t in tables], dim=1)
+    # Views where a table holds the width (one copy for the batch, the stack), a padded copy elsewhere.
+    return torch.stack([t if t.shape[2] == width else torch.nn.functional.pad(t, (0, width - t.shape[2]))
+                        for t in tables], dim=1)
 
 
 def _ring_heads(windows: np.ndarray, device: torch.device) -> list[torch.Tensor]:

@@ -124,8 +124,9 @@ class Compaction:
             width = int(num_pages[sel].max())
             dropped = self.table[l, h, f : f + c]  # [n, c] (advanced indexing copies)
             self.table[l, h, f : width - c] = self.table[l, h, f + c : width]
-            for layer in np.unique(l):
-                self.pool.release(int(layer), dropped[l == layer].ravel())
+            # One release for every layer: each layer's pages go back in the order a release per
+            # layer would give them (its heads in order, each head's pages in table order).
+            self.pool.release(np.repeat(l, c), dropped.ravel())
         self.num_pages[ls, hs] -= cs
         self.lengths[ls, hs] -= cs * ps
         self.moves[ls, hs] += 1

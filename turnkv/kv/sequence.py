@@ -174,7 +174,8 @@ class SequenceKV(Compaction):
         kv_heads, num_tokens] (numpy)."""
         ps = self.pool.page_size
         index = self.lengths[:, :, None] + np.arange(num_tokens)
-        pages = np.take_along_axis(self.table, index // ps, axis=2)
+        L, H = self.lengths.shape
+        pages = self.table[np.arange(L)[:, None, None], np.arange(H)[None, :, None], index // ps]
         self.lengths += num_tokens
         self.next_position += num_tokens
         return pages * ps + index % ps
@@ -215,7 +216,10 @@ class SequenceKV(Compaction):
 
     def _grow(self, plan: _Growth) -> None:
         """Carry out a plan of _pages_for, whose pages `room` found: copy the shared last pages (every
-        layer's in one batch; one that stopped being shared meanwhile stays), then place the new pages."""
+        layer's in one batch; one that stopped being shared meanwhile stays), then place the new pages
+        (none, in most decode steps: nothing changes then)."""
+        if plan.cow_layers is None and not plan.needed.any():
+            return
         if plan.cow_layers is not None:
             self._privatize(plan.cow_layers, plan.cow_heads, self.num_pages[plan.cow_layers, plan.cow_heads] - 1)
         self._place_pages(plan.needed, self.pool.allocate_flat(plan.needed.sum(axis=1)))

@@ -305,6 +305,14 @@ class DecodeSelection(ABC):
         kept past the step must be a copy, or a view of a one-token step's rows, never a view of a
         chunk's (it would hold the chunk's whole projection output alive)."""
 
+    @classmethod
+    def observe_batch(cls, layer: int, selections: Sequence[DecodeSelection], q: torch.Tensor,
+                      positions: torch.Tensor) -> None:
+        """`observe` of n selections of this class in one call: q [n, T, Hq, D], positions [n, T], row
+        i selection i's. Default: one `observe` each."""
+        for i, sel in enumerate(selections):
+            sel.observe(layer, q[i], positions[i])
+
     @abstractmethod
     def entries(self, layer: int, seq: SequenceKV) -> tuple[torch.Tensor, np.ndarray] | None:
         """What this decode step reads in `layer` of `seq`.
@@ -388,6 +396,18 @@ class WriteWatcher(ABC):
         """The sequence's keys k [T, H, D] of the step, as the decoder makes them (a view: any
         strides), were written in `layer` at flat pool slots [H * T] (page * page_size + offset) in
         (head, token) order, each head's T tokens in its pages in order."""
+
+    def write_key(self, seq: SequenceKV) -> Hashable | None:
+        """Watchers of one class with equal keys (not None) take a step's writes together, through
+        `step_writes`. None (the default): this one takes them alone, through `written`."""
+        return None
+
+    @classmethod
+    def step_writes(cls, seqs: Sequence[SequenceKV], watchers: Sequence[WriteWatcher], num_new: int):
+        """One step's writes of n watchers of equal write_key, built after the step's `begin` calls ->
+        written(layer, slots [n, H, T], k [n, T, H, D]), called once per layer in layer order, row i
+        watcher i's (as `written`'s), leaving each watcher as its own `written` calls would."""
+        raise NotImplementedError(f"{cls.__name__} gives a write_key but no step_writes")
 
 
 class Decode(ABC):

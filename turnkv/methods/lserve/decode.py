@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import astuple, dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -68,9 +69,18 @@ class LServeDecode(Decode):
         return PagedSelection(self.selector_config(), num_layers)
 
 
+class Query(NamedTuple):
+    """A decode step's query of one conversation in one layer: row `row` of `rows` [n, Hq, D] (a view
+    of the step's one-token queries, shared by the conversations observed together)."""
+
+    rows: torch.Tensor
+    row: int
+
+
 class PagedSelection(DecodeSelection, WriteWatcher):
     """One conversation's page selection; the engine calls begin() per forward step, written() and
-    observe() per layer, and entries() per layer of a decode step. The CUDA-graph decode
+    observe() per layer (or, for conversations of equal keys, observe_batch() and step_writes() over
+    them), and entries() per layer of a decode step. The CUDA-graph decode
     (engine/graph_selection.py) keeps its selections in the graph's buffers instead and drives this
     state through sync_all() and the fields below; `ticks` (bumped by every begin()) tells it whether
     an eager step ran since it last wrote them."""
@@ -80,11 +90,13 @@ class PagedSelection(DecodeSelection, WriteWatcher):
         self._config_key = astuple(config)  # batch_key's part for the selector
         self.state = SelectionState(num_layers)
         self.static = None  # the recipe's streaming-heads component (LServe), whose heads never select
-        self.queries: list[torch.Tensor | None] = [None] * num_layers  # the step's last query [Hq, D]
+        self._flags = None  # (shape [L, H], streaming flags, batch_key per layer), made at the first call
+        self.queries: list[Query | None] = [None] * num_layers  # the step's last query [Hq, D]
         # The statistics are exact for the heads whose SequenceKV.moves match these (per layer).
         self._synced_seq = None
         self._synced_moves: np.ndarray | None = None
         self._synced_ok = np.zeros(num_layers, dtype=bool)
+        self._exact_at = -1  # `ticks` of the step that began with every layer's statistics exact
         self.steps = 0  # decode steps in this turn
         self.ticks = 0  # begin() calls, ever
         self._selections_before = 0
@@ -120,10 +132,18 @@ class PagedSelection(DecodeSelection, WriteWatcher):
         """Keeps a decode step's query, which its entries() scores the pages with. A prefill chunk's
         queries are never scored (the next decode step observes its own first), and a view of their
         last row would keep the chunk's whole QKV output alive: nothing is kept from them."""
-        self.queries[layer] = q[-1] if q.shape[0] == 1 else None
+        self.queries[layer] = Query(q[-1:], 0) if q.shape[0] == 1 else None
+
+    @classmethod
+    def observe_batch(cls, layer: int, selections, q: torch.Tensor, positions: torch.Tensor) -> None:
+        """observe() of n conversations, q [n, T, Hq, D]: a one-token step keeps one view of its queries."""
+        rows = q[:, 0] if q.shape[1] == 1 else None
+        for i, sel in enumerate(selections):
+            sel.queries[layer] = None if rows is None else Query(rows, i)
 
     def exclude_static(self, static: StaticSparsity) -> None:
         self.static = static
+        self._flags = None
 
     def written(self, layer: int, seq, slots: torch.Tensor, k: torch.Tensor) -> None:
         summaries = summaries_for(seq.pool, self.selector.config.logical_page)
@@ -142,6 +162,53 @@ class PagedSelection(DecodeSelection, WriteWatcher):
             self._mark_synced(layer, seq)
             return
         self._sync(layer, seq, summaries)  # after the update: a rebuild reads the new keys too
+
+    def write_key(self, seq):
+        """Conversations of equal selector configs and streaming heads fold a step's keys together."""
+        return self._config_key, self.streaming_flags(seq).tobytes()
+
+    @classmethod
+    def step_writes(cls, seqs, selections, num_new: int):
+        """written() of n conversations of equal write_key, per layer: one update_runs over all their
+        keys, then the host bookkeeping of the conversations it changes (those whose layer the step
+        filled, or whose statistics were not exact when the step began; for the others `_sync` finds
+        nothing to do, in `written` and in entries_batch alike)."""
+        summaries = summaries_for(seqs[0].pool, selections[0].selector.config.logical_page)
+        streaming = selections[0].streaming_flags(seqs[0])  # [L, H], the group's
+        lengths = np.stack([seq.lengths for seq in seqs])  # [n, L, H], the step's tokens included
+        # A layer whose selecting heads hold only the step's tokens (a fresh sequence's first chunk).
+        filled = ((lengths == num_new) | streaming).all(axis=2)  # [n, L]
+        exact = np.array([sel._exact(seq) for sel, seq in zip(selections, seqs)], dtype=bool)
+        for sel, ok in zip(selections, exact):
+            sel._exact_at = sel.ticks if ok else -1
+        host = filled | ~exact[:, None]
+        heads = [None if not row.any() else np.flatnonzero(~row).tolist() for row in streaming]
+
+        def written(layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
+            if heads[layer] == []:  # streaming heads only: nothing is folded
+                return
+            summaries.update_runs(layer, slots, k, heads[layer])
+            for i in np.flatnonzero(host[:, layer]).tolist():
+                if filled[i, layer]:
+                    selections[i]._mark_synced(layer, seqs[i])
+                else:
+                    selections[i]._sync(layer, seqs[i], summaries)
+
+        return written
+
+    def _exact(self, seq) -> bool:
+        """Whether every layer's statistics are exact for `seq`: no selecting head moved since its last
+        sync. Streaming heads keep no statistics: their moves are taken as synced here, as `_sync`
+        would take them (the trim moves them every page of decode)."""
+        if self._synced_seq is not seq or not self._synced_ok.all():
+            return False
+        if np.array_equal(self._synced_moves, seq.moves):
+            return True
+        streaming = self.streaming_flags(seq)
+        if not np.array_equal(self._synced_moves[~streaming], seq.moves[~streaming]):
+            return False
+        self._synced_moves[streaming] = seq.moves[streaming]
+        return True
 
     def _mark_synced(self, layer: int, seq) -> None:
         if self._synced_seq is not seq:
@@ -174,7 +241,7 @@ class PagedSelection(DecodeSelection, WriteWatcher):
         a selecting head moved."""
         L = seq.lengths.shape[0]
         moved = np.zeros(L, dtype=bool)
-        if self._synced_seq is seq and self._synced_ok.all() and np.array_equal(self._synced_moves, seq.moves):
+        if self._exact(seq):
             return moved
         summaries = summaries_for(seq.pool, self.selector.config.logical_page)
         for layer in range(L):
@@ -189,7 +256,8 @@ class PagedSelection(DecodeSelection, WriteWatcher):
 
     def batch_key(self, layer: int, seq):
         """Conversations of equal selector configs and streaming heads share one select per layer."""
-        return self._config_key, self._streaming(seq, layer).tobytes()
+        self.streaming_flags(seq)
+        return self._flags[2][layer]
 
     @classmethod
     def entries_batch(cls, layer: int, seqs, selections, tables: torch.Tensor):
@@ -198,7 +266,8 @@ class PagedSelection(DecodeSelection, WriteWatcher):
         cfg = selections[0].selector.config
         summaries = summaries_for(seqs[0].pool, cfg.logical_page)
         for sel, seq in zip(selections, seqs):
-            sel._sync(layer, seq, summaries)
+            if sel._exact_at != sel.ticks:  # else exact since the step began (step_writes)
+                sel._sync(layer, seq, summaries)
         lengths = np.stack([seq.lengths[layer] for seq in seqs])  # [n, H], this step's token included
         streaming = selections[0]._streaming(seqs[0], layer)
         pages = -(-lengths // cfg.physical_page)
@@ -210,7 +279,7 @@ class PagedSelection(DecodeSelection, WriteWatcher):
         if len(which) < len(seqs):
             tables = tables.index_select(0, upload(which, tables.device))
         states = [selections[i].state for i in which]
-        queries = torch.stack([selections[i].queries[layer] for i in which])  # [m, Hq, D]
+        queries = _stack_queries([selections[i].queries[layer] for i in which])  # [m, Hq, D]
         dense = torch.from_numpy(~streaming) if streaming.any() else None
         selections[0].selector.select(layer, queries, tables, upload(lengths[which], device), summaries,
                                       states, dense, host_lengths=lengths[which], tables_out=False)
@@ -219,12 +288,28 @@ class PagedSelection(DecodeSelection, WriteWatcher):
         return (which, *_to_entries(chosen, lengths[which], streaming, cfg.physical_page))
 
     def streaming_flags(self, seq) -> np.ndarray:
-        """[L, H] bool: the heads that never select (LServe's streaming heads)."""
-        L, H = seq.lengths.shape
-        return np.zeros((L, H), dtype=bool) if self.static is None else self.static.flags(L, H)
+        """[L, H] bool: the heads that never select (LServe's streaming heads). Read only: one array
+        serves every call for a model's shape."""
+        shape = seq.lengths.shape
+        if self._flags is None or self._flags[0] != shape:
+            L, H = shape
+            flags = np.zeros((L, H), dtype=bool) if self.static is None else self.static.flags(L, H)
+            self._flags = (shape, flags, [(self._config_key, row.tobytes()) for row in flags])
+        return self._flags[1]
 
     def _streaming(self, seq, layer: int) -> np.ndarray:
         return self.streaming_flags(seq)[layer]
+
+
+def _stack_queries(queries: list[Query]) -> torch.Tensor:
+    """The queries [m, Hq, D] (contiguous): the observed rows themselves where they are all of them."""
+    rows = queries[0].rows
+    if all(q.rows is rows for q in queries):
+        index = [q.row for q in queries]
+        if index == list(range(rows.shape[0])):
+            return rows.contiguous()
+        return rows.index_select(0, upload(np.asarray(index), rows.device))
+    return torch.stack([q.rows[q.row] for q in queries])
 
 
 def _to_entries(chosen: torch.Tensor, lengths: np.ndarray, streaming: np.ndarray, page: int):

@@ -214,9 +214,9 @@ class PageSelector:
             fresh = self._fresh(layer, q[refresh], tables[refresh], lengths[refresh], summaries,
                                 dense, upload(host_pages[refresh], q.device),
                                 any_over=bool((selecting_pages[refresh] > cfg.pages_budget).any()))
-            for i, b in enumerate(refresh):
+            for b, row in zip(refresh, fresh.unbind(0)):  # one view per conversation, in one call
                 s = states[b]
-                s.chosen[layer], s.num_pages[layer], s.age[layer] = fresh[i], selecting_pages[b].copy(), 0
+                s.chosen[layer], s.num_pages[layer], s.age[layer] = row, selecting_pages[b].copy(), 0
                 s.selections[layer] += 1
         for s in states:
             s.age[layer] += 1

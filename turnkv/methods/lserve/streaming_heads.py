@@ -244,6 +244,8 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
             return  # no head holds a position in [sink, N - local): nothing can go
         known = self._rings.get(kv)
         dirty = streaming & (_reorders(kv) != (0 if known is None else known))
+        if not dirty.any() and int(kv.lengths[streaming].max(initial=0)) < self.sink + local + ps:
+            return  # every streaming head is sink + ring, and no ring holds a page past its window
         ring = np.ones((L, H), dtype=bool)
         if dirty.any():
             ring[dirty] = self._check(kv, dirty, local)[dirty]
