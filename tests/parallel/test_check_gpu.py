@@ -55,3 +55,17 @@ def test_tiny_cpu_run(chat_model_dir, tmp_path, monkeypatch, capsys):
     assert len(timing["all_reduce"]) == 2 and all(r["eager_s"] > 0 and "graph_s" not in r for r in timing["all_reduce"])
     assert timing["all_reduces_per_step"] == 2 * 2 + 1
     assert "| ada-snapkv keep_ratio=0.5 | yes | yes |" in printed and "one all-reduce" in printed
+
+
+def test_kept_difference_names_the_heads_and_positions_that_differ():
+    from turnkv.bench.parallel_check import kept_difference, table
+
+    one = {(0, 0): (0, 1, 2), (0, 1): (0, 3), (1, 0): (5,)}
+    assert kept_difference(one, dict(one)) is None
+    many = {(0, 0): (0, 1, 2), (0, 1): (0, 4), (1, 0): (5,)}
+    diff = kept_difference(one, many)
+    assert diff == {"heads": 1, "of_heads": 3, "positions_on_one_side": 2,
+                    "first": {"layer": 0, "kv_head": 1, "only_n1": [3], "only_n": [4]}}
+    row = {"recipe": "snapkv", "same_tokens": True, "same_kept": False, "first_difference": None,
+           "kept_difference": diff}
+    assert "NO: 1 of 3 heads, 2 positions" in table([row])

@@ -101,8 +101,23 @@ def check_tokens(args, recipes: list[str]) -> list[dict]:
                       for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         rows.append({"recipe": r, "same_tokens": one["tokens"] == many["tokens"], "same_kept": one["kept"] == many["kept"],
                      "first_difference": None if first is None else {"turn": first[0] + 1, "token": first[1]},
+                     "kept_difference": kept_difference(one["kept"], many["kept"]),
                      "history_tokens": one["prompt_tokens"], "tokens_1": one["tokens"], "tokens_n": many["tokens"]})
     return rows
+
+
+def kept_difference(one: dict, many: dict) -> dict | None:
+    """Where two kept maps {(layer, KV head): positions} differ: the (layer, head) keys whose positions
+    differ, the positions held by one side only, in all, and the first such head; None where equal."""
+    heads = sorted(k for k in set(one) | set(many) if one.get(k) != many.get(k))
+    if not heads:
+        return None
+    only = sum(len(set(one.get(k, ())) ^ set(many.get(k, ()))) for k in heads)
+    first = heads[0]
+    return {"heads": len(heads), "of_heads": len(set(one) | set(many)), "positions_on_one_side": only,
+            "first": {"layer": first[0], "kv_head": first[1],
+                      "only_n1": sorted(set(one.get(first, ())) - set(many.get(first, ())))[:16],
+                      "only_n": sorted(set(many.get(first, ())) - set(one.get(first, ())))[:16]}}
 
 
 def _drop_graphs_on_rank(llm) -> bool:
@@ -179,8 +194,10 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         d = r["first_difference"]
         where = "" if d is None else f"turn {d['turn']}, token {d['token']}"
-        lines.append(f"| {r['recipe']} | {'yes' if r['same_tokens'] else 'NO'} | {'yes' if r['same_kept'] else 'NO'} "
-                     f"| {where} |")
+        kd = r.get("kept_difference")
+        kept_text = "yes" if r["same_kept"] else "NO" if kd is None else (
+            f"NO: {kd['heads']} of {kd['of_heads']} heads, {kd['positions_on_one_side']} positions")
+        lines.append(f"| {r['recipe']} | {'yes' if r['same_tokens'] else 'NO'} | {kept_text} | {where} |")
     return "\n".join(lines)
 
 
