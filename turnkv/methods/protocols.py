@@ -30,6 +30,7 @@ import torch
 
 from turnkv.attention.lines import Keys
 from turnkv.kv.sequence import SequenceKV
+from turnkv.methods.chunk_windows import NO_WINDOW, ChunkWindows  # noqa: F401 (NO_WINDOW: re-exported)
 from turnkv.methods.evict.layer_view import LayerView
 from turnkv.methods.window import QueryWindow
 from turnkv.model.parallel import Shard
@@ -71,27 +72,6 @@ class Prefill(ABC):
         server's warm-up prefills one prompt that long, so no kernel compiles for its first users).
         Default: 0 (none)."""
         return 0
-
-
-NO_WINDOW = 1 << 30  # a ChunkWindows window past any position: the head sees every kept key
-
-
-@dataclass
-class ChunkWindows:
-    """A prefill chunk as causal attention over the kept keys within windows (Prefill.chunk_windows).
-
-    windows : np.ndarray or None
-        [L, H] int: a key at position k is seen by the row at position p when p - k < windows[l, h]
-        or k < sink. None: every kept key up to the row (no window anywhere).
-    sink : int
-    computed, causal : np.ndarray
-        [L, B, H] the chunk's attention cells computed and its causal cells, as `attend`'s stats
-        count them."""
-
-    windows: np.ndarray | None
-    sink: int
-    computed: np.ndarray
-    causal: np.ndarray
 
     @abstractmethod
     def attend(self, layer: int, keys: Keys) -> tuple[torch.Tensor, dict]:
