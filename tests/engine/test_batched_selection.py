@@ -73,6 +73,19 @@ def reference_slots(step, layer: int, picks: dict, Hq: int):
     return slots, np.stack(counts), max(s.shape[1] for s in slots)
 
 
+def selection_states(step, layer: int) -> list[tuple]:
+    """A copy of each selection's state in `layer` after the step's tables: chosen pages, age, page
+    counts, selections made, and its statistics' sync marks."""
+    out = []
+    for sel in step.selectors:
+        st = sel.state
+        chosen = st.chosen[layer]
+        out.append((layer, None if chosen is None else chosen.clone(), st.age[layer],
+                    None if st.num_pages[layer] is None else st.num_pages[layer].copy(), st.selections[layer],
+                    bool(sel._synced_ok[layer]), sel._synced_moves[layer].copy()))
+    return out
+
+
 def record(monkeypatch, check_reference: bool):
     """Spies: every indexed_decode call (of slot tables, the positions each row reads, -1 past its count;
     the pool's slots differ from run to run) and, after every
@@ -105,12 +118,7 @@ def record(monkeypatch, check_reference: bool):
             for b, s in enumerate(slots):
                 for r, n in enumerate(counts[b]):
                     assert torch.equal(table[b, r, :n].long(), s[r, :n])
-        for sel in step.selectors:
-            st = sel.state
-            chosen = st.chosen[layer]
-            states.append((layer, None if chosen is None else chosen.clone(), st.age[layer],
-                           None if st.num_pages[layer] is None else st.num_pages[layer].copy(), st.selections[layer],
-                           bool(sel._synced_ok[layer]), sel._synced_moves[layer].copy()))
+        states.extend(selection_states(step, layer))
         return out
 
     monkeypatch.setattr(decode_module, "indexed_decode", spy_decode)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.engine.test_batched_selection import selection_states
 from turnkv.engine import decode_loop, mixed, selection
 from turnkv.engine.conversation import Conversation
 from turnkv.engine.turn import TurnInput, TurnRun
@@ -62,12 +63,7 @@ def run(llm, recipes: list[str], lengths: list[int], long: int, steps: int, monk
 
     def spy_tables(step, layer, q):
         out = real_tables(step, layer, q)
-        for sel in step.selectors:
-            st = sel.state
-            chosen = st.chosen[layer]
-            states.append((layer, None if chosen is None else chosen.clone(), st.age[layer],
-                           None if st.num_pages[layer] is None else st.num_pages[layer].copy(), st.selections[layer],
-                           bool(sel._synced_ok[layer]), sel._synced_moves[layer].copy()))
+        states.extend(selection_states(step, layer))
         return out
 
     monkeypatch.setattr(selection, "tables", spy_tables)

@@ -104,12 +104,8 @@ def collectives_skipped():
     head repeats the rank's own logits, so a forward gives wrong values of the right shapes. For a CUDA
     graph's warm-up run (engine/cuda_graphs.py): the ranks must run the same collectives in the same order,
     and one rank may capture a graph (a warm-up, then the capture) where another replays one."""
-    before = getattr(_SKIPPING, "on", False)
-    _SKIPPING.on = True
-    try:
+    with _thread_setting(_SKIPPING, "on", True):
         yield
-    finally:
-        _SKIPPING.on = before
 
 
 _REFUSED = threading.local()  # .what: this thread runs no collective (collectives_refused), and why
@@ -119,12 +115,19 @@ _REFUSED = threading.local()  # .what: this thread runs no collective (collectiv
 def collectives_refused(what: str):
     """Inside (on this thread): a collective raises RuntimeError naming `what` instead of waiting for
     ranks that will never join it. For work that runs off the ranks' common order (a background pack)."""
-    before = getattr(_REFUSED, "what", None)
-    _REFUSED.what = what
+    with _thread_setting(_REFUSED, "what", what):
+        yield
+
+
+@contextmanager
+def _thread_setting(local: threading.local, name: str, value):
+    """Set `name` of a thread-local to `value` inside, and back to what it was (or None) after."""
+    before = getattr(local, name, None)
+    setattr(local, name, value)
     try:
         yield
     finally:
-        _REFUSED.what = before
+        setattr(local, name, before)
 
 
 def _refuse() -> None:
