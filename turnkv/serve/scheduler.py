@@ -33,6 +33,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
+from turnkv import triton_compiles
 from turnkv.engine import decode_loop, mixed
 from turnkv.errors import KVCacheFullError
 from turnkv.serve.admission import MemoryGate, pick_slices
@@ -43,12 +44,13 @@ from turnkv.state.background import PackInFlight
 
 log = logging.getLogger("turnkv.serve")
 
-SLOW_PHASE_S = 0.5  # a worker phase longer than this is logged: every running stream waited for it
+SLOW_PHASE_S = 0.25  # a worker phase longer than this is logged: every running stream waited for it
 
 
 class Scheduler:
     def __init__(self, llm, store, config, metrics):
         self.llm, self.store, self.config, self.metrics = llm, store, config, metrics
+        triton_compiles.watch()  # a slow phase names the kernels it compiled
         self.ops = getattr(store, "ops", None)  # every change to the engine goes through it (engine_ops.py)
         self.cond = threading.Condition()
         self.waiting: deque[Job] = deque()
@@ -203,15 +205,20 @@ class Scheduler:
     @contextlib.contextmanager
     def _timed(self, phase: str, work=True):
         """Observe the seconds of a phase of the iteration in /metrics, when it had `work` to do; log a
-        phase over SLOW_PHASE_S (every running stream waited for it) with what the step carried."""
+        phase over SLOW_PHASE_S (every running stream waited for it) with what the step carried and the
+        Triton kernels it compiled."""
         work, start, self._note = bool(work), time.perf_counter(), ""  # what there was before the phase ran
+        triton_compiles.take()
         yield
         if work:
             seconds = time.perf_counter() - start
             self.metrics.labels(self.metrics.worker_seconds, phase).observe(seconds)
             if seconds > SLOW_PHASE_S:
+                compiled = triton_compiles.take()
+                note = self._note + (f"; compiled {len(compiled)} Triton kernel(s): {', '.join(sorted(set(compiled)))}"
+                                     if compiled else "")
                 log.info("slow %s phase: %.0f ms, %d decoding, %d prefilling%s", phase, seconds * 1000,
-                         len(self.decoding), len(self.prefilling), self._note)
+                         len(self.decoding), len(self.prefilling), note)
 
     def _has_work(self) -> bool:
         """Whether the worker has something to do now (under the lock)."""
@@ -403,8 +410,10 @@ class Scheduler:
         riding, graphed = [], []
         for job in self.decoding:
             (riding if mixed.rides_mixed_step(self.llm.runner, job.turn) else graphed).append(job)
+        graphed_start = time.perf_counter()
         if graphed:
             self._decode(graphed)
+        graphed_note = f"; graphed decode of {len(graphed)} in {(time.perf_counter() - graphed_start) * 1000:.0f} ms"
         jobs = {id(job.turn): job for job in riding}
         batches = decode_loop.batches([job.turn for job in riding], self.config.max_running)
         parts = [mixed.decode_part(batch) for batch in batches]
@@ -422,8 +431,10 @@ class Scheduler:
         for batch, rows in zip(batches, logits):
             self._decoded(batch, Stepped(rows, errors), jobs)
         forward = time.perf_counter() - start  # sampling the decode tokens waited for the forward
-        self._note = (f"; forward {forward * 1000:.0f} ms over {sum(p.size for p in parts)} decode tokens and "
-                      f"slices of {[part.width for _, part in slices]} tokens, then {len(ends)} prompt(s) ended")
+        widths = [part.width for _, part in slices]
+        self._note = (graphed_note * bool(graphed) + f"; forward {forward * 1000:.0f} ms over "
+                      f"{sum(p.size for p in parts)} decode tokens and slices of {widths} tokens, "
+                      f"then {len(ends)} prompt(s) ended")
         for (job, _), last in zip(slices, lasts):
             try:
                 if id(job.turn) in errors:
