@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.serve.conftest import running, wait_for
-from turnkv.serve import scheduler as scheduler_module
+from turnkv.serve import slow_phases
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def ask(server, text: str, max_tokens: int) -> str:
 
 @pytest.mark.parametrize("max_step_tokens", [96, 0])
 def test_a_prompt_arriving_during_decode_gives_the_reply_it_gets_alone(smol, max_step_tokens, monkeypatch, caplog):
-    monkeypatch.setattr(scheduler_module, "SLOW_PHASE_S", 0.0)  # every phase logs what its step carried
+    monkeypatch.setattr(slow_phases, "SLOW_PHASE_S", 0.0)  # every phase logs what its step carried
     caplog.set_level(logging.INFO, logger="turnkv.serve")
     first, second = "Count from one to fifty in words.", LONG + " What is the capital of France?"
     with running(smol, served_model_name="m", reuse=False, prefill_chunk=32,

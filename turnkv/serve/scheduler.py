@@ -26,16 +26,15 @@ request (finish_reason "length", reply kept). A prompt no pool of this size hold
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
-from turnkv import triton_compiles
 from turnkv.engine import decode_loop, mixed
 from turnkv.errors import KVCacheFullError
+from turnkv.serve import slow_phases
 from turnkv.serve.admission import MemoryGate, pick_slices
 from turnkv.serve.engine_ops import Stepped
 from turnkv.serve.errors import APIError
@@ -44,13 +43,11 @@ from turnkv.state.background import PackInFlight
 
 log = logging.getLogger("turnkv.serve")
 
-SLOW_PHASE_S = 0.25  # a worker phase longer than this is logged: every running stream waited for it
-
 
 class Scheduler:
     def __init__(self, llm, store, config, metrics):
         self.llm, self.store, self.config, self.metrics = llm, store, config, metrics
-        triton_compiles.watch()  # a slow phase names the kernels it compiled
+        slow_phases.watch()  # a slow phase names the Triton kernels it compiled
         self.ops = getattr(store, "ops", None)  # every change to the engine goes through it (engine_ops.py)
         self.cond = threading.Condition()
         self.waiting: deque[Job] = deque()
@@ -202,23 +199,11 @@ class Scheduler:
         if kept or dropped:
             log.info("stopped: %d idle conversations kept in the durable tier, %d dropped", kept, dropped)
 
-    @contextlib.contextmanager
     def _timed(self, phase: str, work=True):
-        """Observe the seconds of a phase of the iteration in /metrics, when it had `work` to do; log a
-        phase over SLOW_PHASE_S (every running stream waited for it) with what the step carried and the
-        Triton kernels it compiled."""
-        work, start, self._note = bool(work), time.perf_counter(), ""  # what there was before the phase ran
-        triton_compiles.take()
-        yield
-        if work:
-            seconds = time.perf_counter() - start
-            self.metrics.labels(self.metrics.worker_seconds, phase).observe(seconds)
-            if seconds > SLOW_PHASE_S:
-                compiled = triton_compiles.take()
-                note = self._note + (f"; compiled {len(compiled)} Triton kernel(s): {', '.join(sorted(set(compiled)))}"
-                                     if compiled else "")
-                log.info("slow %s phase: %.0f ms, %d decoding, %d prefilling%s", phase, seconds * 1000,
-                         len(self.decoding), len(self.prefilling), note)
+        """The phase in /metrics, when it had `work` to do, and logged when slow (slow_phases.py)."""
+        self._note = ""  # what the step carried, set by the phase
+        return slow_phases.timed(self.metrics, phase, bool(work),
+                                 lambda: (len(self.decoding), len(self.prefilling), self._note))
 
     def _has_work(self) -> bool:
         """Whether the worker has something to do now (under the lock)."""
