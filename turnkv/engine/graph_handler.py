@@ -17,7 +17,9 @@ MAX_WHOLE_PAGES = 1 << 14  # physical pages a whole-list row may need before the
 @dataclasses.dataclass
 class Plan:
     """variant(bucket, B) -> logits replaces GraphedDecode's replay (None: the plain graph);
-    after(seqs) runs once the step succeeded."""
+    after(seqs) runs once the step succeeded. Making a plan changes nothing that the eager step reads
+    otherwise (its writes wait for variant): a plan that is not run (another tensor-parallel rank had
+    none) is dropped as is, and the eager step then runs as where the plan was None."""
 
     variant: object
     after: object

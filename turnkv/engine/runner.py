@@ -105,16 +105,19 @@ class ModelRunner:
             return self.forward(seqs, tokens.view(-1, 1), contexts=contexts, decoding=True)
         if not selecting:
             return self._graphed_decode(seqs, tokens, windows)
-        if getattr(self.model, "shard", None) is not None:
-            # Tensor parallel: whether a selection runs in a graph or eagerly depends on the rank's own heads'
-            # lengths, and the two run all-reduces of different shapes (a graph's bucket pads the batch):
-            # every rank takes the eager step, so that the ranks' collectives match.
-            return self.forward(seqs, tokens.view(-1, 1), contexts=contexts, decoding=True)
         # A selection inside the graphs (engine/graph_selection.py), or the eager step where it cannot
         # be (conversations with different selectors in one batch, LoopServe's warm-up beside selecting
         # conversations): the eager step's selection is then handed to the graphs' buffers.
         chooser = graph_selection.for_graphs(self.graphs)
         plan = chooser.plan(seqs, selectors)
+        # Tensor parallel (pool.agree set): whether a plan exists depends on the rank's own heads' lengths, and
+        # the graphed and eager steps run all-reduces of different shapes (a graph's bucket pads the batch).
+        # The ranks replay only where every rank has a plan (one host collective, as PagePool.room's), else
+        # all take the eager step, a rank's plan dropped as is (Plan). Their variants may differ: each runs
+        # the decoder's collectives at the bucket's shape. `fits` above reads the batch size and positions,
+        # the same on every rank.
+        if self.pool.agree is not None and self.pool.agree([int(plan is None)])[0]:
+            plan = None
         if plan is None:
             logits = self.forward(seqs, tokens.view(-1, 1), contexts=contexts, decoding=True)
             chooser.after_eager(seqs, selectors)
