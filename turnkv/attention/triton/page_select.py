@@ -131,7 +131,12 @@ def fold_keys(pool_k: torch.Tensor, slots: torch.Tensor, kmax: torch.Tensor, kmi
                        D=D, BLOCK_D=triton.next_power_of_2(D), LOGICAL=logical_page, num_warps=1)
 
 
-@triton.jit
+# Every integer argument changes with the batch bucket, the layer range or the table widths; none is
+# specialised on, so a new bucket captured mid-serving compiles no new variant.
+@triton.jit(do_not_specialize=[
+    "stride_cl", "stride_cb", "stride_cr", "stride_tb", "stride_tr", "stride_fl", "stride_wl", "stride_wb", "stride_gl",
+    "stride_gb", "stride_gh", "stride_ll", "stride_lb", "stride_ol", "stride_ob", "stride_or", "stride_nl", "stride_nb",
+    "layer0", "NB"])
 def _expand_pages(chosen_ptr, cand_ptr, refresh_ptr, whole_ptr, read_ptr, tables_ptr, lengths_ptr, out_ptr, out_len_ptr,
                   stride_cl, stride_cb, stride_cr, stride_tb, stride_tr, stride_fl,
                   stride_wl, stride_wb, stride_gl, stride_gb, stride_gh, stride_ll, stride_lb,
