@@ -50,6 +50,7 @@ from turnkv.bench.metrics import first_divergence, greedy_agreement, mean_kl  # 
 from turnkv.bench.speed import devices, pool_bytes  # noqa: E402
 from turnkv.engine import chat_template  # noqa: E402
 from turnkv.engine.llm import LLM  # noqa: E402
+from turnkv.methods.terms import split_recipe_list  # noqa: E402
 from turnkv.version import __version__  # noqa: E402
 
 QUESTION = "What is the text above about? Answer in a few sentences."
@@ -78,25 +79,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="where the JSON goes (default: print only)")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    args.recipe_list = split_recipes(args.recipes)
+    args.recipe_list = split_recipe_list(args.recipes)
     if not args.recipe_list or args.context < 64 or args.new_tokens < 1 or args.repeat < 1 or (
             args.prefill_chunk is not None and args.prefill_chunk < 1):
         p.error("--recipes names at least one recipe, --context >= 64, --new-tokens >= 1, --repeat >= 1 and "
                 "--prefill-chunk >= 1")
     return args
-
-
-def split_recipes(text: str) -> list[str]:
-    """"full,loopserve-p prefill=loopserve(alpha=0.9,samples=8)" -> the two recipe strings: commas at
-    parenthesis depth 0 separate."""
-    out, depth, start = [], 0, 0
-    for i, ch in enumerate(text + ","):
-        depth += (ch == "(") - (ch == ")")
-        if ch == "," and depth == 0:
-            if text[start:i].strip():
-                out.append(text[start:i].strip())
-            start = i + 1
-    return out
 
 
 # ---- the prompt -------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from turnkv.engine.cuda_graphs import GraphedDecode
 from turnkv.engine.turn import TurnInput
 from turnkv.errors import KVCacheFullError
 from turnkv.methods.recipe import Recipe
-from turnkv.methods.terms import split_top_level
+from turnkv.methods.terms import split_recipe_list, split_top_level
 from turnkv.model import config as model_config
 from turnkv.serve.engine_ops import EngineOps
 
@@ -49,19 +49,6 @@ ALIASES = {"lserve": "lserve-random"}
 # A random model small enough for CPU profiles: 4 layers of 4 KV heads (2 queries each), head_dim 16.
 TINY = model_config.ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=8,
                                 num_kv_heads=4, head_dim=16, max_position_embeddings=65536)
-
-
-def split_recipes(text: str) -> list[str]:
-    """Comma-separated recipes; a comma inside parentheses belongs to its recipe."""
-    out, depth, current = [], 0, ""
-    for ch in text:
-        depth += (ch == "(") - (ch == ")")
-        if ch == "," and depth == 0:
-            out.append(current.strip())
-            current = ""
-        else:
-            current += ch
-    return [r for r in out + [current.strip()] if r]
 
 
 def recipe_of(name: str) -> str:
@@ -288,7 +275,7 @@ def main() -> None:
     steps = args.warmup + args.steps + 2 * args.profile_steps
     figures = {"model": args.model, "dtype": args.dtype, "device": str(llm.device), "batch": args.batch,
                "context": args.context, "slice": args.slice, "graph_batch": llm.runner.graph_batch, "recipes": {}}
-    for name in split_recipes(args.recipes):
+    for name in split_recipe_list(args.recipes):
         key = recipe_of(name)
         print(f"{name} ({key}):", flush=True)
         server = Server(llm, ops, key, args.context, seed=0, ride_mixed=args.ride_mixed)

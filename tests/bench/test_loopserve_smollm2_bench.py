@@ -80,5 +80,6 @@ def test_the_message_is_the_docs_cut_at_a_token_then_the_question(smol_tokenizer
 
 
 def test_recipes_split_at_commas_outside_parentheses():
-    assert bench.split_recipes("full, loopserve-p prefill=loopserve(alpha=0.9,samples=8),") == [
+    from turnkv.methods.terms import split_recipe_list
+    assert split_recipe_list("full, loopserve-p prefill=loopserve(alpha=0.9,samples=8),") == [
         "full", "loopserve-p prefill=loopserve(alpha=0.9,samples=8)"]

@@ -30,6 +30,19 @@ def split_top_level(text: str) -> list[str]:
     return tokens
 
 
+def split_recipe_list(text: str) -> list[str]:
+    """"full,lserve prefill=streaming_heads(sink=16,local=64)" -> the two recipes: commas outside
+    parentheses separate recipes (a command line's list of them)."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(text + ","):
+        depth += (ch == "(") - (ch == ")")
+        if ch == "," and depth == 0:
+            if text[start:i].strip():
+                out.append(text[start:i].strip())
+            start = i + 1
+    return out
+
+
 def parse_term(spec: str) -> tuple[str, dict]:
     """"name(key=value, ...)" -> (name with '-' read as '_', {key: value})."""
     match = _TERM.match(spec)
