@@ -100,13 +100,18 @@ class _Keys:
         return self.cache if self.cache is not None else self._gather(h0, h1)
 
     def _gather(self, h0: int, h1: int):
-        pool, P = self.pool, self.P
-        if self.full:  # one layer at a time: the pool's device holds one layer's gather beside them
-            k = torch.empty(pool.num_layers, h1 - h0, P, pool.head_dim, dtype=self.dtype, device=self.device)
-            for layer in range(pool.num_layers):
-                k[layer] = pool.gather(layer, self.table[layer][None, h0:h1], P, "k")[0]
-            return k
-        return [self._layer(layer, h0, h1) for layer in range(pool.num_layers)]
+        pool, P, N = self.pool, self.P, self.pool.num_layers
+        if not self.full:
+            return [self._layer(layer, h0, h1) for layer in range(N)]
+        if self.device == pool.device:  # every layer in one gather
+            layers = torch.arange(N, device=pool.device)
+            return pool.gather(layers, self.table[:, h0:h1], P, "k").to(self.dtype)
+        # to another device (the CPU worker's copy): one layer at a time, so the pool's device holds one
+        # layer's gather beside the pass
+        k = torch.empty(N, h1 - h0, P, pool.head_dim, dtype=self.dtype, device=self.device)
+        for layer in range(N):
+            k[layer] = pool.gather(layer, self.table[layer][None, h0:h1], P, "k")[0]
+        return k
 
     def _layer(self, layer: int, h0: int, h1: int):
         pool = self.pool

@@ -208,7 +208,7 @@ class StateManager:
                 return self.tiers.tier_of(conv.id)
         strategy = conv.recipe.state
         window = conv.method_state.window
-        stored = self._pack(conv, strategy, window, tier, self.ctx, strategy.prepare(self.ctx, conv.kv, window))
+        stored = self._pack(conv, strategy, window, tier, self.ctx, strategy.prepare(self.ctx, conv.kv, window, tier))
         self._note_fallback(conv, strategy, stored.meta)
         tensors, state = _with_window(stored, window)
         with self.lock:
@@ -232,7 +232,7 @@ class StateManager:
         ctx = copy.copy(self.ctx)  # its own stage_on_host
         record = conv.to_record()
         # Under tensor parallelism the pack's collectives run here, in the ranks' common order.
-        prepared = strategy.prepare(ctx, conv.kv, window) if self.lockstep else None
+        prepared = strategy.prepare(ctx, conv.kv, window, tier) if self.lockstep else None
 
         def device_work():
             stored = self._pack(conv, strategy, window, tier, ctx, prepared)
