@@ -32,6 +32,7 @@ import copy
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -68,6 +69,7 @@ class StateManager:
         self.packer: Packer | None = None
         self._own_packer: Packer | None = None
         self.leaving: dict[str, Leaving] = {}  # conversations whose pack runs on the packer, oldest first
+        self._pack_watchers: list = []  # called on the packer's thread as each pack finishes (watch_packs)
         # Held around every use of self.tiers (and of self._pending, whose entries the tiers must
         # not demote): the packer's thread stores into them.
         self.lock = threading.RLock()
@@ -267,6 +269,17 @@ class StateManager:
         leaving = Leaving(conv, tier, strategy)
         leaving.job = self.packer.submit(device_work, host_work)
         self.leaving[conv.id] = leaving
+        leaving.job.future.add_done_callback(self._pack_finished)
+
+    def watch_packs(self, fn) -> Callable[[], None]:
+        """Call fn() whenever a pack submitted from now on finishes (on the packer's thread, once the
+        pack is done: land_packs then takes it); returns what stops that."""
+        self._pack_watchers.append(fn)
+        return lambda: self._pack_watchers.remove(fn) if fn in self._pack_watchers else None
+
+    def _pack_finished(self, _future) -> None:
+        for fn in list(self._pack_watchers):
+            fn()
 
     def hurry(self, conv) -> None:
         """Run the conversation's pack next, if it is leaving and its pack has not started."""
