@@ -1,7 +1,8 @@
 """The server packs a conversation that leaves the GPU after its turn (state=krul) on the background
 packer: the running streams go on while the pack runs, the turn's end no longer includes it, and a
 request that continues the conversation before its pack lands waits with its place, then gets the
-tokens of a server that packs inline."""
+tokens of a server that packs inline. A request whose room only a pack in flight can give waits for
+it outside any worker phase, while the worker serves the others."""
 
 from __future__ import annotations
 
@@ -21,20 +22,29 @@ HOLD_S = 0.6  # at least this long, the pack is held while the other stream deco
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory, smol_tokenizer):
-    """The tiny chat model with a 4K context (a stream long enough to watch), fixed restore costs (the
-    same Krul split in every server of the module)."""
+def model_path(tmp_path_factory, smol_tokenizer):
+    """The tiny chat model with a 4K context (a stream long enough to watch)."""
     from tests.conftest import save_tiny
 
     path = tmp_path_factory.mktemp("tiny-pack")
     save_tiny(path, "llama", vocab_size=len(smol_tokenizer), tokenizer=smol_tokenizer, max_position_embeddings=4096)
-    llm = turnkv.LLM(str(path), device="cpu", kv_memory="32MiB")
+    return path
+
+
+def engine(path, kv_memory: str):
+    """An engine with fixed restore costs (the same Krul split in every server of the module)."""
+    llm = turnkv.LLM(str(path), device="cpu", kv_memory=kv_memory)
     llm.state.ctx.set_cost("cpu", CostModel(2e-6, 1e-9, 5e8))
     return llm
 
 
-def turn(url: str, messages: list[dict]) -> str:
-    r = httpx.post(url + "/v1/chat/completions", timeout=60,
+@pytest.fixture(scope="module")
+def llm(model_path):
+    return engine(model_path, "32MiB")
+
+
+def turn(url: str, messages: list[dict], timeout: float = 60) -> str:
+    r = httpx.post(url + "/v1/chat/completions", timeout=timeout,
                    json={"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0, "recipe": KRUL})
     r.raise_for_status()
     return r.json()["choices"][0]["message"]["content"]
@@ -117,3 +127,63 @@ def test_admission_counts_the_pages_of_a_conversation_being_packed_as_used(llm):
     assert gate.available() == before and conv.kv.bytes() == 0
     conv.close()
     llm.state.pack_inline()
+
+
+# A pool of 2048 tokens: a conversation over one of these documents takes more than half of it.
+SMALL_POOL = "1MiB"
+DOCS = {name: " ".join(f"{name} item {i} is {colour}." for i in range(130))
+        for name, colour in (("Alpha", "red"), ("Beta", "green"), ("Gamma", "blue"))}
+
+
+def doc_turn(name: str, reply: str | None = None) -> list[dict]:
+    first = [{"role": "user", "content": DOCS[name]}]
+    return first if reply is None else first + [{"role": "assistant", "content": reply},
+                                                {"role": "user", "content": "And the last one?"}]
+
+
+SHORT = [{"role": "user", "content": "Hi."}]
+
+
+def test_a_request_short_of_the_room_a_pack_holds_waits_while_the_worker_serves_others(model_path):
+    """While Beta's pack is held: Alpha's second turn (its restore) and Gamma's first (its prompt) each
+    need more than the pool has beside Beta's pages; Alpha waits in line, Gamma is held, the worker
+    sleeps instead of spinning and serves a short request. Once the pack lands they run, with the
+    tokens of a server that packs inline, and no worker phase waited for the pack."""
+    inline = engine(model_path, SMALL_POOL)
+    assert inline.pool.sequence_capacity == 2048
+    with running(inline, served_model_name=MODEL, background_packs=False) as s:
+        want = {"alpha": turn(s.url, doc_turn("Alpha")), "beta": turn(s.url, doc_turn("Beta"))}
+        want["alpha 2"] = turn(s.url, doc_turn("Alpha", want["alpha"]))
+        want["gamma"], want["short"] = turn(s.url, doc_turn("Gamma")), turn(s.url, SHORT)
+    small = engine(model_path, SMALL_POOL)
+    packer = HeldPacker(small.device)
+    packer.gate.set()  # Alpha's pack runs; Beta's is held
+    small.state.pack_in_background(packer)
+    with running(small, served_model_name=MODEL) as s:
+        got = {"alpha": turn(s.url, doc_turn("Alpha"))}
+        wait_for(lambda: packer.completed == 1, what="Alpha's pack")
+        packer.gate.clear()
+        packer.started.clear()
+        got["beta"] = turn(s.url, doc_turn("Beta"))
+        assert packer.started.wait(10)
+        held_at = time.monotonic()
+        waiters = []
+        for name, messages in (("alpha 2", doc_turn("Alpha", got["alpha"])), ("gamma", doc_turn("Gamma"))):
+            waiters.append(threading.Thread(target=lambda n=name, m=messages: got.update({n: turn(s.url, m)})))
+            waiters[-1].start()
+            time.sleep(0.1)  # in this order
+        wait_for(lambda: s.scheduler.num_waiting == 1 and len(s.scheduler.held) == 1, what="both to wait for room")
+        admits = s.metric("turnkv:worker_phase_seconds_count", phase="admit")
+        time.sleep(0.3)  # the worker sleeps: no admit phase in a loop
+        assert s.metric("turnkv:worker_phase_seconds_count", phase="admit") <= admits + 2
+        got["short"] = turn(s.url, SHORT, timeout=10)  # served while they wait
+        time.sleep(max(0.0, HOLD_S - (time.monotonic() - held_at)))
+        assert all(w.is_alive() for w in waiters) and len(small.state.leaving) == 2  # Beta's, the short one's
+        packer.gate.set()
+        for w in waiters:
+            w.join(60)
+        over = sum(s.metric("turnkv:worker_phase_seconds_count", phase=p)
+                   - s.metric("turnkv:worker_phase_seconds_bucket", phase=p, le="0.5")
+                   for p in ("admit", "prefill", "decode", "mixed", "finish"))
+        assert over == 0  # no worker phase waited for the held pack
+    assert got == want

@@ -130,6 +130,12 @@ class RecomputeTier:
     def settle(self, block: bool = False) -> int:
         return 0  # nothing moves in the background
 
+    def packing(self) -> int:
+        return 0
+
+    def watch_packs(self, fn):
+        return lambda: None
+
     def where(self, conv) -> str:
         return "offloaded" if id(conv) in self.held else "gpu"
 

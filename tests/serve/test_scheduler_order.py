@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from turnkv.engine import mixed
 from turnkv.serve.config import ServeConfig
 from turnkv.serve.engine_ops import Stepped
 from turnkv.serve.scheduler import Scheduler
@@ -104,9 +105,7 @@ def test_decode_steps_split_at_the_cuda_graphs_batch():
 def test_a_mixed_step_ends_at_most_one_prompt_that_compresses(monkeypatch):
     """Every running stream waits for the eviction pass that ends a compressed prompt: a mixed step
     carries the slices of other prompts beside one such ending, but not a second."""
-    import turnkv.serve.scheduler as scheduler_module
-
-    monkeypatch.setattr(scheduler_module.mixed, "slice_part",
+    monkeypatch.setattr(mixed, "slice_part",
                         lambda turn, size: SimpleNamespace(size=min(size, turn.left), width=min(size, turn.left)))
     s = scheduler(max_step_tokens=4096)
 
@@ -131,8 +130,6 @@ def test_requests_whose_decode_selects_take_a_graphed_step_beside_the_mixed_forw
     """Where CUDA graphs run, a selecting request's token stays out of the mixed forward (an eager
     step would select once per conversation and layer): it takes a graphed decode step, and the
     mixed forward carries the other requests' tokens and the slices. Without graphs, every token rides."""
-    import turnkv.serve.scheduler as scheduler_module
-
     s = scheduler(max_step_tokens=64)
     plain, selecting = (SimpleNamespace(accumulate=False, selector=sel) for sel in (None, object()))
     dense = [SimpleNamespace(turn=SimpleNamespace(done=False, context=plain)) for _ in range(3)]
@@ -143,9 +140,9 @@ def test_requests_whose_decode_selects_take_a_graphed_step_beside_the_mixed_forw
     s._decoded = lambda batch, logits, jobs: None
     s._pick_slices = lambda budget: [(prompt, SimpleNamespace(size=CHUNK, width=CHUNK))]
     s.ops = SimpleNamespace(mixed=lambda batches, slices: forwards.append(  # the parts of the forward it runs
-        [scheduler_module.mixed.decode_part(b) for b in batches] + [SimpleNamespace(width=w) for _, w in slices])
+        [mixed.decode_part(b) for b in batches] + [SimpleNamespace(width=w) for _, w in slices])
                             or Stepped(([], []), {}))
-    monkeypatch.setattr(scheduler_module.mixed, "decode_part",
+    monkeypatch.setattr(mixed, "decode_part",
                         lambda batch: SimpleNamespace(turns=batch, size=len(batch)))
     s._with_room = lambda fn: fn()
     s.metrics = SimpleNamespace(labels=lambda *a: SimpleNamespace(inc=lambda: None), mixed_steps=None)

@@ -91,6 +91,84 @@ def test_evicted_heads_are_compared_at_their_key_positions(llm):
     conv.close()
 
 
+def per_layer_reference(seq, queries, positions, dtype, share=0.1):
+    """The estimator's statistics the straightforward way: layer by layer and KV head by KV head, the
+    scores in `dtype` (queries cast, then scaled), an fp32 softmax over the keys a head holds, rows
+    scattered to key positions; the distances from the maps' differences (no Gram terms), in fp64."""
+    P = seq.next_position
+    (i0, i1), (r0, r1) = ir_regions(P, share)
+    maps = []
+    for layer in range(len(queries)):
+        k, _, pos = seq.gather(layer)
+        H, D = k.shape[0], k.shape[-1]
+        q = queries[layer]  # [T, Hq, D]
+        G = q.shape[1] // H
+        dense = torch.zeros(q.shape[1], len(positions), P, dtype=torch.float64)
+        for h in range(H):
+            held = int(seq.lengths[layer][h])
+            for g in range(G):
+                scores = (q[:, h * G + g].to(dtype) * D**-0.5) @ k[h, :held].to(dtype).T  # [T, held]
+                visible = pos[h, :held][None, :] <= positions[:, None]
+                w = torch.softmax(scores.masked_fill(~visible, float("-inf")).float(), dim=-1)
+                dense[h * G + g].index_add_(1, pos[h, :held], w.nan_to_num(0.0).double())
+        maps.append(dense)
+    ir = torch.stack([(m[..., i0:i1].sum(-1) + m[..., r0:r1].sum(-1)).mean() for m in maps])
+    distance = torch.stack([torch.stack([(a - b).flatten(1).norm(dim=1).mean() for b in maps]) for a in maps])
+    return ir.float(), distance.float()
+
+
+@pytest.fixture(scope="module")
+def evicted(llm):
+    """A conversation some of whose heads evicted tokens, and random queries [T, Hq, D] per layer at
+    positions of its last turn."""
+    conv = llm.conversation(system="A", recipe="evict=snapkv(window=4)+adakv budget=24")
+    conv.send("Hello, who are you?", max_new_tokens=6)
+    conv.send("Tell me about the sea.", max_new_tokens=6)
+    assert (conv.kv.lengths < conv.kv.next_position).any()
+    yield conv
+    conv.close()
+
+
+def random_queries(seq, rows: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    c = seq.pool
+    Hq = c.num_kv_heads * 2  # the tiny model's query groups of 2
+    positions = torch.sort(torch.randperm(seq.next_position, generator=g)[:rows]).values
+    return [torch.randn(rows, Hq, c.head_dim, generator=g) * 3 for _ in range(c.num_layers)], positions
+
+
+def statistics_of(seq, queries, positions, dtype):
+    """ir and distance from the estimator's passes (_accumulate) with scores in `dtype`."""
+    P = seq.next_position
+    gram, ir = estimator._accumulate(queries, positions, estimator._Keys(seq, torch.device("cpu"), dtype), P,
+                                     ir_regions(P))
+    norms = torch.diagonal(gram, dim1=1, dim2=2)
+    distance = (norms[:, :, None] + norms[:, None, :] - 2 * gram).clamp_min(0).sqrt().mean(0)
+    return (ir / (len(positions) * queries[0].shape[1])).float(), distance
+
+
+@pytest.mark.parametrize("which", ["full", "evicted"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_passes_equal_the_per_layer_formulation(turn, evicted, which, dtype, monkeypatch):
+    """Random queries over a conversation's keys (every head full, or some evicted): one batched score
+    GEMM over every layer (or the per-layer path of evicted heads), scores in fp32 (the CPU) or bf16
+    (the GPU's), one pass over every KV head or one KV head a pass, chunks of every row or one row:
+    the statistics of a layer-by-layer, head-by-head reference, to floating-point tolerance."""
+    seq = turn[0].kv if which == "full" else evicted.kv
+    assert ((seq.lengths == seq.next_position).all()) == (which == "full")
+    queries, positions = random_queries(seq, 23, seed=1)
+    ir, distance = per_layer_reference(seq, queries, positions, dtype)
+    per_head = seq.pool.num_layers * seq.next_position * seq.pool.head_dim * dtype.itemsize
+    for key_bytes, chunk_bytes in ((1 << 30, 1 << 30), (per_head, 1)):
+        monkeypatch.setattr(estimator, "KEY_CACHE_BYTES", key_bytes)
+        monkeypatch.setitem(estimator.CHUNK_BYTES, "cpu", chunk_bytes)
+        keys = estimator._Keys(seq, torch.device("cpu"), dtype)
+        assert keys.full == (which == "full") and keys.heads_per_pass == (1 if key_bytes == per_head else 2)
+        got_ir, got_distance = statistics_of(seq, queries, positions, dtype)
+        assert torch.allclose(got_ir, ir, atol=1e-5)
+        assert torch.allclose(got_distance, distance, atol=1e-4, rtol=1e-4)
+
+
 def test_sampling_is_seeded_systematic_and_bounded():
     assert sample_rows(100, None) is None and sample_rows(100, 100) is None
     a, b = sample_rows(1000, 64, seed=3), sample_rows(1000, 64, seed=3)

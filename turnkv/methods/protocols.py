@@ -443,8 +443,8 @@ class StateStrategy(ABC):
         looks at the whole turn's attention records more."""
         return QueryWindow(num_layers, size) if size else None
 
-    def prepare(self, ctx, seq: SequenceKV, window: QueryWindow | None):
-        """The part of a pack that runs on the caller's thread, once per pack, before `pack`: under
+    def prepare(self, ctx, seq: SequenceKV, window: QueryWindow | None, tier: str = "cpu"):
+        """The part of a pack to `tier` that runs on the caller's thread, once per pack, before `pack`: under
         tensor parallelism it may run collectives (every rank calls it at the same point), and what
         it returns is the same on every rank. `pack(..., prepared=its result)` then runs no
         collective, so it may run on a background packer's thread. Default: None (nothing to agree)."""

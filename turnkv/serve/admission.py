@@ -14,7 +14,9 @@ the heads (a head-wise allocation such as Ada-KV's keeps the same total):
     available     = free pages + pages of idle conversations in the pool (they can go to the tiers)
 
 A request fits when headroom(it) + sum(headroom(running)) <= available. The first request in line
-always fits when none runs (a prompt no pool can hold was refused at ready()). Requests start in
+fits when none runs (a prompt no pool can hold was refused at ready()), unless packs in flight hold
+pages it needs: the pages of a conversation leaving the pool count as used until its pack lands
+(state/background.py), and it waits for that instead of starting a prefill that would. Requests start in
 arrival order: one that does not fit holds the longer ones behind it, so a long prompt is never
 starved by long ones, and only short prompts (one prefill chunk at most) pass it; the scheduler
 (scheduler.py) says why they do not delay it.
@@ -93,7 +95,7 @@ class MemoryGate:
 
     def fits(self, job, running: list) -> bool:
         if not running:
-            return True
+            return not self.store.packing() or self.headroom(job) <= self.available()
         return self.headroom(job) + sum(self.headroom(j) for j in running) <= self.available()
 
 

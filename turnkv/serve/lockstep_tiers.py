@@ -93,6 +93,13 @@ class LockstepTiers:
         # where another stored it breaks the engine.
         return len(self.ops.run(tier, "land", None, done))
 
+    def packing(self) -> int:
+        """Packs in flight on rank 0 (the packs settle takes are those finished there)."""
+        return self.hook.packing()
+
+    def watch_packs(self, fn):
+        return self.hook.watch_packs(fn)  # rank 0's packs
+
     def where(self, conv) -> str:
         return self.hook.where(conv)
 

@@ -17,11 +17,14 @@ Each iteration:
    boundaries are multiples of `prefill_chunk` whatever the load, so a request's tokens do not
    depend on it.
 Packs of conversations leaving the GPU (state=krul, ...) run beside the worker (state/background.py;
-docs/architecture.md): each iteration takes the finished ones, whose pages count as used until then,
-and a request whose conversation is still being packed keeps its place until its pack lands.
-A full pool sends idle conversations to the tiers (least recently used first), then waits for a pack
-in flight; with neither, a prompt waits for running requests, and a decode step ends its newest
-request (finish_reason "length", reply kept). A prompt no pool of this size holds is a 400.
+docs/architecture.md): each iteration takes the finished ones, whose pages count as used until then.
+Admission never waits for a pack: a request whose conversation is still being packed, or whose room
+only packs in flight can give, keeps its place while the worker goes on, and when nothing else is to
+be done the worker sleeps until a pack finishes (the packer wakes it); the next iteration takes the
+room. A full pool sends idle conversations to the tiers (least recently used first); a prefill slice
+or decode step short of room even so waits for a pack in flight; with neither, a prompt waits for
+running requests, and a decode step ends its newest request (finish_reason "length", reply kept).
+A prompt no pool of this size holds is a 400.
 """
 
 from __future__ import annotations
@@ -32,19 +35,18 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
-from turnkv.engine import decode_loop, mixed
 from turnkv.errors import KVCacheFullError
 from turnkv.serve import slow_phases
-from turnkv.serve.admission import MemoryGate, pick_slices
-from turnkv.serve.engine_ops import Stepped
+from turnkv.serve.admission import MemoryGate
 from turnkv.serve.errors import APIError
+from turnkv.serve.forwards import Forwards
 from turnkv.serve.job import Job
 from turnkv.state.background import PackInFlight
 
 log = logging.getLogger("turnkv.serve")
 
 
-class Scheduler:
+class Scheduler(Forwards):
     def __init__(self, llm, store, config, metrics):
         self.llm, self.store, self.config, self.metrics = llm, store, config, metrics
         slow_phases.watch()  # a slow phase names the Triton kernels it compiled
@@ -63,6 +65,12 @@ class Scheduler:
         self._flush_count = (0, 0)
         self._expired_at = time.monotonic()
         self.thread: threading.Thread | None = None
+        # Room waits: packs finished on the packer (counted on its thread) and their count when this
+        # iteration began; whether room proved to come only from packs in flight, and the requests put
+        # back in line for room, this iteration.
+        self._packs_finished, self._mark, self._short = 0, 0, False
+        self._deferred: set[Job] = set()
+        self._unwatch = lambda: None
         self.gate = MemoryGate(llm.pool, store, slice_tokens=min(self.config.prefill_chunk, llm.runner.prefill_chunk))
 
     # ---- HTTP side -----------------------------------------------------------------------------------
@@ -109,6 +117,7 @@ class Scheduler:
         return self._flush_count
 
     def start(self) -> None:
+        self._unwatch = self.store.watch_packs(self._packed)
         self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="turnkv-encode")
         self.thread = threading.Thread(target=self._run, name="turnkv-worker", daemon=True)
         self.thread.start()
@@ -152,6 +161,7 @@ class Scheduler:
                     break
                 queued = (*self.waiting, *self.encoding, *self.held, *self.prefilling, *self.decoding)
                 gone = [j for j in queued if j.cancelled]
+                self._mark, self._short, self._deferred = self._packs_finished, False, set()
             # A cancelled request counts as running until its turn is undone and its KV is back.
             for job in gone:
                 self.metrics.labels(self.metrics.failed, "disconnected").inc()
@@ -188,6 +198,7 @@ class Scheduler:
                 self.encoding, self.held, self.prefilling, self.decoding = [], [], [], []
             with self.cond:
                 self.cond.notify_all()  # stop() waits for the queue to empty
+        self._unwatch()
         for job in [*self.waiting, *self.encoding, *self.held, *self.prefilling, *self.decoding]:
             self._fail(job, APIError(503, "the server stopped", type="server_error"))
         self.encoder.shutdown(wait=True, cancel_futures=True)
@@ -206,17 +217,33 @@ class Scheduler:
                                  lambda: (len(self.decoding), len(self.prefilling), self._note))
 
     def _has_work(self) -> bool:
-        """Whether the worker has something to do now (under the lock)."""
-        if self._stop or self._flush_asked or self.held or self.prefilling or self.decoding:
+        """Whether the worker has something to do now (under the lock). Requests waiting for room that
+        only packs in flight can give (held, or put back in line) are not, until a pack finishes."""
+        if self._stop or self._flush_asked or self.prefilling or self.decoding:
             return True
+        if self._packs_finished != self._mark:
+            return True  # a pack finished: the next iteration takes its pages back
         if any(j.cancelled or j.encoding.done() for j in self.encoding):
             return True
+        if any(j.cancelled for j in (*self.held, *self.waiting)) or (self.held and not self._short):
+            return True
         room = self.num_running < self.config.max_running
-        return any(j.cancelled or (room and not self.store.session_busy(j.session)) for j in self.waiting)
+        return room and any(j not in self._deferred and not self.store.session_busy(j.session) for j in self.waiting)
 
     def _wake(self, *_) -> None:
         with self.cond:
             self.cond.notify()
+
+    def _packed(self) -> None:
+        """A pack finished (on the packer's thread): a worker waiting for room goes on."""
+        with self.cond:
+            self._packs_finished += 1
+            self.cond.notify()
+
+    def _short_of_packs(self) -> None:
+        """Room proved to come only from packs in flight: until one finishes, what waits for room is no
+        work (_has_work)."""
+        self._short = self._short or bool(self.store.packing())
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -242,27 +269,24 @@ class Scheduler:
         return taken
 
     def _admit(self, jobs: list[Job]) -> None:
+        """Claim each request's conversation, never waiting for a pack: one that cannot be claimed yet
+        goes back to the front of the line, with its place, and is claimed again at a later iteration."""
         deferred = []
         for job in jobs:
             try:
-                # Without waiting for packs in flight: short of room, it waits in line instead.
                 self._with_room(lambda j=job: j.claim(self.llm, self.store), wait=False)
-            except PackInFlight:
-                # Its conversation is still being packed (its pack now runs next): it keeps its place
-                # and is claimed again at a later iteration, while the running streams go on; with
-                # none prefilling or decoding, the worker waits for the pack here instead of spinning.
-                if not (self.prefilling or self.decoding):
-                    self.store.settle(block=True)
+            except PackInFlight:  # its conversation is still being packed (its pack now runs next)
+                self._short_of_packs()
                 deferred.append(job)
                 continue
-            except KVCacheFullError as e:  # no room to bring its conversation back while others run:
-                # it waits for them (or for packs in flight to land), with its place
-                if not (self.prefilling or self.decoding) and not self.store.settle(block=True):
+            except KVCacheFullError as e:  # no room to bring its conversation back yet: it waits for
+                # packs in flight to land or for the other requests (those running or about to) to end
+                if not (self.store.packing() or self.prefilling or self.decoding or self.held or self.encoding):
                     self._fail(job, e)
                     continue
+                self._short_of_packs()
                 job.abandon(self.store)
-                with self.cond:
-                    self.waiting.appendleft(job)
+                deferred.append(job)
                 continue
             except Exception as e:
                 self._fail(job, e)
@@ -273,6 +297,7 @@ class Scheduler:
         if deferred:
             with self.cond:
                 self.waiting.extendleft(reversed(deferred))
+                self._deferred.update(deferred)
 
     def _encoded(self) -> None:
         """Requests whose tokens are encoded begin their turn, and wait for KV memory."""
@@ -301,170 +326,8 @@ class Scheduler:
                 self.prefilling.append(job)
             else:
                 blocked = True
-
-    def _slice(self, job: Job) -> int:
-        """The size of the job's next prefill slice: up to the next multiple of prefill_chunk in its
-        prompt (the runner's own chunk caps it), so boundaries never depend on load."""
-        chunk = self.config.prefill_chunk
-        return min(chunk - job.turn.prefilled % chunk, self.llm.runner.prefill_chunk)
-
-    def _prefill(self) -> None:
-        """Prefill slices in arrival order until a decode step is due: while requests decode, after one
-        prefill_chunk of tokens; when none did, once the first prompt decodes (with mixed steps, the
-        next iteration's mixed step carries the other prompts' slices beside it)."""
-        budget = self.config.prefill_chunk if self.decoding or not self.config.max_step_tokens else 0
-        spent = 0
-        while self.prefilling and not (self.decoding and spent >= budget):
-            job = self.prefilling[0]
-            size = min(self._slice(job), job.prefill_left)
-            try:
-                piece, done = self._with_room(lambda: job.prefill(self._slice(job)))
-            except KVCacheFullError as e:
-                self.prefilling.pop(0)
-                if self.decoding:  # memory comes back as they finish: wait for it, from the start
-                    job.abandon(self.store)
-                    with self.cond:
-                        self.waiting.appendleft(job)
-                    return
-                self._fail(job, e)
-                continue
-            except Exception as e:
-                self.prefilling.pop(0)
-                self._fail(job, e)
-                continue
-            spent += size
-            if job.prefill_left:
-                continue
-            self.prefilling.pop(0)
-            self._first_token(job, piece, done)
-
-    def _first_token(self, job: Job, piece: str, done: bool) -> None:
-        m, now = self.metrics, time.perf_counter()
-        m.labels(m.ttft).observe(now - job.arrived)
-        job.last_token_at = now
-        job.sink("start", None)
-        job.emit(piece)
-        try:  # the recipe's after-prompt hook (a compression), once the first token is on its way
-            self._with_room(lambda: self.ops.settle(job.turn))
-        except Exception as e:
-            self._fail(job, e)
-            return
-        if done:
-            self._finish(job)
-        else:
-            self.decoding.append(job)
-
-    def _decode(self, decoding: list[Job] | None = None) -> None:
-        """One step of the engine's step loop (engine/decode_loop.py) over the decoding requests (all
-        of them by default), its forward retried here when the KV pool is full."""
-        decoding = list(self.decoding if decoding is None else decoding)
-        jobs = {id(job.turn): job for job in decoding}
-        size = self.llm.runner.graph_batch or self.config.max_running  # batches the graphs replay
-        for batch in decode_loop.batches([job.turn for job in decoding], size):
-            self._decoded(batch, self._decode_step(batch, jobs), jobs)
-
-    def _decoded(self, batch: list, step: Stepped, jobs: dict) -> None:
-        """Each turn of a decode batch takes its token from its row of the step's logits [B, V] (or fails
-        with what the step's hook raised for it: EngineOps.decode)."""
-        logits, errors = step.value, step.errors
-        self.metrics.labels(self.metrics.batch).observe(len(batch))
-        now = time.perf_counter()
-        for turn, row in zip(batch, logits):
-            job = jobs[id(turn)]
-            try:
-                if id(turn) in errors:
-                    raise errors[id(turn)]
-                piece = self.ops.take(turn, row)
-            except Exception as e:
-                self.decoding.remove(job)
-                self._fail(job, e)
-                continue
-            self.metrics.labels(self.metrics.itl).observe(now - job.last_token_at)
-            job.last_token_at = now
-            job.emit(piece)
-            if turn.done:
-                self.decoding.remove(job)
-                self._finish(job)
-
-    def _mixed(self) -> None:
-        """One forward over every decoding request's next token and whole prefill slices of the
-        prefilling prompts (engine/mixed.py), as many as fit in max_step_tokens, at least one. On a full
-        pool with no idle conversation left to move, the step runs as a separate slice and decode step
-        instead, which know what to give up. Requests whose decode selects take a graphed decode step
-        first where graphs run (mixed.rides_mixed_step); the forward then carries the others' tokens."""
-        riding, graphed = [], []
-        for job in self.decoding:
-            (riding if mixed.rides_mixed_step(self.llm.runner, job.turn) else graphed).append(job)
-        graphed_start = time.perf_counter()
-        if graphed:
-            self._decode(graphed)
-        graphed_note = f"; graphed decode of {len(graphed)} in {(time.perf_counter() - graphed_start) * 1000:.0f} ms"
-        jobs = {id(job.turn): job for job in riding}
-        batches = decode_loop.batches([job.turn for job in riding], self.config.max_running)
-        parts = [mixed.decode_part(batch) for batch in batches]
-        slices = self._pick_slices(self.config.max_step_tokens - sum(part.size for part in parts))
-        ends = [job for job, part in slices if part.width >= job.prefill_left]
-        start = time.perf_counter()
-        try:
-            step = self._with_room(lambda: self.ops.mixed(batches, [(job.turn, part.width) for job, part in slices]))
-        except KVCacheFullError:
-            self._prefill()
-            self._decode([job for job in riding if job in self.decoding])
-            return
-        (logits, lasts), errors = step.value, step.errors
-        self.metrics.labels(self.metrics.mixed_steps).inc()
-        for batch, rows in zip(batches, logits):
-            self._decoded(batch, Stepped(rows, errors), jobs)
-        forward = time.perf_counter() - start  # sampling the decode tokens waited for the forward
-        widths = [part.width for _, part in slices]
-        self._note = (graphed_note * bool(graphed) + f"; forward {forward * 1000:.0f} ms over "
-                      f"{sum(p.size for p in parts)} decode tokens and slices of {widths} tokens, "
-                      f"then {len(ends)} prompt(s) ended")
-        for (job, _), last in zip(slices, lasts):
-            try:
-                if id(job.turn) in errors:
-                    raise errors[id(job.turn)]
-                piece = None if last is None else self.ops.take(job.turn, last)
-            except Exception as e:
-                self.prefilling.remove(job)
-                self._fail(job, e)
-                continue
-            if piece is not None:
-                self.prefilling.remove(job)
-                self._first_token(job, piece, job.turn.done)
-        self._note += f" in {(time.perf_counter() - start - forward) * 1000:.0f} ms" if ends else ""
-
-    def _pick_slices(self, budget: int) -> list:
-        """(job, part) of the prefill slices a mixed step carries beside its decode tokens (admission.pick_slices)."""
-        return pick_slices(self.prefilling, budget, self._slice)
-
-    def _decode_step(self, batch: list, jobs: dict):
-        """A decode step over `batch` (turns; jobs maps id(turn) to its request); on a full
-        pool, idle conversations move to the tiers (or are dropped), then the newest request ends,
-        until the step fits. A request ended so keeps the reply it has generated, with
-        finish_reason "length" (the pool, like the context, holds no more of it). Returns the step
-        (EngineOps.decode: logits, hook errors) of the turns still in `batch`."""
-        while True:
-            try:
-                return self._with_room(lambda: self.ops.decode(batch))
-            except KVCacheFullError:
-                victim = max(batch, key=lambda t: jobs[id(t)].arrived)
-                batch.remove(victim)
-                self.decoding.remove(jobs[id(victim)])
-                jobs[id(victim)].emit(self.ops.end(victim, "length"))
-                self._finish(jobs[id(victim)])
-                if not batch:
-                    return Stepped([], {})
-
-    def _with_room(self, step, wait: bool = True):
-        """step(), retried while idle conversations leave the pool (and, with wait, while packs in
-        flight land, waiting for each) to make room for it."""
-        while True:
-            try:
-                return step()
-            except KVCacheFullError:
-                if not self.store.evict_one(wait):  # it counts what it evicts in the metrics
-                    raise
+        if self.held and not (self.prefilling or self.decoding):  # held for room packs in flight give
+            self._short_of_packs()
 
     # ---- endings -----------------------------------------------------------------------------------
     def _finish(self, job: Job) -> None:

@@ -51,6 +51,14 @@ class TierHook(Protocol):
         done. Returns how many it finished; until then a moving conversation's pages count as used,
         and begin() on it raises PackInFlight."""
 
+    def packing(self) -> int:
+        """Moves out of the pool running in the background (packs in flight): pages that come back
+        to the pool as settle() takes them."""
+
+    def watch_packs(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Call fn() (from another thread) whenever a move running in the background finishes, so a
+        caller waiting for room can settle() then; returns what stops that."""
+
     def where(self, conv: Conversation) -> str:
         """"gpu" (in the pool) or one of `names`."""
 
@@ -202,6 +210,14 @@ class ConversationStore:
     def settle(self, block: bool = False) -> int:
         """Finish the tiers' background moves out of the pool (TierHook.settle); how many finished."""
         return self.tiers.settle(block) if self.tiers is not None else 0
+
+    def packing(self) -> int:
+        """Moves out of the pool in flight (TierHook.packing)."""
+        return self.tiers.packing() if self.tiers is not None else 0
+
+    def watch_packs(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """TierHook.watch_packs (without tiers nothing moves in the background: fn is never called)."""
+        return self.tiers.watch_packs(fn) if self.tiers is not None else (lambda: None)
 
     def evict_one(self, wait: bool = True) -> bool:
         """Take the least recently used idle conversation off the pool; False when no idle conversation

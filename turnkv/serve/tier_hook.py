@@ -106,6 +106,14 @@ class StateTierHook:
         start = len(self.manager.events)
         return len(self._landed(start, self.manager.land_packs(block)))
 
+    def packing(self) -> int:
+        """Packs in flight: conversations leaving the pool whose pages come back when they land."""
+        return len(self.manager.leaving)
+
+    def watch_packs(self, fn):
+        """Call fn() (on the packer's thread) whenever a pack finishes; returns what stops that."""
+        return self.manager.watch_packs(fn)
+
     def land(self, conversation_ids: list[str]) -> tuple[str, ...]:
         """Take the packs of these conversations (waiting for those not finished): as settle, for a
         tensor-parallel worker told by rank 0 which to take. The tier each one landed in."""

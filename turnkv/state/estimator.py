@@ -18,10 +18,10 @@ from turnkv.attention.reference import gather_pages
 from turnkv.methods.window import QueryWindow
 from turnkv.model.parallel import all_reduce
 
-# fp32 attention rows per chunk over all layers and heads (the peak extra memory): large on a GPU
-# (fewer, larger GEMMs), small on a CPU (cache-friendly).
+# A chunk's fp32 attention rows over every layer and a pass's heads, with the score GEMM's output
+# beside them (the peak extra memory): large on a GPU (fewer, larger GEMMs), small on a CPU (cache-friendly).
 CHUNK_BYTES = {"cuda": 1 << 30, "cpu": 1 << 26}
-KEY_CACHE_BYTES = 1 << 30  # gather every layer's keys once when they take at most this; else per chunk
+KEY_CACHE_BYTES = 1 << 30  # a pass's keys over every layer (in the score dtype) take at most this
 
 
 class TurnQueries(QueryWindow):
@@ -75,85 +75,153 @@ class TurnQueries(QueryWindow):
 
 
 class _Keys:
-    """Every layer's keys [H, S, D] on one device, and their positions when a head is not 0..P-1
-    (None when the layer holds every position, the common case: no scatter, no validity mask)."""
+    """Every layer's keys on one device, `heads_per_pass` KV heads (Hg) at a time (heads(h0, h1)): all
+    of them, gathered here once, when every layer's keys fit KEY_CACHE_BYTES; else the largest divisor
+    of the KV heads whose keys fit, gathered once per pass. Only __init__ reads the sequence (its page
+    table, lengths and positions count); a pass reads the pool alone, so it may run on another thread.
+    `full`: every head of every layer holds positions 0..P-1 (the common case): a pass's keys are one
+    [N, Hg, P, D] tensor, no scatter, no validity mask. Else a list per layer of (k [Hg, S, D],
+    positions [Hg, S], validity [Hg, S]), positions and validity None for a layer that holds them all."""
 
     def __init__(self, seq, device: torch.device, dtype: torch.dtype):
-        self.seq, self.device, self.dtype = seq, device, dtype
+        self.pool, self.device, self.dtype = seq.pool, device, dtype
         pool = seq.pool
-        self.full = [bool((seq.lengths[layer] == seq.next_position).all()) for layer in range(pool.num_layers)]
-        S = seq.lengths.max(axis=1)
-        nbytes = int(S.sum()) * pool.num_kv_heads * pool.head_dim * torch.empty((), dtype=dtype).element_size()
-        # Gathered keys live on `device` (a host copy for the CPU worker of a GPU pool: keep it).
-        self.cache = [self._gather(layer) for layer in range(pool.num_layers)] \
-            if device.type == "cpu" or nbytes <= KEY_CACHE_BYTES else None
+        self.lengths, self.P = seq.lengths.copy(), seq.next_position
+        self.layer_full = [bool((self.lengths[layer] == self.P).all()) for layer in range(pool.num_layers)]
+        self.full = all(self.layer_full)
+        self.table = seq.device_table()  # [N, H, pages] on the pool's device
+        H = self.num_heads = pool.num_kv_heads
+        per_head = int(self.lengths.max(axis=1).sum()) * pool.head_dim * torch.empty((), dtype=dtype).element_size()
+        fit = KEY_CACHE_BYTES // max(1, per_head)
+        self.heads_per_pass = max(d for d in range(1, H + 1) if H % d == 0 and d <= max(1, fit))
+        self.cache = self._gather(0, H) if self.heads_per_pass == H else None
 
-    def _gather(self, layer: int):
-        seq, pool = self.seq, self.seq.pool
-        S = int(seq.lengths[layer].max(initial=0))
-        table = seq.device_table()[layer][None]
+    def heads(self, h0: int, h1: int):
+        return self.cache if self.cache is not None else self._gather(h0, h1)
+
+    def _gather(self, h0: int, h1: int):
+        pool, P, N = self.pool, self.P, self.pool.num_layers
+        if not self.full:
+            return [self._layer(layer, h0, h1) for layer in range(N)]
+        if self.device == pool.device:  # every layer in one gather
+            layers = torch.arange(N, device=pool.device)
+            return pool.gather(layers, self.table[:, h0:h1], P, "k").to(self.dtype)
+        # to another device (the CPU worker's copy): one layer at a time, so the pool's device holds one
+        # layer's gather beside the pass
+        k = torch.empty(N, h1 - h0, P, pool.head_dim, dtype=self.dtype, device=self.device)
+        for layer in range(N):
+            k[layer] = pool.gather(layer, self.table[layer][None, h0:h1], P, "k")[0]
+        return k
+
+    def _layer(self, layer: int, h0: int, h1: int):
+        pool = self.pool
+        lengths = self.lengths[layer, h0:h1]
+        S = int(lengths.max(initial=0))
+        table = self.table[layer][None, h0:h1]
         k = pool.gather(layer, table, S, "k")[0].to(self.device, self.dtype)
-        if self.full[layer]:
+        if self.layer_full[layer]:
             return k, None, None
         pos = gather_pages(pool.positions[layer], table, S)[0].to(self.device)
-        valid = torch.arange(S, device=self.device)[None] < torch.from_numpy(seq.lengths[layer]).to(self.device)[:, None]
+        valid = torch.arange(S, device=self.device)[None] < torch.from_numpy(lengths).to(self.device)[:, None]
         return k, pos, valid
-
-    def __getitem__(self, layer: int):
-        return self.cache[layer] if self.cache is not None else self._gather(layer)
 
 
 def _accumulate(queries: list[torch.Tensor], q_pos: torch.Tensor, keys: _Keys, num_positions: int, ir_regions,
                 chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gram matrices [Hq, N, N] of the attention rows of `queries` (per layer [T, Hq, D], on the keys'
     device) over the layers' keys, and the I-R mass per layer [N] (summed over heads and rows).
-    q_pos: the rows' positions, on the host."""
+    q_pos: the rows' positions, on the host.
+
+    A pass takes keys.heads_per_pass KV heads (Hg) of every layer; a chunk, `chunk_rows` rows of the
+    pass (default: as many as CHUNK_BYTES holds, rows and score temporaries counted). With every layer
+    full, a chunk is one batched score GEMM over [N * Hg] (bf16 on the GPU), one mask, one softmax
+    into fp32 rows [N, Hg * G, c, P]; then one batched GEMM over the pass's query heads adds the Gram
+    terms of every layer pair. Nothing in the loop waits for the device."""
     N = len(queries)
     T, Hq, D = queries[0].shape
-    device = keys.device
+    device, P = keys.device, num_positions
     gram = torch.zeros(Hq, N, N, dtype=torch.float32, device=device)
     ir_mass = torch.zeros(N, dtype=torch.float64, device=device)
     if T == 0:
         return gram, ir_mass
-    P = num_positions
-    chunk = chunk_rows or max(1, CHUNK_BYTES.get(device.type, 1 << 28) // (4 * N * Hq * P))
+    H, Hg = keys.num_heads, keys.heads_per_pass
+    G = Hq // H
+    in_place = keys.dtype == torch.float32  # scores straight into the fp32 rows: no temporary
+    per_row = N * Hg * G * P * (4 + (0 if in_place else keys.dtype.itemsize))
+    chunk = min(T, chunk_rows or max(1, CHUNK_BYTES.get(device.type, 1 << 28) // per_row))
+    # [N, H, G, T, D], cast to the keys' dtype, then scaled
+    Q = (torch.stack(queries).to(keys.dtype) * D**-0.5).view(N, T, H, G, D).permute(0, 2, 3, 1, 4).contiguous()
+    q_pos_dev = q_pos.to(device)  # once: a copy from pageable memory waits for the stream
     (init_lo, init_hi), (recent_lo, recent_hi) = ir_regions
     buffers: dict[int, torch.Tensor] = {}
-    for start in range(0, T, chunk):
-        c = min(chunk, T - start)
-        qp = q_pos[start : start + c]
-        qp_dev = qp.to(device)
-        if c not in buffers:
-            buffers[c] = torch.empty(N, Hq, c, P, dtype=torch.float32, device=device)
-        x = buffers[c]  # [N, Hq, c, P]: the chunk's rows of every layer, each layer contiguous
-        first_masked = int(qp.min()) + 1  # columns before it are visible to every row of the chunk
-        for layer in range(N):
-            k, kpos, valid = keys[layer]
-            H = k.shape[0]
-            G = Hq // H
-            q = queries[layer][start : start + c].to(k.dtype).permute(1, 0, 2).reshape(H, G * c, D) * D**-0.5
-            out = x[layer].view(H, G, c, P)
-            if kpos is None and k.dtype == torch.float32:
-                # Keys at positions 0..P-1 in fp32 (the CPU): scores straight into the buffer, only
-                # the causal tail masked, softmax in place. No temporaries the size of the rows.
-                torch.matmul(q, k.transpose(1, 2), out=out.view(H, G * c, P))
-                _mask_future(out, first_masked, qp_dev)
-                out.sub_(out.amax(-1, keepdim=True)).exp_()
-                out.div_(out.sum(-1, keepdim=True))
-            elif kpos is None:  # bf16/fp16 score GEMM (the GPU), fp32 softmax
-                scores = torch.matmul(q, k.transpose(1, 2)).view(H, G, c, P)
-                _mask_future(scores, first_masked, qp_dev)
-                out.copy_(torch.softmax(scores, dim=-1, dtype=torch.float32))
-            else:  # evicted heads: mask what a head does not hold, scatter rows to key positions
-                scores = torch.matmul(q, k.transpose(1, 2)).view(H, G, c, -1)
-                visible = valid[:, None, None, :] & (kpos[:, None, None, :] <= qp_dev[None, None, :, None])
-                w = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1, dtype=torch.float32)
-                w = w.nan_to_num_(0.0) * visible  # a head that sees nothing contributes nothing
-                out.zero_().scatter_add_(-1, kpos.clamp(max=P - 1)[:, None, None, :].expand_as(w), w)
-            ir_mass[layer] += (out[..., init_lo:init_hi].sum() + out[..., recent_lo:recent_hi].sum()).double()
-        flat = x.view(N, Hq, c * P).transpose(0, 1)  # [Hq, N, c*P], a strided view (no copy)
-        gram.baddbmm_(flat, flat.transpose(1, 2))  # one batched GEMM: every head, every layer pair
+    for h0 in range(0, H, Hg):
+        k_pass = keys.heads(h0, h0 + Hg)
+        for start in range(0, T, chunk):
+            c = min(chunk, T - start)
+            qp_dev = q_pos_dev[start : start + c]
+            first_masked = int(q_pos[start : start + c].min()) + 1  # columns before it: visible to every row
+            q = Q[:, h0 : h0 + Hg, :, start : start + c].reshape(N, Hg, G * c, D)
+            out = None
+            if in_place or not keys.full:
+                if c not in buffers:
+                    buffers[c] = torch.empty(N, Hg * G, c, P, dtype=torch.float32, device=device)
+                out = buffers[c]
+            if keys.full:
+                x = _full_rows(q, k_pass, c, first_masked, qp_dev, out)
+            else:
+                x = _layer_rows(q, k_pass, c, first_masked, qp_dev, out)
+            ir_mass += (x[..., init_lo:init_hi].sum((1, 2, 3)) + x[..., recent_lo:recent_hi].sum((1, 2, 3))).double()
+            flat = x.view(N, Hg * G, c * P).transpose(0, 1)  # [Hg * G, N, c * P], a strided view (no copy)
+            gram[h0 * G : (h0 + Hg) * G].baddbmm_(flat, flat.transpose(1, 2))  # every head, every layer pair
     return gram, ir_mass
+
+
+def _full_rows(q: torch.Tensor, k: torch.Tensor, c: int, first: int, q_pos: torch.Tensor,
+               out: torch.Tensor | None) -> torch.Tensor:
+    """Attention rows [N, Hg * G, c, P] (fp32) of scaled queries q [N, Hg, G * c, D] over keys
+    k [N, Hg, P, D] at positions 0..P-1, causal by q_pos [c] (on the device). out: an fp32 buffer
+    [N, Hg * G, c, P] the fp32 scores go straight into (softmax in place); None: scores in the keys'
+    dtype, then an fp32 softmax."""
+    N, Hg, GC, D = q.shape
+    P = k.shape[2]
+    G = GC // c
+    qf, kf = q.view(N * Hg, GC, D), k.reshape(N * Hg, P, D)
+    if out is not None:
+        torch.matmul(qf, kf.transpose(1, 2), out=out.view(N * Hg, GC, P))
+        _mask_future(out.view(-1, c, P), first, q_pos)
+        out.sub_(out.amax(-1, keepdim=True)).exp_()
+        return out.div_(out.sum(-1, keepdim=True))
+    scores = torch.matmul(qf, kf.transpose(1, 2))
+    _mask_future(scores.view(-1, c, P), first, q_pos)
+    return torch.softmax(scores.view(N, Hg * G, c, P), dim=-1, dtype=torch.float32)
+
+
+def _layer_rows(q: torch.Tensor, k_pass: list, c: int, first: int, q_pos: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """As _full_rows, into x [N, Hg * G, c, P], one layer at a time, for keys a head of which may not
+    hold every position: k_pass per layer (k [Hg, S, D], positions [Hg, S], validity [Hg, S]).
+    Columns are key positions: a layer's rows are scattered to its keys' positions."""
+    Hg, GC, D = q.shape[1:]
+    P = x.shape[-1]
+    G = GC // c
+    for layer, (k, kpos, valid) in enumerate(k_pass):
+        out = x[layer].view(Hg, G, c, P)
+        if kpos is None and k.dtype == torch.float32:
+            # Keys at positions 0..P-1 in fp32 (the CPU): scores straight into the buffer, softmax in place.
+            torch.matmul(q[layer], k.transpose(1, 2), out=out.view(Hg, GC, P))
+            _mask_future(out, first, q_pos)
+            out.sub_(out.amax(-1, keepdim=True)).exp_()
+            out.div_(out.sum(-1, keepdim=True))
+        elif kpos is None:  # bf16/fp16 score GEMM (the GPU), fp32 softmax
+            scores = torch.matmul(q[layer], k.transpose(1, 2)).view(Hg, G, c, P)
+            _mask_future(scores, first, q_pos)
+            out.copy_(torch.softmax(scores, dim=-1, dtype=torch.float32))
+        else:  # evicted heads: mask what a head does not hold, scatter rows to key positions
+            scores = torch.matmul(q[layer], k.transpose(1, 2)).view(Hg, G, c, -1)
+            visible = valid[:, None, None, :] & (kpos[:, None, None, :] <= q_pos[None, None, :, None])
+            w = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1, dtype=torch.float32)
+            w = w.nan_to_num_(0.0) * visible  # a head that sees nothing contributes nothing
+            out.zero_().scatter_add_(-1, kpos.clamp(max=P - 1)[:, None, None, :].expand_as(w), w)
+    return x
 
 
 def _mask_future(scores: torch.Tensor, first: int, q_pos: torch.Tensor) -> None:
@@ -212,9 +280,9 @@ def attention_statistics(seq, queries: list[torch.Tensor], positions: torch.Tens
 
     dtype = seq.pool.dtype if device.type == "cuda" else torch.float32  # bf16 score GEMMs on the GPU
     if where == "device":
-        gram, ir = part(torch.ones_like(is_decode), device, _Keys(seq, device, dtype))
+        gram, ir = _accumulate([q.to(device) for q in queries], positions, _Keys(seq, device, dtype), P, regions)
     else:
-        # Keys are gathered here, not in the worker: the sequence is not thread-safe.
+        # The keys are made here, not in the worker: making them reads the sequence, which is not thread-safe.
         device_keys = _Keys(seq, device, dtype)
         cpu = torch.device("cpu")
         cpu_keys = device_keys if device.type == "cpu" else _Keys(seq, cpu, torch.float32)

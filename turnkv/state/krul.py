@@ -64,7 +64,7 @@ class SharedLayers(StateStrategy):
         that chose it (prepared: what prepare() returned); None keeps the plan (default: always)."""
         return None
 
-    def prepare(self, ctx, seq, window) -> dict:
+    def prepare(self, ctx, seq, window, tier: str = "cpu") -> dict:
         """{"pairs", "info", "timing"}: the layer pairs (Krul's estimator sums every rank's query
         heads: a collective under tensor parallelism), what chose them, and the seconds it took."""
         timing = {}
@@ -73,10 +73,15 @@ class SharedLayers(StateStrategy):
 
     def pack(self, ctx, seq, window, tier="cpu", prepared=None) -> Stored:
         c = ctx.config
-        prepared = self.prepare(ctx, seq, window) if prepared is None else prepared
+        prepared = self.prepare(ctx, seq, window, tier) if prepared is None else prepared
         timing = dict(prepared["timing"])
-        clock = _Clock(seq.pool.device, timing)
         pairs, info = prepared["pairs"], prepared["info"]
+        if "fallback" in prepared:  # decided before any pairing (KrulStrategy.prepare)
+            baseline, predicted = prepared["fallback"]
+            stored = baseline.pack(ctx, seq, window, tier)
+            return Stored({**stored.meta, **info, "fallback": baseline.name, "predicted_s": predicted,
+                           "pack_timing": timing}, stored.tensors)
+        clock = _Clock(seq.pool.device, timing)
         n = seq.next_position
         ratio = self.recompute_ratio if self.recompute_ratio is not None else ctx.recompute_ratio(n, tier)
         if ratio == 0 and self.allocation == "min_storage" and self.storage is None:
@@ -138,17 +143,56 @@ class KrulStrategy(SharedLayers):
         if self.overhead < 1 or self.overhead_s < 0:
             raise ValueError("overhead must be >= 1 and overhead_s >= 0")
 
-    def prepare(self, ctx, seq, window) -> dict:
+    def prepare(self, ctx, seq, window, tier: str = "cpu") -> dict:
         """Also "recomputable" with fallback="auto": whether a prefill rebuilds the state of every
         rank's heads (under tensor parallelism agreed by a collective, so that every rank stores its
-        shard by the same baseline)."""
-        prepared = super().prepare(ctx, seq, window)
-        if self.fallback != "never":
-            recomputable = layout_of(seq).meta()["recomputable"]
-            if seq.pool.agree is not None:
-                recomputable = seq.pool.agree([int(not recomputable)])[0] == 0
-            prepared["recomputable"] = recomputable
-        return prepared
+        shard by the same baseline). And "fallback" (baseline, predictions) when no pairing could make
+        the plan win (hopeless): the estimator does not run, the turn's queries are dropped."""
+        if self.fallback == "never":
+            return super().prepare(ctx, seq, window, tier)
+        start = time.perf_counter()
+        recomputable = layout_of(seq).meta()["recomputable"]
+        if seq.pool.agree is not None:
+            recomputable = seq.pool.agree([int(not recomputable)])[0] == 0
+        hopeless = self.hopeless(ctx, seq, tier, recomputable)
+        if hopeless is None:
+            return {**super().prepare(ctx, seq, window, tier), "recomputable": recomputable}
+        if isinstance(window, TurnQueries):
+            window.take()
+        return {"pairs": [], "info": {"selection": "skipped"}, "timing": {"bound_s": time.perf_counter() - start},
+                "recomputable": recomputable, "fallback": hopeless}
+
+    def baselines(self, ctx, seq, tier, recomputable: bool) -> dict:
+        """Predicted restore seconds of the baselines Krul may fall back to: `load` (unless a storage
+        share caps what is stored) and `recompute` (where a prefill rebuilds the same state)."""
+        c, cost, n = ctx.config, ctx.cost(tier), seq.next_position
+        predicted = {}
+        if self.storage is None or self.storage >= 1:
+            full = schedule.full_bytes(n, c.num_layers, c.num_kv_heads, c.head_dim, ctx.element_size)
+            predicted["load"] = float(cost.load_s(full))
+        if recomputable:
+            predicted["recompute"] = float(cost.compute_s(np.full(c.num_layers, n)))
+        return predicted
+
+    def hopeless(self, ctx, seq, tier, recomputable: bool) -> tuple[StateStrategy, dict] | None:
+        """(baseline, predictions) when even the plan's best case, whatever the estimator pairs, is
+        predicted slower than a baseline; the best case is overhead x schedule.best_case_s (the
+        stored bytes at their floor over every pairing of at most schedule.max_pairs pairs, the
+        budget disregarded) + overhead_s, never above what fallback_for predicts for any pairing.
+        None where the plan may win: the estimator decides (fallback_for)."""
+        c, n = ctx.config, seq.next_position
+        predicted = self.baselines(ctx, seq, tier, recomputable)
+        if not predicted:
+            return None
+        ratio = self.recompute_ratio if self.recompute_ratio is not None else ctx.recompute_ratio(n, tier)
+        best = schedule.best_case_s(n, c.num_layers, schedule.max_pairs(c.num_layers, self.layer_ratio),
+                                    ctx.cost(tier), ratio, c.num_kv_heads, c.head_dim, ctx.element_size,
+                                    self.max_retained)
+        krul = self.overhead * best + self.overhead_s
+        baseline = min(predicted, key=predicted.get)
+        if krul <= predicted[baseline]:
+            return None
+        return FALLBACKS[baseline](), {"krul": krul, **predicted}
 
     def fallback_for(self, ctx, seq, starts, pairs, tier, prepared=None):
         """`load` or `recompute` when the plan's predicted restore, its streams' contention and fixed
@@ -160,13 +204,9 @@ class KrulStrategy(SharedLayers):
         stored = schedule.stored_bytes(starts, n, pairs, c.num_kv_heads, c.head_dim, ctx.element_size,
                                        self.max_retained)
         plan = max(float(cost.compute_s(starts)), float(cost.load_s(stored)))
-        predicted = {"krul": self.overhead * plan + self.overhead_s}
-        if self.storage is None or self.storage >= 1:
-            full = schedule.full_bytes(n, c.num_layers, c.num_kv_heads, c.head_dim, ctx.element_size)
-            predicted["load"] = float(cost.load_s(full))
         prepared = prepared or {}
-        if prepared["recomputable"] if "recomputable" in prepared else layout_of(seq).meta()["recomputable"]:
-            predicted["recompute"] = float(cost.compute_s(np.full(c.num_layers, n)))
+        recomputable = prepared["recomputable"] if "recomputable" in prepared else layout_of(seq).meta()["recomputable"]
+        predicted = {"krul": self.overhead * plan + self.overhead_s, **self.baselines(ctx, seq, tier, recomputable)}
         best = min(predicted, key=predicted.get)
         if best == "krul":
             return None

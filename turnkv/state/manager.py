@@ -32,6 +32,7 @@ import copy
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -68,6 +69,7 @@ class StateManager:
         self.packer: Packer | None = None
         self._own_packer: Packer | None = None
         self.leaving: dict[str, Leaving] = {}  # conversations whose pack runs on the packer, oldest first
+        self._pack_watchers: list = []  # called on the packer's thread as each pack finishes (watch_packs)
         # Held around every use of self.tiers (and of self._pending, whose entries the tiers must
         # not demote): the packer's thread stores into them.
         self.lock = threading.RLock()
@@ -208,7 +210,7 @@ class StateManager:
                 return self.tiers.tier_of(conv.id)
         strategy = conv.recipe.state
         window = conv.method_state.window
-        stored = self._pack(conv, strategy, window, tier, self.ctx, strategy.prepare(self.ctx, conv.kv, window))
+        stored = self._pack(conv, strategy, window, tier, self.ctx, strategy.prepare(self.ctx, conv.kv, window, tier))
         self._note_fallback(conv, strategy, stored.meta)
         tensors, state = _with_window(stored, window)
         with self.lock:
@@ -232,7 +234,7 @@ class StateManager:
         ctx = copy.copy(self.ctx)  # its own stage_on_host
         record = conv.to_record()
         # Under tensor parallelism the pack's collectives run here, in the ranks' common order.
-        prepared = strategy.prepare(ctx, conv.kv, window) if self.lockstep else None
+        prepared = strategy.prepare(ctx, conv.kv, window, tier) if self.lockstep else None
 
         def device_work():
             stored = self._pack(conv, strategy, window, tier, ctx, prepared)
@@ -267,6 +269,17 @@ class StateManager:
         leaving = Leaving(conv, tier, strategy)
         leaving.job = self.packer.submit(device_work, host_work)
         self.leaving[conv.id] = leaving
+        leaving.job.future.add_done_callback(self._pack_finished)
+
+    def watch_packs(self, fn) -> Callable[[], None]:
+        """Call fn() whenever a pack submitted from now on finishes (on the packer's thread, once the
+        pack is done: land_packs then takes it); returns what stops that."""
+        self._pack_watchers.append(fn)
+        return lambda: self._pack_watchers.remove(fn) if fn in self._pack_watchers else None
+
+    def _pack_finished(self, _future) -> None:
+        for fn in list(self._pack_watchers):
+            fn()
 
     def hurry(self, conv) -> None:
         """Run the conversation's pack next, if it is leaving and its pack has not started."""

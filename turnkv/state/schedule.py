@@ -85,12 +85,7 @@ def pyramid(n: int, num_layers: int, pairs, cost: CostModel, recompute_ratio: fl
         raise ValueError(f"allocation mode is budget or min_storage, not {mode!r}")
     full = full_bytes(n, N, num_kv_heads, head_dim, element_size)
     budget = storage * full if storage is not None else N * (n - r0) * layer_token_bytes(num_kv_heads, head_dim, element_size)
-    centre = (N - 1) / 2 - np.arange(N)
-    # Bases every 0.5% of the history (and the calibrated r_c itself), slopes up to 2n/N per layer.
-    bases = np.unique(np.append(np.linspace(0, n, 201), r0))
-    slopes = np.linspace(0, 2 * n / max(1, N), grid)
-    ramps = bases[:, None, None] + slopes[None, :, None] * centre  # [bases, slopes, N]
-    starts = np.minimum.accumulate(np.clip(np.round(ramps), 0, n), axis=-1).reshape(-1, N)
+    starts = ramps(n, N, r0, grid)
     store = stored_bytes(starts, n, pairs, num_kv_heads, head_dim, element_size, retained_share)
     t = np.maximum(cost.compute_s(starts), cost.load_s(store))
     t = np.where(store <= budget, t, np.inf)
@@ -98,6 +93,58 @@ def pyramid(n: int, num_layers: int, pairs, cost: CostModel, recompute_ratio: fl
     if not np.isfinite(t[best]):
         return [n] * N if storage is not None else [r0] * N  # recompute everything: stores nothing
     return [int(s) for s in starts[best]]
+
+
+def ramps(n: int, num_layers: int, r0: int, grid: int = 41) -> np.ndarray:
+    """The recompute lengths [candidates, N] pyramid() chooses from (each non-increasing with depth):
+    bases every 0.5% of the history and r0, slopes up to 2n/N per layer, cut to [0, n]."""
+    N = num_layers
+    centre = (N - 1) / 2 - np.arange(N)
+    bases = np.unique(np.append(np.linspace(0, n, 201), r0))
+    slopes = np.linspace(0, 2 * n / max(1, N), grid)
+    lengths = bases[:, None, None] + slopes[None, :, None] * centre  # [bases, slopes, N]
+    return np.minimum.accumulate(np.clip(np.round(lengths), 0, n), axis=-1).reshape(-1, N)
+
+
+def max_pairs(num_layers: int, layer_ratio: float) -> int:
+    """The most pairs pairing.select_pairs returns (when every layer is I-R): pairs until
+    N * layer_ratio layers are paired, or fewer than two are left."""
+    paired = 0
+    while paired < num_layers * layer_ratio and paired + 2 <= num_layers:
+        paired += 2
+    return paired // 2
+
+
+def stored_bytes_floor(starts: np.ndarray, n: int, num_pairs: int, num_kv_heads: int, head_dim: int,
+                       element_size: int, max_retained: float = 0.0) -> np.ndarray:
+    """A lower bound of stored_bytes(starts, n, pairs, ...) over every set of at most `num_pairs`
+    disjoint pairs, for starts [..., N] non-increasing with depth (so the loaded rows L[l] are
+    non-decreasing). A pair (i, j), i > j, saves 2 row L[j] - 16 L[i] - 2 floor(max_retained L[i])
+    (4 + 2 row) against two unpaired layers, which is at most max(0, a) L[j] + b with
+    a = 2 row - 16 - 2 max_retained (4 + 2 row) and b = 2 (4 + 2 row) (L[i] >= L[j], floor(x) > x - 1);
+    and the m-th deepest of the shallower layers j of disjoint pairs is at most layer N - 2m."""
+    starts = np.asarray(starts, dtype=np.int64)
+    N = starts.shape[-1]
+    row = head_dim * element_size
+    loaded = (n - starts) * num_kv_heads  # rows per layer
+    a, b = max(0.0, 2 * row - 16 - 2 * max_retained * (4 + 2 * row)), 2 * (4 + 2 * row)
+    deepest = N - 2 * np.arange(1, min(num_pairs, N // 2) + 1)
+    saved = (a * loaded[..., deepest] + b).sum(-1)
+    return np.maximum(loaded.sum(-1) * 2 * row - saved, 0)
+
+
+def best_case_s(n: int, num_layers: int, num_pairs: int, cost: CostModel, recompute_ratio: float,
+                num_kv_heads: int, head_dim: int, element_size: int, max_retained: float = 0.0,
+                grid: int = 41) -> float:
+    """A lower bound of max(T_C, T_L) of the plan pyramid() picks for a history of n tokens, whatever
+    pairs (at most `num_pairs`) it is given: the least, over every recompute length it may return
+    (ramps(), uniform r_c, everything recomputed; the budget disregarded), of max(T_C, T_L) with the
+    stored bytes at their floor (stored_bytes_floor)."""
+    N = num_layers
+    r0 = int(round(recompute_ratio * n))
+    starts = np.concatenate([ramps(n, N, r0, grid), np.full((1, N), r0), np.full((1, N), n)])
+    floor = stored_bytes_floor(starts, n, num_pairs, num_kv_heads, head_dim, element_size, max_retained)
+    return float(np.maximum(cost.compute_s(starts), cost.load_s(floor)).min())
 
 
 def best_ratio(n: int, num_layers: int, cost: CostModel, num_kv_heads: int, head_dim: int, element_size: int) -> float:
