@@ -59,6 +59,7 @@ def test_a_prompt_arriving_during_decode_gives_the_reply_it_gets_alone(smol, max
     if max_step_tokens:
         assert mixed_steps >= 5  # the long prompt's slices of 32 rode along the decode steps
         assert len(slow) == mixed_steps
+        assert all("; worker CPU " in m for m in slow)  # a phase says how much of it the worker ran
         assert any("over 1 decode tokens and slices of [32] tokens, then 0 prompt(s) ended" in m for m in slow)
         assert sum(", then 1 prompt(s) ended in " in m for m in slow) == 1  # the long prompt's last slice
     else:

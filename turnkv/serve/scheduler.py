@@ -149,6 +149,10 @@ class Scheduler(Forwards):
             self.cond.notify()
         if self.thread is not None:
             self.thread.join()
+        cpu = slow_phases.thread_cpu_seconds()
+        if cpu:  # which threads shared the interpreter with the worker, and how much
+            log.info("threads' CPU seconds: %s", ", ".join(f"{name} {s:.1f}" for name, s in
+                                                          sorted(cpu.items(), key=lambda kv: -kv[1])))
 
     # ---- worker --------------------------------------------------------------------------------------
     def _run(self) -> None:

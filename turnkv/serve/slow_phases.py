@@ -1,11 +1,14 @@
 """The worker's phases in /metrics, and a log line for each one over SLOW_PHASE_S: every running
-stream waited for it. The line says what the step carried (the scheduler's note) and which Triton
-kernels it compiled (turnkv/triton_compiles.py), the usual cause of a one-off stall."""
+stream waited for it. The line says what the step carried (the scheduler's note), which Triton
+kernels it compiled (turnkv/triton_compiles.py), the usual cause of a one-off stall, and the worker
+thread's CPU time in it: a phase far longer than its CPU time waited, for the device or for the GIL
+(another thread of the process running Python). thread_cpu_seconds() gives each thread's total."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 
 from turnkv import triton_compiles
@@ -23,7 +26,7 @@ def watch() -> None:
 def timed(metrics, phase: str, work: bool, running):
     """Observe the phase's seconds when it had `work` to do. running() -> (decoding, prefilling, note),
     read after the phase."""
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.thread_time()
     triton_compiles.take()
     yield
     if not work:
@@ -35,5 +38,22 @@ def timed(metrics, phase: str, work: bool, running):
         compiled = triton_compiles.take()
         if compiled:
             note += f"; compiled {len(compiled)} Triton kernel(s): {', '.join(sorted(set(compiled)))}"
+        note += f"; worker CPU {(time.thread_time() - cpu_start) * 1000:.0f} ms"
         log.info("slow %s phase: %.0f ms, %d decoding, %d prefilling%s", phase, seconds * 1000, decoding,
                  prefilling, note)
+
+
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) of each live Python thread of this process, by thread name; empty
+    where /proc does not say (not Linux)."""
+    import os
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out = {}
+    for thread in threading.enumerate():
+        try:
+            with open(f"/proc/self/task/{thread.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, TypeError):
+            continue
+        out[thread.name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out

@@ -1,4 +1,4 @@
-"""The compile watcher the server's slow-phase log reads: it chains onto Triton's post-compile hook."""
+"""The slow-phase log's sources: the compile watcher (chained onto Triton's post-compile hook) and each thread's CPU time."""
 
 import pytest
 
@@ -34,3 +34,27 @@ def test_tritons_jit_calls_the_hook_with_the_keywords_the_watcher_takes():
     source = inspect.getsource(jit.JITFunction._call_hook)
     for keyword in ("key=", "repr=", "fn=", "compile=", "is_manual_warmup=", "already_compiled="):
         assert keyword in source
+
+
+def test_each_threads_cpu_seconds_are_read_by_name():
+    import threading
+    import time
+
+    from turnkv.serve.slow_phases import thread_cpu_seconds
+    done = threading.Event()
+
+    def burn():
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            sum(range(1000))
+        done.wait(10)
+
+    thread = threading.Thread(target=burn, name="busy-probe")
+    thread.start()
+    time.sleep(0.05)
+    while thread.is_alive() and thread_cpu_seconds().get("busy-probe", 0.0) < 0.25:
+        time.sleep(0.05)
+    cpu = thread_cpu_seconds()
+    done.set()
+    thread.join()
+    assert cpu["busy-probe"] >= 0.25 and "MainThread" in cpu
