@@ -1,4 +1,5 @@
-"""The slow-phase log's sources: the compile watcher (chained onto Triton's post-compile hook) and each thread's CPU time."""
+"""The slow-phase log's sources: the compile watcher (chained onto Triton's post-compile hook) and each
+thread's CPU time."""
 
 import pytest
 
