@@ -59,3 +59,21 @@ def test_each_threads_cpu_seconds_are_read_by_name():
     done.set()
     thread.join()
     assert cpu["busy-probe"] >= 0.25 and "MainThread" in cpu
+
+
+def test_the_worker_profile_is_written_where_the_environment_says(monkeypatch, tmp_path):
+    import pstats
+
+    from turnkv.serve.slow_phases import profiled_worker
+
+    def work():
+        return sum(range(10000))
+
+    monkeypatch.setenv("TURNKV_WORKER_PROFILE", str(tmp_path / "worker.prof"))
+    with profiled_worker():
+        work()
+    names = {name for (_, _, name) in pstats.Stats(str(tmp_path / "worker.prof")).stats}
+    assert "work" in names
+    monkeypatch.delenv("TURNKV_WORKER_PROFILE")
+    with profiled_worker():  # no file asked for: nothing profiled, nothing written
+        work()

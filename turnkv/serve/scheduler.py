@@ -156,6 +156,10 @@ class Scheduler(Forwards):
 
     # ---- worker --------------------------------------------------------------------------------------
     def _run(self) -> None:
+        with slow_phases.profiled_worker():  # TURNKV_WORKER_PROFILE=path: cProfile of this thread
+            self._loop()
+
+    def _loop(self) -> None:
         while True:
             with self.cond:
                 while not self._has_work():

@@ -2,7 +2,8 @@
 stream waited for it. The line says what the step carried (the scheduler's note), which Triton
 kernels it compiled (turnkv/triton_compiles.py), the usual cause of a one-off stall, and the worker
 thread's CPU time in it: a phase far longer than its CPU time waited, for the device or for the GIL
-(another thread of the process running Python). thread_cpu_seconds() gives each thread's total."""
+(another thread of the process running Python). thread_cpu_seconds() gives each thread's total, and
+TURNKV_WORKER_PROFILE=path writes a cProfile of the worker thread to `path` when it stops."""
 
 from __future__ import annotations
 
@@ -57,3 +58,22 @@ def thread_cpu_seconds() -> dict[str, float]:
             continue
         out[thread.name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
     return out
+
+
+@contextlib.contextmanager
+def profiled_worker():
+    """cProfile over the block (the worker thread's loop) when TURNKV_WORKER_PROFILE names a file."""
+    import os
+    path = os.environ.get("TURNKV_WORKER_PROFILE")
+    if not path:
+        yield
+        return
+    import cProfile
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        yield
+    finally:
+        profile.disable()
+        profile.dump_stats(path)
+        log.info("worker profile written to %s", path)
