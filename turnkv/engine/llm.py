@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from turnkv import gpu
 from turnkv.attention import flash
 from turnkv.engine import chat_template
 from turnkv.engine.conversation import Conversation
@@ -210,7 +211,9 @@ class LLM:
 
     # ---- what the engine's turn drivers use (the rest is in turn_parts) -----------------------------
     def _token_tensor(self, tokens: list[int]) -> torch.Tensor:
-        return torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        """Token ids as an int64 tensor on the engine's device, without waiting for the device (a
+        pageable copy would hold the host until the work queued after the last step ran)."""
+        return gpu.upload(torch.tensor(tokens, dtype=torch.int64), self.device)
 
     # ---- public API -----------------------------------------------------------------------------
     @mirrored
