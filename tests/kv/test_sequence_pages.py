@@ -52,6 +52,31 @@ def test_free_returns_everything_and_pages_are_reused(gen):
     assert [pool.free_pages(l) for l in range(2)] == [10, 10]
 
 
+def test_free_leaves_the_pool_as_freeing_layer_by_layer_would(gen):
+    """free() releases every layer at once; the free stacks, references, moves and shrink count end
+    as one release per layer (heads last to first) leaves them, so later pages are taken in the same order."""
+    runs = []
+    for one_release in (True, False):
+        pool = make_pool(layers=3, heads=2, num_pages=24)
+        other, eo = SequenceKV(pool), Expected(pool)
+        seq, es = SequenceKV(pool), Expected(pool)
+        append(other, eo, 5, gen.manual_seed(1))
+        append(seq, es, 11, gen.manual_seed(2))
+        append(other, eo, 7, gen.manual_seed(3))
+        seq._shrink(1, np.array([4, 9]))  # uneven heads
+        before = seq.shrinks
+        if one_release:
+            seq.free()
+        else:
+            for layer in range(pool.num_layers):
+                seq._shrink(layer, np.zeros(pool.num_kv_heads, dtype=np.int64))
+            seq.next_position = 0
+        runs.append((pool._stack.copy(), pool._top.copy(), pool.refs.copy(), seq.moves.copy(),
+                     seq.shrinks - before, seq.num_pages.copy(), seq.lengths.copy()))
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_free_one_of_two_leaves_other_intact(gen):
     pool = make_pool(layers=2, heads=2, num_pages=12)
     a, b = SequenceKV(pool), SequenceKV(pool)

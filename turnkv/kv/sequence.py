@@ -407,9 +407,16 @@ class SequenceKV(Compaction):
         self._shrink(layer, new_lengths)
 
     def free(self) -> None:
-        """Return every page to the pool."""
-        for layer in range(self.pool.num_layers):
-            self._shrink(layer, np.zeros(self.pool.num_kv_heads, dtype=np.int64))
+        """Return every page to the pool: one release for all layers, each layer's pages in the order
+        _shrink releases them (heads last to first), so the free stacks end as per-layer frees leave them."""
+        cols = np.arange(self.table.shape[2])
+        held = cols[None, None, :] < self.num_pages[:, :, None]  # [layers, kv_heads, capacity]
+        layers = np.repeat(np.arange(self.pool.num_layers), held.sum(axis=(1, 2)))
+        self.pool.release(layers, self.table[:, ::-1][held[:, ::-1]])
+        self.shrinks += self.pool.num_layers
+        self.moves += self.lengths > 0
+        self.num_pages[:] = 0
+        self.lengths[:] = 0
         self.next_position = 0
 
 
