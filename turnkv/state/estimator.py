@@ -196,7 +196,8 @@ def _full_rows(q: torch.Tensor, k: torch.Tensor, c: int, first: int, q_pos: torc
     return torch.softmax(scores.view(N, Hg * G, c, P), dim=-1, dtype=torch.float32)
 
 
-def _layer_rows(q: torch.Tensor, k_pass: list, c: int, first: int, q_pos: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _layer_rows(q: torch.Tensor, k_pass: list, c: int, first: int, q_pos: torch.Tensor,
+                x: torch.Tensor) -> torch.Tensor:
     """As _full_rows, into x [N, Hg * G, c, P], one layer at a time, for keys a head of which may not
     hold every position: k_pass per layer (k [Hg, S, D], positions [Hg, S], validity [Hg, S]).
     Columns are key positions: a layer's rows are scattered to its keys' positions."""
