@@ -1,7 +1,7 @@
 """The server's batched steps per recipe: --batch conversations of --context tokens are admitted through
 the server's seam (turnkv/serve/engine_ops.py: begin_turn, prefill in slices, take, settle), then
 (a) decode-only steps and (b) mixed steps (one --slice prefill slice of a new conversation beside one
-decode token of each of the others) run as the server's worker runs them (serve/scheduler.py: _decode
+decode token of each of the others) run as the server's worker runs them (serve/forwards.py: _decode
 and _mixed, sampling included). Per recipe it prints the wall ms per step, the torch ops (top-level
 aten calls) and device kernel launches per step, the ops' counts by name, and the top host functions
 (cProfile, calls per step); --out writes the figures as JSON.

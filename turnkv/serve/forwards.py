@@ -174,7 +174,9 @@ class Forwards:
 
     def _with_room(self, step, wait: bool = True):
         """step(), retried while idle conversations leave the pool (and, with wait, while packs in
-        flight land, waiting for each) to make room for it."""
+        flight land, waiting for each) to make room for it. Admission keeps a forward's room free of
+        packs in flight (MemoryGate); the wait is for what it did not foresee (a restore into the
+        pages a decode step then needs)."""
         while True:
             try:
                 return step()

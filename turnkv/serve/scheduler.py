@@ -229,8 +229,8 @@ class Scheduler(Forwards):
         only packs in flight can give (held, or put back in line) are not, until a pack finishes."""
         if self._stop or self._flush_asked or self.prefilling or self.decoding:
             return True
-        if self._packs_finished != self._mark:
-            return True  # a pack finished: the next iteration takes its pages back
+        if self._short and self._packs_finished != self._mark:
+            return True  # a pack finished: the next iteration takes its room
         if any(j.cancelled or j.encoding.done() for j in self.encoding):
             return True
         if any(j.cancelled for j in (*self.held, *self.waiting)) or (self.held and not self._short):
@@ -321,10 +321,12 @@ class Scheduler(Forwards):
 
     def _start_prefills(self) -> None:
         """Held requests start their prefill, in arrival order, while the pool holds what each will
-        add beside the headroom of those running (admission.py). Behind one that does not fit, only
-        short prompts (at most one prefill chunk, such as a later turn of a kept conversation) may
-        start, if they fit: each runs for a reply's length, after which its pages are an idle
-        conversation's, which admission counts as available, so the long prompt waits no longer."""
+        add beside the headroom of those running (admission.py); with none running, the first waits
+        only for packs in flight that hold its room (the worker sleeps then). Behind one that does
+        not fit, only short prompts (at most one prefill chunk, such as a later turn of a kept
+        conversation) may start, if they fit: each runs for a reply's length, after which its pages
+        are an idle conversation's, which admission counts as available, so the long prompt waits no
+        longer."""
         blocked = False
         for job in list(self.held):
             if blocked and job.prefill_left > self.config.prefill_chunk:

@@ -76,9 +76,10 @@ class TurnQueries(QueryWindow):
 
 class _Keys:
     """Every layer's keys on one device, `heads_per_pass` KV heads (Hg) at a time (heads(h0, h1)): all
-    of them, gathered here once, when every layer's keys fit KEY_CACHE_BYTES; else the largest divisor
-    of the KV heads whose keys fit, gathered once per pass. Only __init__ reads the sequence (its page
-    table, lengths and positions count); a pass reads the pool alone, so it may run on another thread.
+    of them, gathered here once, when every layer's keys fit KEY_CACHE_BYTES or go to another device
+    than the pool's (the CPU worker's host copy, gathered on the caller's thread); else the largest
+    divisor of the KV heads whose keys fit, gathered once per pass. Only __init__ reads the sequence
+    (its page table, lengths and positions count); a pass reads the pool alone.
     `full`: every head of every layer holds positions 0..P-1 (the common case): a pass's keys are one
     [N, Hg, P, D] tensor, no scatter, no validity mask. Else a list per layer of (k [Hg, S, D],
     positions [Hg, S], validity [Hg, S]), positions and validity None for a layer that holds them all."""
@@ -92,7 +93,7 @@ class _Keys:
         self.table = seq.device_table()  # [N, H, pages] on the pool's device
         H = self.num_heads = pool.num_kv_heads
         per_head = int(self.lengths.max(axis=1).sum()) * pool.head_dim * torch.empty((), dtype=dtype).element_size()
-        fit = KEY_CACHE_BYTES // max(1, per_head)
+        fit = H if device != pool.device else KEY_CACHE_BYTES // max(1, per_head)  # a host copy: all at once
         self.heads_per_pass = max(d for d in range(1, H + 1) if H % d == 0 and d <= max(1, fit))
         self.cache = self._gather(0, H) if self.heads_per_pass == H else None
 
@@ -173,6 +174,7 @@ def _accumulate(queries: list[torch.Tensor], q_pos: torch.Tensor, keys: _Keys, n
             ir_mass += (x[..., init_lo:init_hi].sum((1, 2, 3)) + x[..., recent_lo:recent_hi].sum((1, 2, 3))).double()
             flat = x.view(N, Hg * G, c * P).transpose(0, 1)  # [Hg * G, N, c * P], a strided view (no copy)
             gram[h0 * G : (h0 + Hg) * G].baddbmm_(flat, flat.transpose(1, 2))  # every head, every layer pair
+            del x, flat  # before the next chunk's scores: at most one chunk's rows at a time
     return gram, ir_mass
 
 
@@ -196,7 +198,8 @@ def _full_rows(q: torch.Tensor, k: torch.Tensor, c: int, first: int, q_pos: torc
     return torch.softmax(scores.view(N, Hg * G, c, P), dim=-1, dtype=torch.float32)
 
 
-def _layer_rows(q: torch.Tensor, k_pass: list, c: int, first: int, q_pos: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _layer_rows(q: torch.Tensor, k_pass: list, c: int, first: int, q_pos: torch.Tensor,
+                x: torch.Tensor) -> torch.Tensor:
     """As _full_rows, into x [N, Hg * G, c, P], one layer at a time, for keys a head of which may not
     hold every position: k_pass per layer (k [Hg, S, D], positions [Hg, S], validity [Hg, S]).
     Columns are key positions: a layer's rows are scattered to its keys' positions."""
