@@ -14,10 +14,11 @@ CHUNK = 32
 
 
 class FakeJob:
-    """A request with `left` prompt tokens to prefill, whose turn takes `pages` pages at its largest."""
+    """A request with `left` prompt tokens to prefill, whose turn takes `pages` pages at its largest,
+    `holding` of them already (its conversation back in the pool)."""
 
-    def __init__(self, name: str, left: int, pages: int = 0):
-        self.name, self.prefill_left, self.pages = name, left, pages
+    def __init__(self, name: str, left: int, pages: int = 0, holding: int = 0):
+        self.name, self.prefill_left, self.pages, self.holding = name, left, pages, holding
         self.turn = SimpleNamespace(prefilled=0)
         self.slices: list[int] = []
 
@@ -37,6 +38,9 @@ class FakeGate:
 
     def fits(self, job, running) -> bool:
         return job.pages + sum(j.pages for j in running) <= self.available
+
+    def held(self, job) -> int:
+        return job.holding
 
 
 def scheduler(max_step_tokens: int, available: int = 100) -> Scheduler:
@@ -64,6 +68,36 @@ def test_only_short_prompts_pass_a_held_request_that_does_not_fit():
     s.decoding = []  # the running request finished: the rest start in arrival order
     s._start_prefills()
     assert names(s.prefilling) == ["short", "long 1", "long 2"] and names(s.held) == ["short 2"]
+
+
+def test_with_none_running_the_room_held_back_decides_who_starts():
+    """With none running: a request whose conversation holds pages passes a long prompt that does not
+    fit (those pages are what it lacks); when none fits, one starts alone (the first holding pages,
+    else the first in line), unless packs in flight or requests still encoding hold pages: then all
+    wait, and the worker sleeps until one of those ends."""
+    s = scheduler(max_step_tokens=64, available=100)
+    packs = []
+    s.store = SimpleNamespace(packing=lambda: len(packs))
+    new, back = FakeJob("new, long", 4096, pages=150), FakeJob("back, long", 4096, pages=60, holding=40)
+    s.held = [new, back]
+    s._start_prefills()
+    assert names(s.prefilling) == ["back, long"] and names(s.held) == ["new, long"]
+    s.prefilling, s.held = [], [new, FakeJob("other new", 4096, pages=120)]
+    packs.append("a pack in flight")
+    s._start_prefills()  # none fits, and room is coming back: none starts
+    assert not s.prefilling and s._held_wait and s._short
+    packs.clear()
+    s.encoding = [FakeJob("encoding, back", 10, holding=30)]
+    s._held_wait = False
+    s._start_prefills()
+    assert not s.prefilling and s._held_wait
+    s.encoding = []
+    s.held.append(FakeJob("back, too big", 4096, pages=200, holding=30))
+    s._start_prefills()  # the first holding pages starts alone
+    assert names(s.prefilling) == ["back, too big"] and names(s.held) == ["new, long", "other new"]
+    s.prefilling, s.held = [], [new]
+    s._start_prefills()  # nothing held back: the first in line starts alone
+    assert names(s.prefilling) == ["new, long"]
 
 
 def test_with_nothing_decoding_a_prefill_pass_ends_when_the_first_prompt_decodes():

@@ -13,13 +13,14 @@ the heads (a head-wise allocation such as Ada-KV's keeps the same total):
     headroom(job) = max(0, peak(job) - pages it holds now)           for every running request
     available     = free pages + pages of idle conversations in the pool (they can go to the tiers)
 
-A request fits when headroom(it) + sum(headroom(running)) <= available. The first request in line
-fits when none runs (a prompt no pool can hold was refused at ready()), unless packs in flight hold
-pages it needs: the pages of a conversation leaving the pool count as used until its pack lands
-(state/background.py), and it waits for that instead of starting a prefill that would. Requests start in
-arrival order: one that does not fit holds the longer ones behind it, so a long prompt is never
-starved by long ones, and only short prompts (one prefill chunk at most) pass it; the scheduler
-(scheduler.py) says why they do not delay it.
+A request fits when headroom(it) + sum(headroom(running)) <= available. Requests start in arrival
+order: one that does not fit holds the longer ones behind it, so a long prompt is never starved by
+long ones, and only short prompts (one prefill chunk at most) pass it; the scheduler (scheduler.py)
+says why they do not delay it. With none running, requests whose conversation is back in the pool
+pass it too (their pages are what it lacks), and when none fits one starts anyway (a prompt no pool
+can hold was refused at ready()), unless the pages it lacks are coming back: held by packs in flight
+(the pages of a conversation leaving the pool count as used until its pack lands,
+state/background.py) or by requests still encoding.
 
 LServe's streaming heads count as what their trim leaves at most (sink and a ring; during the prompt
 the prefill window and the slice being prefilled), dense heads as every token, in the layer with the
@@ -94,8 +95,6 @@ class MemoryGate:
         return free + idle
 
     def fits(self, job, running: list) -> bool:
-        if not running:
-            return not self.store.packing() or self.headroom(job) <= self.available()
         return self.headroom(job) + sum(self.headroom(j) for j in running) <= self.available()
 
 

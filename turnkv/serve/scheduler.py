@@ -66,9 +66,10 @@ class Scheduler(Forwards):
         self._expired_at = time.monotonic()
         self.thread: threading.Thread | None = None
         # Room waits: packs finished on the packer (counted on its thread) and their count when this
-        # iteration began; whether room proved to come only from packs in flight, and the requests put
-        # back in line for room, this iteration.
-        self._packs_finished, self._mark, self._short = 0, 0, False
+        # iteration began; whether room proved to come only from packs in flight, whether the held
+        # requests wait for room coming back (packs, encodings), and the requests put back in line for
+        # room, this iteration.
+        self._packs_finished, self._mark, self._short, self._held_wait = 0, 0, False, False
         self._deferred: set[Job] = set()
         self._unwatch = lambda: None
         self.gate = MemoryGate(llm.pool, store, slice_tokens=min(self.config.prefill_chunk, llm.runner.prefill_chunk))
@@ -169,7 +170,7 @@ class Scheduler(Forwards):
                     break
                 queued = (*self.waiting, *self.encoding, *self.held, *self.prefilling, *self.decoding)
                 gone = [j for j in queued if j.cancelled]
-                self._mark, self._short, self._deferred = self._packs_finished, False, set()
+                self._mark, self._short, self._held_wait, self._deferred = self._packs_finished, False, False, set()
             # A cancelled request counts as running until its turn is undone and its KV is back.
             for job in gone:
                 self.metrics.labels(self.metrics.failed, "disconnected").inc()
@@ -226,14 +227,15 @@ class Scheduler(Forwards):
 
     def _has_work(self) -> bool:
         """Whether the worker has something to do now (under the lock). Requests waiting for room that
-        only packs in flight can give (held, or put back in line) are not, until a pack finishes."""
+        only packs in flight (or requests still encoding) give back, held or put back in line, are not,
+        until a pack finishes (or an encoding ends)."""
         if self._stop or self._flush_asked or self.prefilling or self.decoding:
             return True
         if self._short and self._packs_finished != self._mark:
             return True  # a pack finished: the next iteration takes its room
         if any(j.cancelled or j.encoding.done() for j in self.encoding):
             return True
-        if any(j.cancelled for j in (*self.held, *self.waiting)) or (self.held and not self._short):
+        if any(j.cancelled for j in (*self.held, *self.waiting)) or (self.held and not self._held_wait):
             return True
         room = self.num_running < self.config.max_running
         return room and any(j not in self._deferred and not self.store.session_busy(j.session) for j in self.waiting)
@@ -321,23 +323,37 @@ class Scheduler(Forwards):
 
     def _start_prefills(self) -> None:
         """Held requests start their prefill, in arrival order, while the pool holds what each will
-        add beside the headroom of those running (admission.py); with none running, the first waits
-        only for packs in flight that hold its room (the worker sleeps then). Behind one that does
-        not fit, only short prompts (at most one prefill chunk, such as a later turn of a kept
-        conversation) may start, if they fit: each runs for a reply's length, after which its pages
-        are an idle conversation's, which admission counts as available, so the long prompt waits no
-        longer."""
+        add beside the headroom of those running (admission.py). Behind one that does not fit, only
+        short prompts (at most one prefill chunk, such as a later turn of a kept conversation) may
+        start, if they fit: each runs for a reply's length, after which its pages are an idle
+        conversation's, which admission counts as available, so the long prompt waits no longer.
+        With none running, so may requests whose conversation holds pages (what it lacks); if none
+        fits, one starts alone (_start_alone)."""
         blocked = False
         for job in list(self.held):
-            if blocked and job.prefill_left > self.config.prefill_chunk:
+            running = self.prefilling + self.decoding
+            if blocked and job.prefill_left > self.config.prefill_chunk and (running or not self.gate.held(job)):
                 continue
-            if self.gate.fits(job, self.prefilling + self.decoding):
+            if self.gate.fits(job, running):
                 self.held.remove(job)
                 self.prefilling.append(job)
             else:
                 blocked = True
-        if self.held and not (self.prefilling or self.decoding):  # held for room packs in flight give
-            self._short_of_packs()
+        if self.held and not (self.prefilling or self.decoding):
+            self._start_alone()
+
+    def _start_alone(self) -> None:
+        """None runs and no held request fits by the count: the first whose conversation holds pages
+        (what the others lack), else the first in line, starts anyway (a prompt no pool holds was
+        refused at ready()), unless the room is coming back: packs in flight hold pages (then the
+        worker sleeps until one lands), or requests still encoding do (they are held next)."""
+        if self.store.packing() or any(self.gate.held(j) for j in self.encoding):
+            self._short_of_packs()  # a pack landing or an encoding ending wakes the worker
+            self._held_wait = True
+            return
+        job = next((j for j in self.held if self.gate.held(j)), self.held[0])
+        self.held.remove(job)
+        self.prefilling.append(job)
 
     # ---- endings -----------------------------------------------------------------------------------
     def _finish(self, job: Job) -> None:
