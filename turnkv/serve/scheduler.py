@@ -36,7 +36,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 from turnkv.errors import KVCacheFullError
-from turnkv.serve import slow_phases
+from turnkv.serve import slow_phases, worker_trace
 from turnkv.serve.admission import MemoryGate
 from turnkv.serve.errors import APIError
 from turnkv.serve.forwards import Forwards
@@ -157,10 +157,17 @@ class Scheduler(Forwards):
 
     # ---- worker --------------------------------------------------------------------------------------
     def _run(self) -> None:
+        trace = worker_trace.from_environment()  # TURNKV_WORKER_TRACE=folder: torch.profiler window
         with slow_phases.profiled_worker():  # TURNKV_WORKER_PROFILE=path: cProfile of this thread
-            self._loop()
+            try:
+                self._loop(trace)
+            finally:
+                if trace is not None:
+                    trace.close()
 
-    def _loop(self) -> None:
+    def _loop(self, trace) -> None:
+        if trace is not None:
+            trace.begin()
         while True:
             with self.cond:
                 while not self._has_work():
@@ -207,6 +214,8 @@ class Scheduler(Forwards):
                 self.encoding, self.held, self.prefilling, self.decoding = [], [], [], []
             with self.cond:
                 self.cond.notify_all()  # stop() waits for the queue to empty
+            if trace is not None:
+                trace.step()
         self._unwatch()
         for job in [*self.waiting, *self.encoding, *self.held, *self.prefilling, *self.decoding]:
             self._fail(job, APIError(503, "the server stopped", type="server_error"))

@@ -13,6 +13,7 @@ import threading
 import time
 
 from turnkv import triton_compiles
+from turnkv.serve import worker_trace
 
 log = logging.getLogger("turnkv.serve")
 
@@ -29,7 +30,8 @@ def timed(metrics, phase: str, work: bool, running):
     read after the phase."""
     start, cpu_start = time.perf_counter(), time.thread_time()
     triton_compiles.take()
-    yield
+    with worker_trace.phase(phase):  # labelled in a TURNKV_WORKER_TRACE window
+        yield
     if not work:
         return
     seconds = time.perf_counter() - start
