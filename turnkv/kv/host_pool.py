@@ -45,11 +45,18 @@ class HostPool:
         return sum(_aligned(t.numel() * t.element_size()) for t in tensors.values())
 
     def store(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """Copy the tensors into the pool; None (and nothing taken) when they do not fit."""
+        """Copy the tensors into the pool; None (and nothing taken) when they do not fit. Copies from a
+        GPU into pinned memory are queued together and waited for once: done when this returns."""
         views = self.take_like(tensors)
         if views is not None:
+            devices = set()
             for name, t in tensors.items():
-                views[name].copy_(t)
+                queued = self.pinned and t.device.type == "cuda"
+                views[name].copy_(t, non_blocking=queued)
+                if queued:
+                    devices.add(t.device)
+            for device in devices:
+                torch.cuda.current_stream(device).synchronize()
         return views
 
     def take_like(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:

@@ -26,8 +26,10 @@ import numpy as np
 import torch
 
 from turnkv.attention.reference import gather_pages
+from turnkv.gpu import upload
 from turnkv.kv.compaction import Compaction
 from turnkv.kv.pool import PagePool, layer_pages
+from turnkv.kv.token_slots import layer_slots
 
 
 class SequenceKV(Compaction):
@@ -150,7 +152,7 @@ class SequenceKV(Compaction):
         # On the device: a long prefill reserves layers x heads x tokens slots (8M for 32K tokens of
         # an 8B model), which numpy on the host would build and then copy over.
         device = self.pool.device
-        index = torch.from_numpy(self.lengths).to(device)[:, :, None] + torch.arange(num_tokens, device=device)
+        index = upload(self.lengths, device)[:, :, None] + torch.arange(num_tokens, device=device)
         slots = self.device_table().gather(2, index // ps) * ps + index % ps
         L, H = self.lengths.shape
         positions = torch.arange(self.next_position, self.next_position + num_tokens, device=self.pool.device)
@@ -244,18 +246,7 @@ class SequenceKV(Compaction):
         self.lengths = lengths.copy()
         self.moves += 1  # written behind the page statistics' back (a restore)
         self.next_position = int(next_position)
-        # Slots are computed on the pool's device: a 32K-token history has millions of them.
-        device = self.pool.device
-        table = self.device_table()
-        heads_all = torch.arange(lengths.shape[1], device=device)
-        slots = []
-        for layer in range(lengths.shape[0]):
-            counts = torch.from_numpy(lengths[layer]).to(device)
-            heads = torch.repeat_interleave(heads_all, counts)
-            starts = torch.cumsum(counts, 0) - counts
-            index = torch.arange(heads.numel(), device=device) - torch.repeat_interleave(starts, counts)
-            slots.append(table[layer, heads, index // ps] * ps + index % ps)
-        return slots
+        return layer_slots(self.device_table(), lengths, ps)[0]
 
     def _place_pages(self, needed: np.ndarray, pages: np.ndarray) -> None:
         """Append `pages` (needed.sum() page ids in (layer, head) order) to the heads' tables:
@@ -354,7 +345,7 @@ class SequenceKV(Compaction):
 
     def held(self, layers: list[int], S: int, device: torch.device) -> torch.Tensor:
         """[G, kv_heads, S] bool: True where a head of `layers` holds a token (gathers pad past it)."""
-        return torch.arange(S, device=device) < torch.from_numpy(self.lengths[layers]).to(device)[..., None]
+        return torch.arange(S, device=device) < upload(self.lengths[layers], device)[..., None]
 
     def gather_attention_mass(self, layer: int) -> torch.Tensor:
         """[kv_heads, S] accumulated attention mass of the layer's tokens, padded like gather()."""
@@ -478,8 +469,8 @@ def reserve_step(seqs: list[SequenceKV]) -> list[torch.Tensor]:
     B, L, H, _ = host.shape
     flat = host + np.arange(L)[None, :, None, None] * pool.positions[0].numel()
     positions = np.repeat(np.array([s.next_position - 1 for s in seqs], dtype=np.int64), L * H)
-    upload = _staged(np.concatenate([host.reshape(-1), flat.reshape(-1), positions]), pool.device)
-    slots, flat_slots, positions = upload.to(pool.device, non_blocking=True).split(B * L * H)
+    staged = _staged(np.concatenate([host.reshape(-1), flat.reshape(-1), positions]), pool.device)
+    slots, flat_slots, positions = staged.to(pool.device, non_blocking=True).split(B * L * H)
     pool.positions.view(-1).index_copy_(0, flat_slots, positions)
     pool.attention_mass.view(-1).index_fill_(0, flat_slots, 0.0)
     return list(slots.view(B, L, H, 1).unbind(0))

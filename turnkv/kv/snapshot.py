@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from turnkv.kv.sequence import SequenceKV
+from turnkv.kv.token_slots import layer_slots, token_runs
 
 
 @dataclass
@@ -31,7 +32,7 @@ class Layout:
         """Positions of layer's tokens in (head, token) order, contiguous or not."""
         if self.positions[layer] is not None:
             return self.positions[layer].to(device) if device is not None else self.positions[layer]
-        return torch.cat([torch.arange(int(n), device=device) for n in self.lengths[layer]])
+        return token_runs(self.lengths[layer], device)[1]
 
     def meta(self) -> dict:
         # recomputable: a prefill of the token history rebuilds exactly this layout (nothing evicted,
@@ -61,40 +62,50 @@ class Layout:
         return all(p is None for p in self.positions) and bool((self.lengths == self.next_position).all())
 
 
-def _flat(seq: SequenceKV, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Flat pool slots [n], positions [n] and attention mass [n] of one layer in (head, token) order."""
-    slots = slots_of(seq, layer)
+def layout_of(seq: SequenceKV, flat: tuple[list, list] | None = None) -> Layout:
+    """The sequence's layout; flat: all_slots(seq), when the caller has it. Reads back one [L, 2]
+    flag array (which layers' positions have gaps, which carry masses), not one value per layer."""
     pool = seq.pool
-    return slots, pool.positions[layer].view(-1).index_select(0, slots), \
-        pool.attention_mass[layer].view(-1).index_select(0, slots)
+    slots, index = all_slots(seq) if flat is None else flat
+    positions, masses, flags = [], [], []
+    for layer, s in enumerate(slots):
+        pos = pool.positions[layer].view(-1).index_select(0, s)
+        mass = pool.attention_mass[layer].view(-1).index_select(0, s)
+        positions.append(pos)
+        masses.append(mass)
+        flags.append(torch.stack([(pos != index[layer]).any(), (mass != 0).any()]))
+    gaps, massed = (torch.stack(flags).cpu().T.tolist() if flags else ([], []))
+    return Layout(seq.lengths.copy(), seq.next_position,
+                  [p.clone() if gap else None for p, gap in zip(positions, gaps)],
+                  [m.clone() if has else None for m, has in zip(masses, massed)])
 
 
-def layout_of(seq: SequenceKV) -> Layout:
-    positions, masses = [], []
-    for layer in range(seq.pool.num_layers):
-        _, pos, mass = _flat(seq, layer)
-        contiguous = torch.cat([torch.arange(int(n), device=pos.device) for n in seq.lengths[layer]])
-        positions.append(None if torch.equal(pos, contiguous) else pos.clone())
-        masses.append(mass.clone() if bool((mass != 0).any()) else None)
-    return Layout(seq.lengths.copy(), seq.next_position, positions, masses)
+def all_slots(seq: SequenceKV) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer, the flat pool slots of its tokens in (head, token) order and each one's index within
+    its head, made in one pass (kv/token_slots.py)."""
+    return layer_slots(seq.device_table(), seq.lengths, seq.pool.page_size)
 
 
-def _slots_from(seq: SequenceKV, layer: int, start: int) -> torch.Tensor:
-    slots, pos, _ = _flat(seq, layer)
-    return slots if start <= 0 else slots[pos >= start]
+def _slots_from(seq: SequenceKV, layer: int, start: int, slots: torch.Tensor | None = None) -> torch.Tensor:
+    slots = slots_of(seq, layer) if slots is None else slots
+    if start <= 0:
+        return slots
+    return slots[seq.pool.positions[layer].view(-1).index_select(0, slots) >= start]
 
 
-def export_rows(seq: SequenceKV, layer: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def export_rows(seq: SequenceKV, layer: int, start: int = 0,
+                slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V rows [n, D] of the layer's tokens at positions >= start, in (head, token) order, in the
-    compute dtype (dequantized from a quantized pool)."""
-    slots = _slots_from(seq, layer, start)
+    compute dtype (dequantized from a quantized pool). slots: the layer's, when the caller has them."""
+    slots = _slots_from(seq, layer, start, slots)
     return seq.pool.rows(layer, slots, "k"), seq.pool.rows(layer, slots, "v")
 
 
-def stored_rows(seq: SequenceKV, layer: int, start: int = 0) -> dict[str, torch.Tensor]:
+def stored_rows(seq: SequenceKV, layer: int, start: int = 0,
+                slots: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The same rows as they are stored: {"k", "v"}, plus {"k_scale", "v_scale"} for a quantized pool
     (int8 / fp8 codes and their scales). PagePool.write(layer, slots, **rows) restores them exactly."""
-    return seq.pool.export_rows(layer, _slots_from(seq, layer, start))
+    return seq.pool.export_rows(layer, _slots_from(seq, layer, start, slots))
 
 
 STORED_KINDS = ("k", "v", "k_scale", "v_scale")
@@ -128,20 +139,17 @@ def reserve_for(seq: SequenceKV, layout: Layout) -> list[torch.Tensor]:
 
 def slots_of(seq: SequenceKV, layer: int) -> torch.Tensor:
     """Flat pool slots of the layer's tokens in (head, token) order."""
-    device, ps = seq.pool.device, seq.pool.page_size
-    counts = torch.from_numpy(seq.lengths[layer]).to(device)
-    heads = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
-    index = torch.arange(heads.numel(), device=device) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    return seq.device_table()[layer, heads, index // ps] * ps + index % ps
+    return layer_slots(seq.device_table(), seq.lengths, seq.pool.page_size, [layer])[0][0]
 
 
 def export_kv(seq: SequenceKV) -> tuple[dict, dict[str, torch.Tensor]]:
     """The whole KV as (meta, tensors): k.{l}, v.{l} (with k_scale.{l}, v_scale.{l} from a quantized
     pool: its codes and scales, not dequantized rows) plus the layout's tensors."""
-    layout = layout_of(seq)
+    flat = all_slots(seq)
+    layout, slots = layout_of(seq, flat), flat[0]
     tensors = layout.tensors()
     for layer in range(seq.pool.num_layers):
-        put_stored_rows(tensors, layer, stored_rows(seq, layer))
+        put_stored_rows(tensors, layer, stored_rows(seq, layer, slots=slots[layer]))
     return layout.meta(), tensors
 
 

@@ -147,9 +147,12 @@ class WorkerTrace:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         wall = time.perf_counter() - self.started
-        self.profile.stop()
         _tracer, self.done = None, True
-        self.write(wall)
+        try:
+            self.profile.stop()
+            self.write(wall)
+        except Exception:  # a diagnostic: its failure must not take the server down with it
+            log.exception("could not write the worker trace to %s", self.folder)
 
     def write(self, wall: float) -> None:
         os.makedirs(self.folder, exist_ok=True)

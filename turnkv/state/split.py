@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from turnkv.kv.snapshot import Layout, export_rows, get_stored_rows, layout_of, put_stored_rows, reserve_for, stored_rows
+from turnkv.kv.snapshot import (Layout, all_slots, export_rows, get_stored_rows, layout_of, put_stored_rows, reserve_for,
+                                stored_rows)
+from turnkv.kv.token_slots import token_runs
 from turnkv.state import merge
 from turnkv.state.prefix import PrefixStep, recompute_prefix
 from turnkv.state.streams import LoadStream
@@ -34,7 +36,8 @@ def pack_split(seq, starts: list[int], pairs: list[tuple[int, int]] = (), tau: f
     layer's rows to host memory as it is exported, so the GPU stages one layer, not the whole state
     (slower: for an offload that must free GPU memory when little is left)."""
     lap = clock.lap if clock is not None else (lambda key: None)
-    layout = layout_of(seq)
+    flat = all_slots(seq)
+    layout, slots = layout_of(seq, flat), flat[0]
     tensors = layout.tensors()
     merged, unmergeable = [], []
     for i, j in pairs:
@@ -43,12 +46,12 @@ def pack_split(seq, starts: list[int], pairs: list[tuple[int, int]] = (), tau: f
     retained = {}
     for layer in range(seq.pool.num_layers):
         if layer not in paired:
-            rows = stored_rows(seq, layer, starts[layer])
+            rows = stored_rows(seq, layer, starts[layer], slots[layer])
             put_stored_rows(tensors, layer, {k: t.cpu() for k, t in rows.items()} if on_host else rows)
     lap("export_s")
     for i, j in merged:
-        ki, vi = export_rows(seq, i, starts[i])
-        kj, vj = export_rows(seq, j, starts[i])  # the pair's direction covers layer i's longer loaded part
+        ki, vi = export_rows(seq, i, starts[i], slots[i])
+        kj, vj = export_rows(seq, j, starts[i], slots[j])  # the pair's direction covers layer i's longer loaded part
         lap("export_s")
         name = f"{i}.{j}"
         for kind, xi, xj in (("k", ki, kj), ("v", vi, vj)):
@@ -152,11 +155,10 @@ def _restore_general(ctx, seq, tokens, meta, tensors, layout: Layout, load: bool
     starts, pairs = meta["starts"], [tuple(p) for p in meta["pairs"]]
     pool, device = seq.pool, seq.pool.device
     slots = reserve_for(seq, layout)
-    H = pool.num_kv_heads
     rec_slots, rec_heads, rec_rows, load_slots, positions = [], [], [], [], []
     for layer, s in enumerate(slots):
         pos = layout.layer_positions(layer, device)
-        heads = torch.repeat_interleave(torch.arange(H, device=device), torch.from_numpy(layout.lengths[layer]).to(device))
+        heads = token_runs(layout.lengths[layer], device)[0]
         recomputed = pos < starts[layer]
         rec_slots.append(s[recomputed])
         rec_heads.append(heads[recomputed])
