@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from turnkv.gpu import upload
 from turnkv.kv.sequence import SequenceKV
 from turnkv.kv.token_slots import layer_slots, token_runs
 
@@ -31,7 +32,7 @@ class Layout:
     def layer_positions(self, layer: int, device=None) -> torch.Tensor:
         """Positions of layer's tokens in (head, token) order, contiguous or not."""
         if self.positions[layer] is not None:
-            return self.positions[layer].to(device) if device is not None else self.positions[layer]
+            return upload(self.positions[layer], torch.device(device)) if device is not None else self.positions[layer]
         return token_runs(self.lengths[layer], device)[1]
 
     def meta(self) -> dict:
@@ -131,7 +132,7 @@ def reserve_for(seq: SequenceKV, layout: Layout) -> list[torch.Tensor]:
         pool.positions[layer].view(-1).index_copy_(0, s, layout.layer_positions(layer, pool.device))
         mass = layout.masses[layer]
         if mass is not None:
-            pool.attention_mass[layer].view(-1).index_copy_(0, s, mass.to(pool.device, torch.float32))
+            pool.attention_mass[layer].view(-1).index_copy_(0, s, upload(mass, pool.device).to(torch.float32))
         else:
             pool.attention_mass[layer].view(-1).index_fill_(0, s, 0.0)
     return slots

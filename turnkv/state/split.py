@@ -158,6 +158,14 @@ def _restore_general(ctx, seq, tokens, meta, tensors, layout: Layout, load: bool
     rec_slots, rec_heads, rec_rows, load_slots, positions = [], [], [], [], []
     for layer, s in enumerate(slots):
         pos = layout.layer_positions(layer, device)
+        if starts[layer] <= 0:  # every row loaded: no mask to read back (the load strategy's case)
+            none = s[:0]
+            rec_slots.append(none)
+            rec_heads.append(none)
+            rec_rows.append(none)
+            load_slots.append(s)
+            positions.append(pos)
+            continue
         heads = token_runs(layout.lengths[layer], device)[0]
         recomputed = pos < starts[layer]
         rec_slots.append(s[recomputed])

@@ -31,6 +31,7 @@ from turnkv.attention import lines, reference
 from turnkv.attention.lines import Keys
 from turnkv.attention.reference import gather_pages
 from turnkv.errors import InvalidRequestError
+from turnkv.gpu import upload
 from turnkv.methods.lserve.pattern import DUO_FILE, HeadPattern, PatternFileError, load_duo_attention
 from turnkv.methods.prefill.a_shape import a_shape_lines, a_shape_mask
 from turnkv.methods.prefill.pattern_hook import clock, fixed_pattern
@@ -283,7 +284,7 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
         for layer in layers:
             S = int(kv.lengths[layer].max(initial=0))
             pos = gather_pages(kv.pool.positions[layer], kv.device_table()[layer][None], S)[0]  # [H, S]
-            n = torch.from_numpy(kv.lengths[layer]).to(pos.device)[:, None]
+            n = upload(kv.lengths[layer], pos.device)[:, None]
             j = torch.arange(S, device=pos.device)
             valid = j < n
             expected = torch.where(j < self.sink, j, N - n + j)
@@ -300,7 +301,7 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
         for i, layer in enumerate(layers):
             if trimmed[layer].any():
                 valid, gone = positions[i]
-                gone = gone & torch.from_numpy(trimmed[layer]).to(gone.device)[:, None]
+                gone = gone & upload(trimmed[layer], gone.device)[:, None]
                 kv.keep(layer, [(valid[h] & ~gone[h]).nonzero().flatten() for h in range(H)])
         return ok
 

@@ -24,6 +24,7 @@ import torch
 
 from turnkv.attention import decode
 from turnkv.attention.triton import available
+from turnkv.gpu import upload
 from turnkv.kv.pool import PagePool
 
 # update_runs folds with the Triton kernel (attention/triton/page_fold.py) on CUDA; FORCE = True also
@@ -117,10 +118,12 @@ class PageSummaries:
     def rebuild(self, layer: int, pages: torch.Tensor, counts: torch.Tensor) -> None:
         """Recompute the stats of pool `pages` [n] from the pool's keys; page i holds counts[i] tokens."""
         ps, lp, D = self.pool.page_size, self.logical_page, self.pool.head_dim
-        pages = torch.as_tensor(pages, dtype=torch.int64, device=self.pool.device)
-        counts = torch.as_tensor(counts, dtype=torch.int64, device=self.pool.device)
-        if pages.numel() == 0:
+        if len(pages) == 0:
             return
+        # Host arrays go up through pinned memory: a pageable copy would wait for the forward this
+        # runs inside (a restored conversation's first step rebuilds every layer).
+        pages = upload(torch.as_tensor(pages, dtype=torch.int64), self.pool.device)
+        counts = upload(torch.as_tensor(counts, dtype=torch.int64), self.pool.device)
         keys = self.pool.pages(layer, pages, "k").to(self.kmax.dtype)  # [n, ps, D]
         valid = (torch.arange(ps, device=pages.device) < counts[:, None])[..., None]
         shape = (len(pages), self.per_page, lp, D)
