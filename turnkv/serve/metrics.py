@@ -89,6 +89,8 @@ class Metrics:
         self.shared_bytes = gauge("turnkv:kv_shared_bytes", "Bytes of KV pages held by more than one conversation "
                                   "or the prefix index, each counted once.")
         self.prefix_bytes = gauge("turnkv:prefix_cache_bytes", "Bytes of KV pages the prefix index holds.")
+        self.tensor_parallel = gauge("turnkv:tensor_parallel_size", "GPUs (ranks) the engine's model and KV are "
+                                     "sharded over: 1 without tensor parallelism.")
         self.alloc_retries = gauge("turnkv:device_alloc_retries", "Allocations torch's CUDA caching allocator "
                                    "retried after freeing its whole cache (a device-wide stall); 0 on a CPU.")
         self.packs_in_flight = gauge("turnkv:state_packs_in_flight",
@@ -136,6 +138,8 @@ class Metrics:
             self.labels(self.stored_bytes, tier).set_function(lambda t=tier: store.kv_bytes(t))
         self.labels(self.compressed).set_function(lambda: store.bytes_saved(dense_per_token))
         self.labels(self.alloc_retries).set_function(lambda: device_alloc_retries(llm.device))
+        size = llm.parallel.size if getattr(llm, "parallel", None) is not None else 1
+        self.labels(self.tensor_parallel).set(size)
         state = llm.state
         self.labels(self.packs_in_flight).set_function(lambda: len(state.leaving))
         self.labels(self.packs_done).set_function(lambda: state.packer.completed if state.packer else 0)

@@ -192,16 +192,30 @@ class Router:
         return app
 
 
+def replica_resources(llm_options: dict, actor_options: dict) -> dict:
+    """The engine actor's Ray options. A replica with tensor_parallel N is one tensor-parallel group:
+    rank 0 runs in the replica's actor and starts the other N - 1 ranks as its own processes, which
+    inherit the GPUs Ray gave the actor (CUDA_VISIBLE_DEVICES). So on a GPU it asks Ray for N of them,
+    unless num_gpus is given."""
+    size = int(llm_options.get("tensor_parallel", 1))
+    on_cpu = str(llm_options.get("device", "")).startswith("cpu")
+    if size > 1 and not on_cpu and "num_gpus" not in actor_options:
+        return {**actor_options, "num_gpus": size}
+    return dict(actor_options)
+
+
 def build_app(model: str | None = None, num_replicas: int = 1, llm_options: dict | None = None,
               config: dict | None = None, engine_actor_options: dict | None = None,
               router_actor_options: dict | None = None):
     """The Ray Serve application: Router (HTTP ingress) over `num_replicas` Engine replicas.
-    llm_options go to turnkv.LLM (kv_memory, recipe, state_cpu_memory, state_disk_dir, ...), config to
-    ServeConfig (api_key, max_running, ...; host and port are Ray's); *_actor_options to Ray (num_gpus,
-    num_cpus, ...)."""
+    llm_options go to turnkv.LLM (kv_memory, recipe, state_cpu_memory, state_disk_dir, tensor_parallel,
+    ...), config to ServeConfig (api_key, max_running, ...; host and port are Ray's); *_actor_options
+    to Ray (num_gpus, num_cpus, ...; with tensor_parallel N, a replica asks for N GPUs by default:
+    replica_resources)."""
     config = dict(config or {})
     engine = serve.deployment(Engine).options(
-        name="turnkv-engine", num_replicas=num_replicas, ray_actor_options=engine_actor_options or {},
+        name="turnkv-engine", num_replicas=num_replicas,
+        ray_actor_options=replica_resources(llm_options or {}, engine_actor_options or {}),
         # Above the engine's own limits: it answers 429 itself, so a session's requests never leave
         # its replica because Ray's queue there is full.
         max_ongoing_requests=config.get("max_running", 32) + config.get("max_waiting", 64) + 1,
