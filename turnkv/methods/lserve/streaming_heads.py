@@ -34,7 +34,7 @@ from turnkv.errors import InvalidRequestError
 from turnkv.gpu import upload
 from turnkv.methods.lserve.pattern import DUO_FILE, HeadPattern, PatternFileError, load_duo_attention
 from turnkv.methods.prefill.a_shape import a_shape_lines, a_shape_mask
-from turnkv.methods.prefill.pattern_hook import clock, fixed_pattern
+from turnkv.methods.prefill.pattern_hook import clock, fixed_pattern, since, with_times
 from turnkv.methods.protocols import NO_WINDOW, ChunkWindows, Prefill, StaticSparsity
 from turnkv.methods.registry import build, register
 from turnkv.methods.terms import parse_term
@@ -202,7 +202,9 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
         grouped[:, idx] = out_s.view(B, len(idx), G, T, D)
         if dense_stats:  # the dense method's own counts (its layout) beside the streaming heads'
             selecting = dense_stats.get("time_random_select", 0.0) + dense_stats.get("time_search", 0.0)
-            stats = {**dense_stats, "layer": layer, "time_sparse_attention": clock(keys.q.device) - t0 - selecting}
+            elapsed = since(t0, keys.q.device)
+            stats = with_times({**dense_stats, "layer": layer},
+                           time_sparse_attention=None if elapsed is None else elapsed - selecting)
             for name, part in (("computed", computed), ("causal", causal)):
                 stats[name] = torch.cat([dense_stats[name].reshape(-1).to(part.device), part.reshape(-1)])
             return out, stats
@@ -215,8 +217,8 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
             full = torch.full((B, H), dense_cells, dtype=part.dtype, device=part.device)
             full[:, idx] = part.reshape(B, len(idx))
             counts.append(full.reshape(part.shape[:-1] + (H,)) if part.dim() > 1 else full.reshape(-1))
-        return out, {"layer": layer, "computed": counts[0], "causal": counts[1],
-                     "time_sparse_attention": clock(keys.q.device) - t0}
+        return out, with_times({"layer": layer, "computed": counts[0], "causal": counts[1]},
+                           time_sparse_attention=since(t0, keys.q.device))
 
     def bind(self, num_layers: int, shard=None) -> None:
         """The model's layer count (Recipe.new_state): a prefill chunk sees only its KV heads; and the

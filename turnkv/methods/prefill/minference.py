@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from turnkv.attention import lines
-from turnkv.methods.prefill.pattern_hook import clock
+from turnkv.methods.prefill.pattern_hook import clock, since, with_times
 from turnkv.methods.protocols import Prefill
 from turnkv.methods.registry import register
 
@@ -56,8 +56,9 @@ class MInferencePrefill(Prefill):
             vertical &= lines.per_unit(keys.valid, G, True)
         slash = torch.zeros_like(w_s, dtype=torch.bool)
         slash.scatter_(1, w_s.topk(min(self.slash, w_s.shape[1]), dim=1).indices, True)
+        search = since(t0, device)
         t1 = clock(device)
         out, computed, causal = lines.line_attention(keys, vertical, slash, True)
-        return out, dict(layer=layer, computed=computed, causal=causal, vertical=vertical.sum(dim=1).view(B, Hq),
-                         slash=slash.sum(dim=1).view(B, Hq), time_search=t1 - t0,
-                         time_sparse_attention=clock(device) - t1)
+        return out, with_times(dict(layer=layer, computed=computed, causal=causal, vertical=vertical.sum(dim=1).view(B, Hq),
+                                slash=slash.sum(dim=1).view(B, Hq)),
+                           time_search=search, time_sparse_attention=since(t1, device))

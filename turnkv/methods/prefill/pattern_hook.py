@@ -7,6 +7,7 @@ returns the attention output [B, Hq, T, D]."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -16,11 +17,27 @@ from turnkv.attention import lines
 from turnkv.attention.lines import Keys
 
 
-def clock(device: torch.device, sync: bool = True) -> float:
-    """Seconds, after the device's queued work when sync (stage timings on a GPU need it)."""
-    if sync and device.type == "cuda":
+# A stage's time on a GPU needs the device synchronized at its edges, which stops the host from
+# queueing the next layer while this one runs (every prefill slice of a server would pay it). So on a
+# GPU the patterns' stage times are taken only with TURNKV_STAGE_TIMES=1; off a GPU they are free.
+STAGE_TIMES = os.environ.get("TURNKV_STAGE_TIMES", "0") == "1"
+
+
+def clock(device: torch.device, sync: bool | None = None) -> float | None:
+    """Seconds, after the device's queued work. sync None: on a GPU only with STAGE_TIMES (else None);
+    True: always after the queued work; False: the host's time, never waiting (a method's own
+    `profile` option decides, as LoopServe's does)."""
+    if device.type == "cuda" and sync is not False:
+        if not (sync or STAGE_TIMES):
+            return None
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def since(t0: float | None, device: torch.device) -> float | None:
+    """Seconds from clock()'s t0 to now (None when stage times are not taken)."""
+    now = clock(device)
+    return None if t0 is None or now is None else now - t0
 
 
 def fixed_pattern(layer: int, keys: Keys, mask_fn, lines_fn=None) -> tuple[torch.Tensor, dict]:
@@ -33,7 +50,13 @@ def fixed_pattern(layer: int, keys: Keys, mask_fn, lines_fn=None) -> tuple[torch
         out, computed, causal = lines.line_attention(keys, *lines_fn(), mask_fn=mask_fn)
     else:
         out, computed, causal = lines.blockwise_attention(keys, mask_fn)
-    return out, dict(layer=layer, computed=computed, causal=causal, time_sparse_attention=clock(keys.q.device) - t0)
+    return out, with_times(dict(layer=layer, computed=computed, causal=causal),
+                       time_sparse_attention=since(t0, keys.q.device))
+
+
+def with_times(stats: dict, **times) -> dict:
+    """stats with the stage times that were taken (since() gives None for the others)."""
+    return {**stats, **{k: v for k, v in times.items() if v is not None}}
 
 
 class PatternHook:
@@ -87,7 +110,7 @@ def summarise(stats: list[dict], num_layers: int) -> dict:
             recovered.append(entry["recovered"].float().cpu().numpy())
             estimated.append(entry["estimated"].float().cpu().numpy())
         for key, value in entry.items():
-            if key.startswith("time_"):
+            if key.startswith("time_") and value is not None:
                 times[key] = times.get(key, 0.0) + value
     out["density"] = float(computed.sum() / max(causal.sum(), 1))
     out["density_per_layer"] = (computed / np.maximum(causal, 1)).tolist()

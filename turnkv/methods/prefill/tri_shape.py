@@ -10,7 +10,7 @@ import torch
 from turnkv.attention import lines
 from turnkv.attention.lines import Keys
 from turnkv.methods.prefill.a_shape import a_shape_lines, a_shape_mask
-from turnkv.methods.prefill.pattern_hook import clock, fixed_pattern
+from turnkv.methods.prefill.pattern_hook import clock, fixed_pattern, since, with_times
 from turnkv.methods.protocols import Prefill
 from turnkv.methods.registry import register
 
@@ -67,5 +67,5 @@ class TriShapePrefill(Prefill):
             parts.append(lines.line_attention(tail, none, every, False, mask_fn=tail.visible))
         out = torch.cat([p[0] for p in parts], dim=2)
         computed, causal = sum(p[1] for p in parts), sum(p[2] for p in parts)
-        return out, dict(layer=layer, computed=computed, causal=causal,
-                         time_sparse_attention=clock(keys.q.device) - t0)
+        return out, with_times(dict(layer=layer, computed=computed, causal=causal),
+                           time_sparse_attention=since(t0, keys.q.device))
