@@ -16,6 +16,7 @@ thread's load.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import threading
 import time
@@ -86,28 +87,33 @@ class Conversations:
         return self.ops.begin_turn(conv, TurnInput(keep, ids, len(ids) if first else 0, None, None, "", prefix_end=0),
                                    gen)
 
-    def cycle(self, slices: int, new: int) -> dict:
-        """Later turns of the `slices` least recent conversations: ms of each part."""
+    def cycle(self, slices: int, new: int, part=lambda name: contextlib.nullcontext()) -> dict:
+        """Later turns of the `slices` least recent conversations: ms of each part. part(name): a
+        context each part (forward, settle, decode, finish) runs inside (sync_points.py counts there)."""
         convs = self.convs[:slices]
         self.convs = self.convs[slices:] + convs
         turns = [self._turn(c, c.kv.next_position, self._ids(new), 8) for c in convs]
         marks = []
         mark = lambda: (self.sync(), marks.append(time.perf_counter()))  # noqa: E731
         mark()
-        step = self.ops.mixed([], [(t, new) for t in turns])
-        for turn, last in zip(turns, step.value[1]):
-            self.ops.take(turn, last)
+        with part("forward"):
+            step = self.ops.mixed([], [(t, new) for t in turns])
+            for turn, last in zip(turns, step.value[1]):
+                self.ops.take(turn, last)
         mark()
-        for turn in turns:
-            self.ops.settle(turn)
+        with part("settle"):
+            for turn in turns:
+                self.ops.settle(turn)
         mark()
         for _ in range(3):
-            decoded = self.ops.decode(turns)
-            for turn, row in zip(turns, decoded.value):
-                self.ops.take(turn, row)
+            with part("decode"):
+                decoded = self.ops.decode(turns)
+                for turn, row in zip(turns, decoded.value):
+                    self.ops.take(turn, row)
             mark()
-        for turn in turns:
-            self.ops.finish(turn)
+        with part("finish"):
+            for turn in turns:
+                self.ops.finish(turn)
         mark()
         ms = [(b - a) * 1000 for a, b in zip(marks, marks[1:])]
         return {"forward": ms[0], "settle": ms[1], "decodes": ms[2:5], "finish": ms[5]}
