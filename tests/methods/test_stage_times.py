@@ -34,3 +34,31 @@ def test_untaken_times_are_left_out_of_the_stats_and_their_summary():
                 "time_sparse_attention": 0.25}]
     out = summarise(entries, 2)
     assert out["density"] == 16 / 20 and out["time_sparse_attention"] == 0.25 and "time_search" not in out
+
+
+def test_a_turns_device_statistics_come_back_in_one_copy(monkeypatch):
+    """on_host moves every tensor not on the host with one .cpu(), values and dtypes unchanged."""
+    from turnkv.methods.prefill import pattern_hook as ph
+
+    class Remote(torch.Tensor):  # a stand-in for a device tensor: reports a non-CPU device
+        @property
+        def device(self):
+            return torch.device("meta")
+
+    def remote(t):
+        return t.as_subclass(Remote)
+
+    entries = [{"layer": l, "computed": torch.tensor([[3, 5]]) + l, "causal": torch.tensor([[10, 10]]),
+                "vertical": torch.tensor([[True, False]]), "time_search": 0.1} for l in range(3)]
+    moved = [{k: remote(v) if isinstance(v, torch.Tensor) else v for k, v in e.items()} for e in entries]
+    calls = []
+    real_cat = torch.cat
+    monkeypatch.setattr(ph.torch, "cat", lambda ts, *a, **k: calls.append(len(ts)) or real_cat(
+        [t.as_subclass(torch.Tensor) for t in ts], *a, **k))
+    back = ph.on_host(moved)
+    assert calls == [9]  # one copy for 3 entries x 3 tensors
+    for a, b in zip(entries, back):
+        for key in ("computed", "causal", "vertical"):
+            assert type(b[key]) is torch.Tensor and b[key].dtype == a[key].dtype and torch.equal(b[key], a[key])
+        assert b["time_search"] == 0.1
+    assert ph.on_host(entries) is entries  # all on the host already: nothing copied
