@@ -14,8 +14,8 @@ THREADS = int(os.environ.get("TURNKV_TEST_THREADS", "1"))
 os.environ["OMP_NUM_THREADS"] = str(THREADS)
 os.environ.setdefault("MKL_NUM_THREADS", str(THREADS))
 
-import pytest
-import torch
+import pytest  # noqa: E402  (after the thread settings above)
+import torch  # noqa: E402
 
 torch.set_num_threads(THREADS)
 

@@ -27,7 +27,15 @@ from turnkv.model.load import embedded_model_path
 
 def natural_text(min_tokens: int, tokenizer) -> str:
     """English prose from docstrings that ship with Python, in a fixed order."""
-    import collections, email, json as json_mod, logging, os, pathlib, string, textwrap, unittest
+    import collections
+    import email
+    import json as json_mod
+    import logging
+    import os
+    import pathlib
+    import string
+    import textwrap
+    import unittest
 
     parts = [inspect.getdoc(m) or "" for m in (collections, email, json_mod, logging, os, pathlib, string,
                                               textwrap, unittest, argparse, inspect, statistics)]

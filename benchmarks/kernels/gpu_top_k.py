@@ -5,7 +5,10 @@ Prints a table; JSON to $OUT/top_k.json.
 
     python benchmarks/kernels/gpu_top_k.py     # H100: ~1 min
 """
-import json, os, sys, torch
+import json
+import os
+import sys
+import torch
 sys.path.insert(0, ".")
 from benchmarks.gpu_timing import time_graphed
 from turnkv.attention.triton import radix_top_k as R, top_k as S
@@ -19,7 +22,8 @@ torch.manual_seed(0)
 rows_out = []
 for rows, n, k in ((32, 131072, 1024), (8, 131072, 1024), (32, 32768, 1024), (32, 2048, 63), (16, 2048, 63)):
     x = torch.rand(rows, n, device="cuda").pow(6)
-    x[:, -100:] = float("-inf"); x[:, :4] = float("inf")
+    x[:, -100:] = float("-inf")
+    x[:, :4] = float("inf")
     want = ref(x, k)
     variants = {"torch topk+sort": lambda: x.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values}
     if n > S.MAX_ROW:

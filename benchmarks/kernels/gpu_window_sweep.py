@@ -5,7 +5,11 @@ output, prints the best settings last, JSON to $OUT/window_sweep.json.
 
     python benchmarks/kernels/gpu_window_sweep.py     # H100: ~1 min
 """
-import itertools, json, os, sys, torch
+import itertools
+import json
+import os
+import sys
+import torch
 sys.path.insert(0, ".")
 from turnkv.attention.triton import window_scores as W
 torch.manual_seed(0)
@@ -34,7 +38,8 @@ def timeit(cfg, reps=10):
     st.record()
     for _ in range(reps):
         W.window_scores(q, qpos, k_pool, kpos, perm, lengths, cap, config=cfg)
-    en.record(); torch.cuda.synchronize()
+    en.record()
+    torch.cuda.synchronize()
     return st.elapsed_time(en) / reps * 1e3, err
 rows = []
 base, err = timeit({})
@@ -45,7 +50,8 @@ def sweep(configs, best):
         try:
             t, err = timeit(cfg)
         except Exception as e:
-            print("fail", cfg, str(e)[:80]); continue
+            print("fail", cfg, str(e)[:80])
+            continue
         rows.append(dict(cfg=cfg, us=t, err=err))
         if t < best[1]:
             best = (cfg, t)

@@ -26,8 +26,21 @@ from turnkv.methods.recipe import preset
 
 def documents(tokenizer, count: int, tokens_each: int) -> list[str]:
     """Distinct passages of English prose from docstrings that ship with Python, in a fixed order."""
-    import argparse as a, collections, csv, email, json as j, logging, os, pathlib, string, subprocess, tarfile
-    import textwrap, threading, unittest, zipfile
+    import argparse as a
+    import collections
+    import csv
+    import email
+    import json as j
+    import logging
+    import os
+    import pathlib
+    import string
+    import subprocess
+    import tarfile
+    import textwrap
+    import threading
+    import unittest
+    import zipfile
 
     pieces = []
     for module in (collections, email, j, logging, os, pathlib, string, textwrap, unittest, a, inspect, csv, zipfile,

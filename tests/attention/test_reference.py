@@ -147,7 +147,7 @@ def test_attention_without_mask_equal_lengths(gen):
 
 
 def test_attention_custom_scale(gen):
-    B, Hq, H, T, S = 1, 4, 2, 2, 5
+    B, Hq, T, S = 1, 4, 2, 5
     lengths = torch.tensor([[5, 3]])
     q = torch.randn(B, Hq, T, D, generator=gen)
     k, v = random_kv_with_garbage_padding(gen, lengths, S)
@@ -171,7 +171,7 @@ def test_attention_groups_query_heads_contiguously():
 
 
 def test_attention_bf16_close_to_naive(gen):
-    B, Hq, H, T, S = 2, 4, 2, 2, 7
+    B, Hq, T, S = 2, 4, 2, 7
     lengths = torch.tensor([[7, 4], [5, 7]])
     q = torch.randn(B, Hq, T, D, generator=gen).bfloat16()
     k, v = (t.bfloat16() for t in random_kv_with_garbage_padding(gen, lengths, S))

@@ -365,7 +365,7 @@ def test_expand_kernel_matches_torch(pair, chat_model_dir, select):
     cfg = SelectorConfig(physical_page=32, logical_page=16, token_budget=96, group="query")
     h = graph_paged.PagedHandler(graphs, cfg, graphs.queries.shape[2])
     gen = torch.Generator().manual_seed(4)
-    L, B, H, P = h.L, h.B_max, h.H, h.P
+    L, P = h.L, h.P
     saved = graphs.tables.clone(), graphs.lengths.clone()
     try:
         graphs.tables.copy_(torch.randint(0, 1000, graphs.tables.shape, generator=gen, dtype=torch.int32))

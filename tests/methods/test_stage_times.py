@@ -48,8 +48,8 @@ def test_a_turns_device_statistics_come_back_in_one_copy(monkeypatch):
     def remote(t):
         return t.as_subclass(Remote)
 
-    entries = [{"layer": l, "computed": torch.tensor([[3, 5]]) + l, "causal": torch.tensor([[10, 10]]),
-                "vertical": torch.tensor([[True, False]]), "time_search": 0.1} for l in range(3)]
+    entries = [{"layer": layer, "computed": torch.tensor([[3, 5]]) + layer, "causal": torch.tensor([[10, 10]]),
+                "vertical": torch.tensor([[True, False]]), "time_search": 0.1} for layer in range(3)]
     moved = [{k: remote(v) if isinstance(v, torch.Tensor) else v for k, v in e.items()} for e in entries]
     calls = []
     real_cat = torch.cat

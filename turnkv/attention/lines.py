@@ -181,7 +181,7 @@ def line_mask(keys: Keys, vertical: torch.Tensor, slash: torch.Tensor, per_query
     knows that every head's key entry c sits at position c (kernel_layout's case), so the offsets
     and the causal test are computed once per sequence instead of per head; the same mask."""
     B, Hq = keys.q.shape[:2]
-    H, G = keys.k.shape[1], keys.group
+    H = keys.k.shape[1]
     units = Hq if per_query_head else H
     G_units = units // H
     if at_entries:
@@ -295,7 +295,7 @@ def _layout_geometry(keys: Keys, per_query_head: bool, q_start: torch.Tensor, kv
 
 def causal_counts(keys: Keys, per_query_head: bool, q_start: torch.Tensor, kv_len: torch.Tensor) -> torch.Tensor:
     """contiguous_counts' causal cell counts [B, U] (fp64) alone: the same values, without lines."""
-    B, H, T = keys.q.shape[0], keys.k.shape[1], keys.q.shape[2]
+    B, T = keys.q.shape[0], keys.q.shape[2]
     U, W, expand, q0, L = _layout_geometry(keys, per_query_head, q_start, kv_len)
     p = q0 + torch.arange(T, device=q0.device)  # [B, 1, T]
     causal = ((torch.minimum(p, L - 1) - (p - W + 1).clamp_min(0) + 1).clamp_min(0)).sum(dim=2)  # [B, H]

@@ -189,7 +189,7 @@ class GraphedDecode:
         A row that changed sequence, whose sequence released pages (keep, truncate) or grew by more
         than a page in some head (a prefill) gets its whole table copied right away, from the
         sequence's device table."""
-        L, H, P = self.pool.num_layers, self.pool.num_kv_heads, self.tables.shape[3]
+        H, P = self.pool.num_kv_heads, self.tables.shape[3]
         B_max = self.tables.shape[1]
         n = 0
         rewrite_cells, rewrite_pages = [], []

@@ -211,7 +211,7 @@ class ProgressiveSelection(DecodeSelection):
         S = int(lengths.max(initial=0))
         q, q_pos = self.queries[layer], self.positions[layer]  # [W, Hq, D], [W]
         device = q.device
-        H, Hq = len(lengths), q.shape[1]
+        H = len(lengths)
         scores = window_scores(q[None], q_pos[None], seq.pool.k[layer], seq.pool.positions[layer],
                                seq.device_table()[layer][None], torch.from_numpy(lengths).to(device)[None], S,
                                per_kv=cfg.granularity == "kv", sinks=cfg.sinks,
