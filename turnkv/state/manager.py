@@ -33,7 +33,6 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -43,10 +42,10 @@ from turnkv.errors import InvalidRequestError
 from turnkv.kv.disk import CorruptStateError
 from turnkv.kv.tiers import StateTiersFullError, TieredStore
 from turnkv.methods.protocols import StateStrategy
-from turnkv.methods.registry import build
 from turnkv.parallel.disk_layout import elsewhere_hint, root_of
-from turnkv.state.background import Packer, PackInFlight, PackJob
+from turnkv.state.background import Packer, PackInFlight
 from turnkv.state.context import RestoreContext
+from turnkv.state.entries import Leaving, entry_meta, strategy_of, to_host, with_window
 from turnkv.state.recompute import RecomputeStrategy as Recompute
 from turnkv.state.recompute import full_layout_meta
 
@@ -159,7 +158,7 @@ class StateManager:
             else:
                 try:
                     _, meta, tensors = self.tiers.get(conv.id)
-                    strategy = _strategy(meta["strategy"])
+                    strategy = strategy_of(meta["strategy"])
                     state = meta["state"]
                 except CorruptStateError as e:
                     # The tensors are gone; the history beside them is not. Recompute it (uncompressed).
@@ -212,9 +211,9 @@ class StateManager:
         window = conv.method_state.window
         stored = self._pack(conv, strategy, window, tier, self.ctx, strategy.prepare(self.ctx, conv.kv, window, tier))
         self._note_fallback(conv, strategy, stored.meta)
-        tensors, state = _with_window(stored, window)
+        tensors, state = with_window(stored, window)
         with self.lock:
-            landed = self.tiers.put(conv.id, self._entry_meta(conv.to_record(), strategy, state), tensors, tier,
+            landed = self.tiers.put(conv.id, entry_meta(conv.to_record(), strategy, state), tensors, tier,
                                     keep=set(self._pending))
         conv.kv.free()
         del self.resident[conv.id]
@@ -238,7 +237,7 @@ class StateManager:
 
         def device_work():
             stored = self._pack(conv, strategy, window, tier, ctx, prepared)
-            tensors, state = _with_window(stored, window)
+            tensors, state = with_window(stored, window)
             _ = held  # the window's tensors stay referenced until the stream has read them
             # Straight into the CPU tier's pinned pool: no pinned staging copy, and no host-to-host copy
             # under the lock the worker's admission takes.
@@ -247,7 +246,7 @@ class StateManager:
                 with self.lock:
                     views = self.tiers.reserve(conv.id, tensors, keep=set(self._pending))
             if views is None:
-                return stored.meta, {name: _to_host(t) for name, t in tensors.items()}, state, False
+                return stored.meta, {name: to_host(t) for name, t in tensors.items()}, state, False
             try:
                 for name, t in tensors.items():
                     views[name].copy_(t, non_blocking=True)  # the packer synchronizes its stream after
@@ -259,7 +258,7 @@ class StateManager:
 
         def host_work(packed):
             pack_meta, tensors, state, reserved = packed
-            meta = self._entry_meta(record, strategy, state)
+            meta = entry_meta(record, strategy, state)
             with self.lock:
                 landed = (self.tiers.put_reserved(conv.id, meta, tensors) if reserved else
                           self.tiers.put(conv.id, meta, tensors, tier, keep=set(self._pending)))
@@ -347,11 +346,6 @@ class StateManager:
         if "fallback" in pack_meta:  # the strategy stored it by a baseline it predicts to be faster
             self.events.append({"conversation": conv.id, "event": "state_fallback", "strategy": strategy.name,
                                 "to": pack_meta["fallback"], "predicted_s": pack_meta.get("predicted_s")})
-
-    @staticmethod
-    def _entry_meta(record: dict, strategy, state: dict) -> dict:
-        return {"strategy": {"name": strategy.name, "params": _params(strategy)}, "state": state,
-                "conversation": record}
 
     @staticmethod
     def _pack(conv, strategy, window, tier: str, ctx, prepared=None):
@@ -457,38 +451,3 @@ class StateManager:
                 self.land([next(iter(self.leaving))])  # the oldest, on every rank
             else:
                 self.land_packs(block=True)
-
-
-@dataclass(eq=False)
-class Leaving:
-    """A conversation whose pack runs on the packer: its pages are held until the job is taken."""
-
-    conv: object
-    tier: str
-    strategy: StateStrategy
-    job: PackJob | None = None
-
-
-def _with_window(stored, window) -> tuple[dict, dict]:
-    """(tensors, state) of a pack with the observation window beside it: it decides what later
-    compressions keep, so it goes where the KV goes."""
-    if window is None:
-        return stored.tensors, stored.meta
-    return {**stored.tensors, **window.to_tensors()}, {**stored.meta, "window.stored": True}
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of a packed tensor (pinned, so the copy from the device is a fast DMA)."""
-    if t.device.type == "cpu":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t)
-    return host
-
-
-def _params(strategy) -> dict:
-    return {f.name: getattr(strategy, f.name) for f in fields(strategy) if f.init}
-
-
-def _strategy(spec: dict) -> StateStrategy:
-    return build("state", spec["name"], spec["params"])
