@@ -336,7 +336,8 @@ def cmd_serve(args) -> int:
                          max_step_tokens=args.max_step_tokens, max_body_bytes=args.max_body_bytes,
                          default_max_tokens=args.max_tokens or DEFAULT_REPLY_TOKENS,
                          reuse=not args.no_reuse, drain_timeout_s=args.drain_timeout,
-                         background_packs=not args.inline_packs, head_patterns=dict(args.head_pattern or []),
+                         background_packs=not args.inline_packs, resident_packs=not args.leave_after_turn,
+                         head_patterns=dict(args.head_pattern or []),
                          warmup={"auto": None, "on": True, "off": False}[args.warmup])
 
     _check_reply_limit(args, "--max-tokens", args.max_tokens)
@@ -450,6 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="pack a conversation that leaves the GPU after its turn (state=krul, load, ...) inside the "
                           "turn's end, on the worker, instead of on a thread of its own beside the running streams "
                           "(a baseline: every running stream waits for the pack)")
+    srv.add_argument("--leave-after-turn", action="store_true",
+                     help="a conversation packed after its turn (state=krul, load, ...) leaves the GPU as soon as its "
+                          "pack lands, instead of staying there with a copy in the CPU tier until the KV pool needs its "
+                          "pages (one GPU; tensor-parallel servers always leave)")
     srv.add_argument("--warmup", choices=("auto", "on", "off"), default="auto", help="run synthetic conversations "
                      "before taking requests, so kernels compile before users wait for them (auto: on CUDA)")
     srv.add_argument("--no-tiers", action="store_true",

@@ -80,16 +80,18 @@ class TieredStore:
         return self.disk.manifest(key)
 
     # ---- moves ------------------------------------------------------------------------------
-    def put(self, key: str, meta: dict, tensors: dict[str, torch.Tensor], tier: str = "cpu", keep=()) -> str:
+    def put(self, key: str, meta: dict, tensors: dict[str, torch.Tensor], tier: str = "cpu", keep=(),
+            spare=()) -> str:
         """Store an entry in `tier` (or the next one down when it cannot hold it); returns the tier.
-        keep: keys of CPU entries not to demote to make room (their host memory is being read)."""
+        keep: keys of CPU entries not to demote to make room (their host memory is being read).
+        spare: keys of entries that only copy what is still on the GPU: deleted first to make room."""
         if tier not in ("cpu", "disk"):
             raise ValueError(f"state can be stored in the cpu or disk tier, not {tier!r}")
         meta = {**meta, "payload_bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
         if tier == "cpu" and self.host is not None:
             need = HostPool.footprint(tensors)
             if need <= self.host.capacity:
-                self._make_cpu_room(need, exclude={key, *keep})
+                self._make_cpu_room(need, exclude={key, *keep}, spare=spare)
                 stored = self.host.store(tensors)
                 if stored is not None:  # None: the pool is fragmented; fall through to disk
                     self.delete(key)
@@ -100,14 +102,16 @@ class TieredStore:
             self.host.release(self._cpu.pop(key)[1])
         return "disk"
 
-    def reserve(self, key: str, tensors: dict[str, torch.Tensor], keep=()) -> dict[str, torch.Tensor] | None:
+    def reserve(self, key: str, tensors: dict[str, torch.Tensor], keep=(), spare=(),
+                demote: bool = True) -> dict[str, torch.Tensor] | None:
         """Views of the CPU tier's pool shaped as `tensors` (on any device), for an entry of `key` that
         the caller fills (a copy from the device straight into pinned memory) and then registers with
-        put_reserved, or gives back with release_reserved. Makes room as put does; None when the CPU
-        tier cannot hold them (put them instead). Until then they count as used."""
+        put_reserved, or gives back with release_reserved. Makes room as put does (without `demote`,
+        only by deleting `spare` entries: for a copy, which must not push a sole one out); None when
+        the CPU tier cannot hold them (put them instead). Until then they count as used."""
         if self.host is None or HostPool.footprint(tensors) > self.host.capacity:
             return None
-        self._make_cpu_room(HostPool.footprint(tensors), exclude={key, *keep})
+        self._make_cpu_room(HostPool.footprint(tensors), exclude={key, *keep}, spare=spare, demote=demote)
         return self.host.take_like(tensors)
 
     def put_reserved(self, key: str, meta: dict, views: dict[str, torch.Tensor]) -> str:
@@ -144,8 +148,14 @@ class TieredStore:
             self.disk.delete(key)
 
     # ---- internals --------------------------------------------------------------------------
-    def _make_cpu_room(self, need: int, exclude: set[str]) -> None:
-        for key in list(self._cpu):
+    def _make_cpu_room(self, need: int, exclude: set[str], spare=(), demote: bool = True) -> None:
+        """Free CPU-tier memory for `need` bytes: spare entries are deleted first (least recently
+        used first), then, with demote, the others go to disk."""
+        for key in [k for k in self._cpu if k in spare and k not in exclude]:
+            if self.host.free_bytes() >= need:
+                return
+            self.delete(key)
+        for key in list(self._cpu) if demote else ():
             if self.host.free_bytes() >= need:
                 return
             if key not in exclude:

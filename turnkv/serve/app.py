@@ -52,7 +52,7 @@ def create_app(llm, config: ServeConfig | None = None, tiers: TierHook | str | N
         if tiers is not None and config.background_packs and llm.state.packer is None:
             # The scheduler's worker lands the packs (store.settle); under tensor parallelism every rank
             # packs in the background (ops.start).
-            llm.state.pack_in_background()
+            llm.state.pack_in_background(resident=config.resident_packs)
     ops = EngineOps(llm, tiers)
     # With the engine's tiers, every rank calibrates the restore costs now, not at the first turn's end,
     # where the running streams would wait.

@@ -31,6 +31,11 @@ class ServeConfig:
     # thread of its own, beside the running streams (state/background.py). False: inside the turn's
     # end, on the worker, which every running stream then waits for (the baseline).
     background_packs: bool = True
+    # With background packs on one device, such a conversation stays in the KV pool after its pack
+    # lands, as a copy in the CPU tier (where it fits beside the conversations stored there): it leaves
+    # the pool, by giving its pages back, only when the pool needs them, and a later turn that comes
+    # first finds it resident. False: it leaves at every turn's end (the paper's setting).
+    resident_packs: bool = True
     drain_timeout_s: float = 30.0
     # Run synthetic conversations through the worker before taking requests (serve/warmup.py), so the
     # first users do not wait for kernels to compile. None: on a CUDA device.

@@ -20,6 +20,7 @@ class Leaving:
     tier: str
     strategy: StateStrategy
     job: PackJob | None = None
+    stay: bool = False  # a resident pack: the conversation keeps its pages, and the tier gets a copy
 
 
 def with_window(stored, window) -> tuple[dict, dict]:

@@ -68,15 +68,23 @@ class StateManager:
         self.packer: Packer | None = None
         self._own_packer: Packer | None = None
         self.leaving: dict[str, Leaving] = {}  # conversations whose pack runs on the packer, oldest first
+        # Resident, idle conversations whose current state a tier holds too (resident packs): leaving the
+        # pool costs them only their pages. A tier may delete such a copy to make room (spare).
+        self.copies: set[str] = set()
+        self.resident_packs = False
         self._pack_watchers: list = []  # called on the packer's thread as each pack finishes (watch_packs)
         # Held around every use of self.tiers (and of self._pending, whose entries the tiers must
         # not demote): the packer's thread stores into them.
         self.lock = threading.RLock()
         self.lockstep = getattr(llm, "parallel", None) is not None  # tensor parallel: the same moves on every rank
 
-    def pack_in_background(self, packer: Packer | None = None) -> None:
+    def pack_in_background(self, packer: Packer | None = None, resident: bool = False) -> None:
         """From now on, store a conversation whose strategy offloads between turns on `packer`'s
-        thread (default: the engine's Packer, made on first use) instead of inside after_turn."""
+        thread (default: the engine's Packer, made on first use) instead of inside after_turn. With
+        `resident` (one device only), the conversation stays in the pool after its pack lands, as a
+        copy: it leaves, by freeing its pages, only when the pool needs them, and a turn that comes
+        back first finds it there."""
+        self.resident_packs = resident and not self.lockstep
         if packer is None:
             if self._own_packer is None:
                 self._own_packer = Packer(self.llm.device)
@@ -123,8 +131,10 @@ class StateManager:
         conversations and, with wait_for_packs, by waiting for packs in flight to land (without, it
         takes only those done, and a restore short of pages raises KVCacheFullError: the caller may
         retry later instead of waiting)."""
+        self._cancel_copy(conv)
         if conv.id in self.leaving:  # its pack runs on the packer: the turn waits for it, then restores
             self._land(self.leaving.pop(conv.id))
+        self.copies.discard(conv.id)  # the turn changes the state: a copy of it goes stale
         self._settle(conv)
         self.busy.add(conv.id)
         with self.lock:
@@ -184,7 +194,7 @@ class StateManager:
                 self.tiers.delete(conv.id)
         if conv.recipe.state.offloads_between_turns:
             if self.packer is not None and conv.id in self.resident:
-                self._leave(conv, "cpu")
+                self._leave(conv, "cpu", stay=self.resident_packs)
                 return
             try:
                 self.offload(conv, "cpu")
@@ -207,6 +217,17 @@ class StateManager:
                 if where == "cpu" and tier == "disk":
                     self.tiers.demote(conv.id)
                 return self.tiers.tier_of(conv.id)
+        if conv.id in self.copies:  # a tier holds its current state already: only the pages go
+            self.copies.discard(conv.id)
+            with self.lock:
+                held = self.tiers.tier_of(conv.id)
+                if held == "cpu" and tier == "disk":
+                    self.tiers.demote(conv.id)
+                    held = "disk"
+            if held is not None:
+                conv.kv.free()
+                del self.resident[conv.id]
+                return held
         strategy = conv.recipe.state
         window = conv.method_state.window
         stored = self._pack(conv, strategy, window, tier, self.ctx, strategy.prepare(self.ctx, conv.kv, window, tier))
@@ -214,17 +235,19 @@ class StateManager:
         tensors, state = with_window(stored, window)
         with self.lock:
             landed = self.tiers.put(conv.id, entry_meta(conv.to_record(), strategy, state), tensors, tier,
-                                    keep=set(self._pending))
+                                    keep=set(self._pending), spare=self.copies)
         conv.kv.free()
         del self.resident[conv.id]
         return landed
 
     # ---- packs in the background ------------------------------------------------------------
-    def _leave(self, conv, tier: str) -> None:
+    def _leave(self, conv, tier: str, stay: bool = False) -> None:
         """Hand the store of a resident, idle conversation to the packer; it is "leaving" until
         land_packs takes the finished pack. What the pack reads that this thread's stream may still
         write or free is settled here: pending window steps are filed, the device page table is
-        made current, and the window's tensors are held until the pack's stream is done with them."""
+        made current, and the window's tensors are held until the pack's stream is done with them.
+        stay: a resident pack (pack_in_background): the conversation stays resident, and its copy goes
+        to the CPU tier only where it fits beside the sole copies of others (spare ones aside)."""
         strategy = conv.recipe.state
         window = conv.method_state.window
         held = window.snapshot() if window is not None else None  # files pending steps too
@@ -244,7 +267,10 @@ class StateManager:
             views = None
             if tier == "cpu":
                 with self.lock:
-                    views = self.tiers.reserve(conv.id, tensors, keep=set(self._pending))
+                    views = self.tiers.reserve(conv.id, tensors, keep=set(self._pending),
+                                               spare=self.copies - {conv.id}, demote=not stay)
+            if views is None and stay:
+                raise StateTiersFullError(f"no room beside the stored conversations for a copy of {conv.id}")
             if views is None:
                 return stored.meta, {name: to_host(t) for name, t in tensors.items()}, state, False
             try:
@@ -261,11 +287,12 @@ class StateManager:
             meta = entry_meta(record, strategy, state)
             with self.lock:
                 landed = (self.tiers.put_reserved(conv.id, meta, tensors) if reserved else
-                          self.tiers.put(conv.id, meta, tensors, tier, keep=set(self._pending)))
+                          self.tiers.put(conv.id, meta, tensors, tier, keep=set(self._pending), spare=self.copies))
             return landed, pack_meta
 
-        del self.resident[conv.id]
-        leaving = Leaving(conv, tier, strategy)
+        if not stay:
+            del self.resident[conv.id]
+        leaving = Leaving(conv, tier, strategy, stay=stay)
         leaving.job = self.packer.submit(device_work, host_work)
         self.leaving[conv.id] = leaving
         leaving.job.future.add_done_callback(self._pack_finished)
@@ -290,10 +317,18 @@ class StateManager:
         """PackInFlight, after moving its pack to the front, when the conversation is being packed
         and its pack has not finished: a caller that must not wait (the server's worker) retries
         after land_packs has taken it."""
+        self._cancel_copy(conv)
         leaving = self.leaving.get(conv.id)
         if leaving is not None and not leaving.job.future.done():
             self.packer.hurry(leaving.job)
             raise PackInFlight(f"conversation {conv.id} is being packed")
+
+    def _cancel_copy(self, conv) -> None:
+        """A resident pack of `conv` that has not started is dropped: the turn coming back would make
+        its copy stale before it is used."""
+        leaving = self.leaving.get(conv.id)
+        if leaving is not None and leaving.stay and self.packer.cancel(leaving.job):
+            del self.leaving[conv.id]
 
     def land_packs(self, block: bool = False) -> list[dict]:
         """Take every finished pack: free the pages of each conversation a tier now holds, and keep
@@ -336,7 +371,10 @@ class StateManager:
             self.resident[conv.id] = conv
             return info
         self._note_fallback(conv, leaving.strategy, pack_meta)
-        conv.kv.free()  # the packer's stream is done reading the pages
+        if leaving.stay:
+            self.copies.add(conv.id)  # stays resident: its pages go when the pool needs them (offload)
+        else:
+            conv.kv.free()  # the packer's stream is done reading the pages
         with self.lock:
             info.update(tier=landed, bytes=self.tiers.stored_bytes(conv.id) if self.tiers.tier_of(conv.id) else 0)
         return info
@@ -372,6 +410,7 @@ class StateManager:
             self._land(leaving)
         self._settle(conv)
         self.resident.pop(conv.id, None)
+        self.copies.discard(conv.id)
         with self.lock:
             self.tiers.delete(conv.id)
 
@@ -431,11 +470,12 @@ class StateManager:
             over_budget = False
             if self.gpu_memory is not None:
                 held = sum(c.kv.bytes() for c in self.resident.values())
-                held += sum(x.conv.kv.bytes() for x in self.leaving.values())  # freed once their packs land
+                held += sum(x.conv.kv.bytes() for x in self.leaving.values() if not x.stay)  # freed once landed
                 over_budget = held + need_bytes > self.gpu_memory
             return not pool.room(need[None], most=0 if over_budget else None)
 
-        for victim_id in list(self.resident):
+        # Those whose resident pack is in flight last: their offload waits for it.
+        for victim_id in sorted(self.resident, key=lambda cid: cid in self.leaving):
             if not short():
                 return
             if victim_id != conv.id and victim_id not in self.busy:
