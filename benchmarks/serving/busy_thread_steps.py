@@ -119,17 +119,23 @@ class Conversations:
         return {"forward": ms[0], "settle": ms[1], "decodes": ms[2:5], "finish": ms[5]}
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def cycle_arguments(description: str, conversations: int) -> argparse.ArgumentParser:
+    """The engine and the cycles' shape, as this script and sync_points.py take them."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", default="llama-3.1-8b", help="a shape name (random weights) or a model path")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
     p.add_argument("--kv-memory", default=None)
     p.add_argument("--recipes", default="full,lserve", help="comma-separated")
-    p.add_argument("--n", type=int, default=8, help="conversations")
+    p.add_argument("--n", type=int, default=conversations, help="conversations")
     p.add_argument("--context", type=int, default=16384, help="tokens of each first turn")
     p.add_argument("--new", type=int, default=20, help="tokens of each later turn's prompt")
     p.add_argument("--slices", type=int, default=2, help="later turns in one mixed forward")
+    return p
+
+
+def main(argv=None) -> dict:
+    p = cycle_arguments(__doc__.split("\n\n")[0], conversations=8)
     p.add_argument("--busy", type=float, default=0.5, help="the second thread's busy share (0 < busy <= 1)")
     p.add_argument("--cycles", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)

@@ -12,7 +12,6 @@ the script works.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import json
@@ -26,7 +25,7 @@ import torch
 import turnkv
 
 sys.path.insert(0, str(Path(__file__).parent))
-from busy_thread_steps import Conversations  # noqa: E402
+from busy_thread_steps import Conversations, cycle_arguments  # noqa: E402
 
 from turnkv.methods.terms import split_recipe_list  # noqa: E402
 
@@ -69,16 +68,7 @@ class SyncSites:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="llama-3.1-8b", help="a shape name (random weights) or a model path")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--kv-memory", default=None)
-    p.add_argument("--recipes", default="full,lserve", help="comma-separated")
-    p.add_argument("--n", type=int, default=4, help="conversations")
-    p.add_argument("--context", type=int, default=16384, help="tokens of each first turn")
-    p.add_argument("--new", type=int, default=20, help="tokens of each later turn's prompt")
-    p.add_argument("--slices", type=int, default=2, help="later turns in one mixed forward")
+    p = cycle_arguments(__doc__.split("\n\n")[0], conversations=4)
     p.add_argument("--cycles", type=int, default=2, help="cycles counted, after one uncounted")
     p.add_argument("--depth", type=int, default=3, help="turnkv frames that name a site")
     p.add_argument("--out", default=None)

@@ -135,3 +135,30 @@ def stream_in_background(url: str, body: dict, headers: dict | None = None, time
     reader = threading.Thread(target=consume)
     reader.start()
     return reader, lines, started
+
+
+@contextlib.contextmanager
+def local_ray_serve(app):
+    """A local Ray instance (2 CPUs) serving the application app() builds at / on a free loopback port;
+    yields its URL. Ray is imported here: tests that use it skip without the ray extra."""
+    import os
+
+    import ray
+    from ray import serve
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # On a loaded 2-core machine the proxy can take longer than Ray Serve's 5 s ready check, and the
+    # controller then kills it before it runs: give its checks a minute.
+    patience = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
+    env = {"HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1", **patience}
+    os.environ.update({"RAY_USAGE_STATS_ENABLED": "0", **patience})
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(app(), name="turnkv", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -5,14 +5,12 @@ one replica, so later turns reuse its KV; streaming goes through the router unch
 from __future__ import annotations
 
 import json
-import os
-import socket
 
 import pytest
 
 pytest.importorskip("ray.serve")
 
-from tests.serve.conftest import MODEL  # noqa: E402
+from tests.serve.conftest import MODEL, local_ray_serve  # noqa: E402
 from turnkv.serve.ray import REPLICA_HEADER, build_app, rendezvous, routing_key  # noqa: E402
 
 
@@ -44,29 +42,12 @@ def test_rendezvous_spreads_keys_and_moves_only_those_of_a_changed_replica():
 
 @pytest.fixture(scope="module")
 def ray_app(chat_model_dir):
-    import ray
-    from ray import serve
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # On a loaded 2-core machine the proxy can take longer than Ray Serve's 5 s ready check, and the
-    # controller then kills it before it runs: give its checks a minute.
-    patience = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
-    env = {"HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1", **patience}
-    os.environ.update({"RAY_USAGE_STATS_ENABLED": "0", **patience})
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = build_app(str(chat_model_dir), num_replicas=2,
-                        llm_options={"device": "cpu", "kv_memory": "16MiB", "state_cpu_memory": "4MiB"},
-                        config={"served_model_name": MODEL},
-                        engine_actor_options={"num_cpus": 0}, router_actor_options={"num_cpus": 0})
-        serve.run(app, name="turnkv", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with local_ray_serve(lambda: build_app(
+            str(chat_model_dir), num_replicas=2,
+            llm_options={"device": "cpu", "kv_memory": "16MiB", "state_cpu_memory": "4MiB"},
+            config={"served_model_name": MODEL},
+            engine_actor_options={"num_cpus": 0}, router_actor_options={"num_cpus": 0})) as url:
+        yield url
 
 
 def test_each_conversation_stays_on_one_replica_and_reuses_its_kv(ray_app):

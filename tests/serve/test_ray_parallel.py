@@ -4,14 +4,12 @@ later turn reuses the replica's KV. On a GPU, the replica asks Ray for N GPUs.""
 
 from __future__ import annotations
 
-import os
-import socket
 
 import pytest
 
 pytest.importorskip("ray.serve")
 
-from tests.serve.conftest import MODEL  # noqa: E402
+from tests.serve.conftest import MODEL, local_ray_serve  # noqa: E402
 from turnkv.serve.ray import build_app, replica_resources  # noqa: E402
 
 
@@ -25,27 +23,12 @@ def test_a_tensor_parallel_replica_asks_for_its_gpus_unless_told():
 
 @pytest.fixture(scope="module")
 def ray_tp_app(chat_model_dir):
-    import ray
-    from ray import serve
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    patience = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
-    env = {"HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1", **patience}
-    os.environ.update({"RAY_USAGE_STATS_ENABLED": "0", **patience})
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = build_app(str(chat_model_dir), num_replicas=1,
-                        llm_options={"device": "cpu", "kv_memory": "16MiB", "tensor_parallel": 2},
-                        config={"served_model_name": MODEL},
-                        engine_actor_options={"num_cpus": 0}, router_actor_options={"num_cpus": 0})
-        serve.run(app, name="turnkv", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with local_ray_serve(lambda: build_app(
+            str(chat_model_dir), num_replicas=1,
+            llm_options={"device": "cpu", "kv_memory": "16MiB", "tensor_parallel": 2},
+            config={"served_model_name": MODEL},
+            engine_actor_options={"num_cpus": 0}, router_actor_options={"num_cpus": 0})) as url:
+        yield url
 
 
 def test_a_tensor_parallel_replica_replies_as_one_engine_does(ray_tp_app, chat_model_dir):

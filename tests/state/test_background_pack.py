@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import turnkv
-from tests.state.conftest import LAYERS
+from tests.state.conftest import LAYERS, packing_engine
 from turnkv.kv.host_pool import HostPool
 from turnkv.kv.snapshot import export_rows
 from turnkv.state.background import Packer, PackInFlight
@@ -38,10 +38,7 @@ class HeldPacker(Packer):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    llm = turnkv.LLM(str(model_dir), device="cpu", kv_memory="64MiB")
-    # Fixed costs instead of a calibration: the split is the same for every pack of the module.
-    llm.state.ctx.set_cost("cpu", CostModel(2e-6, 1e-9, 5e8))
-    return llm
+    return packing_engine(model_dir)
 
 
 @pytest.fixture(autouse=True)

@@ -9,10 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import turnkv
-from tests.state.conftest import LAYERS
+from tests.state.conftest import LAYERS, packing_engine
 from turnkv.kv.snapshot import export_rows
-from turnkv.state.schedule import CostModel
 
 KRUL = "state=krul(ir_threshold=0,fallback=never)"
 MESSAGES = ["Hello, who are you?", "Tell me about the sea.", "And about mountains?"]
@@ -20,9 +18,7 @@ MESSAGES = ["Hello, who are you?", "Tell me about the sea.", "And about mountain
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    llm = turnkv.LLM(str(model_dir), device="cpu", kv_memory="64MiB", state_cpu_memory="64MiB")
-    llm.state.ctx.set_cost("cpu", CostModel(2e-6, 1e-9, 5e8))
-    return llm
+    return packing_engine(model_dir, state_cpu_memory="64MiB")
 
 
 @pytest.fixture(autouse=True)
