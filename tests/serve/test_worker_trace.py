@@ -103,3 +103,22 @@ def test_a_server_writes_its_window_when_it_stops_inside_it(serve_llm, monkeypat
     assert summary["phases"]["admit"]["count"] >= 2  # each request was admitted in the window
     steps = sum(summary["phases"].get(p, {"count": 0})["count"] for p in ("prefill", "decode", "mixed"))
     assert steps >= 2 and summary["phases"]["admit"]["wall_ms"] > 0
+
+
+def test_a_bad_window_stops_the_server_at_its_start(serve_llm, monkeypatch, tmp_path):
+    """Read when the worker starts, in the app's start-up: the server does not come up, and says why
+    (it never runs with a dead worker)."""
+    import asyncio
+
+    from turnkv.serve import ServeConfig, create_app
+
+    monkeypatch.setenv("TURNKV_WORKER_TRACE", str(tmp_path / "trace"))
+    monkeypatch.setenv("TURNKV_WORKER_TRACE_WINDOW", "soon")
+    app = create_app(serve_llm, ServeConfig(served_model_name="m"))
+
+    async def start():
+        async with app.router.lifespan_context(app):
+            pass
+
+    with pytest.raises(ValueError, match="TURNKV_WORKER_TRACE_WINDOW wants START:SECONDS .* got 'soon'"):
+        asyncio.run(start())

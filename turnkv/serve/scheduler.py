@@ -118,6 +118,9 @@ class Scheduler(Forwards):
         return self._flush_count
 
     def start(self) -> None:
+        # Read here, on the caller's thread: a bad TURNKV_WORKER_TRACE_WINDOW fails the server's start
+        # with its ValueError instead of killing the worker thread.
+        self._trace = worker_trace.from_environment()  # TURNKV_WORKER_TRACE=folder: torch.profiler window
         self._unwatch = self.store.watch_packs(self._packed)
         self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="turnkv-encode")
         self.thread = threading.Thread(target=self._run, name="turnkv-worker", daemon=True)
@@ -157,7 +160,7 @@ class Scheduler(Forwards):
 
     # ---- worker --------------------------------------------------------------------------------------
     def _run(self) -> None:
-        trace = worker_trace.from_environment()  # TURNKV_WORKER_TRACE=folder: torch.profiler window
+        trace = self._trace
         with slow_phases.profiled_worker():  # TURNKV_WORKER_PROFILE=path: cProfile of this thread
             try:
                 self._loop(trace)
