@@ -9,11 +9,17 @@ from turnkv.engine.cuda_graphs import GraphedDecode
 
 
 def install(engine, max_batch: int) -> None:
-    """Decode through GraphedDecode from now on; count, per selecting step, the plans this rank made
-    (`planned`), the steps replayed with a plan (`graphed`) and the eager steps (`eager`), and the steps of
-    each selection graph's variant."""
+    """Decode through GraphedDecode from now on, with count()'s counters."""
     runner = engine.runner
     runner.graphs = GraphedDecode(engine.model, engine.pool, engine.max_model_len, max_batch=max_batch)
+    count(engine)
+
+
+def count(engine) -> None:
+    """Count, per selecting step of the engine's GraphedDecode (CUDA's own, or install()'s), the plans this
+    rank made (`planned`), the steps replayed with a plan (`graphed`) and the eager steps (`eager`), and
+    the steps of each selection graph's variant."""
+    runner = engine.runner
     engine.paths = {"planned": 0, "graphed": 0, "eager": 0}
     engine.variants = {}
     engine.refusing = False

@@ -4,12 +4,14 @@ logits stay within the bound the single-GPU tests hold against transformers. Nee
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from tests.conftest import save_tiny
 from tests.model.test_oracle import rel_err
-from tests.parallel import probes
+from tests.parallel import graphed, probes
 from tests.parallel.conftest import engine_pair, three_turns
 from turnkv.parallel.mirror import gather
 
@@ -23,7 +25,6 @@ RECIPES = [
     ("full", None),
     ("snapkv keep_ratio=0.5", None),
     ("ada-snapkv keep_ratio=0.5", None),
-    # Decode selections run eagerly under tensor parallelism, in graphs at N=1.
     ("prefill=streaming_heads(pattern=random,ratio=0.5,sink=4,local=16,prefill_local=16) "
      "decode=lserve(budget=32,physical_page=16,logical_page=16)", None),
     ("quest decode=quest(budget=32,dense_layers=0)", None),
@@ -31,10 +32,25 @@ RECIPES = [
 ]
 
 
+SELECTING = {RECIPES[3][0], RECIPES[4][0]}  # decode selections: every step replays from the graphs
+
+
 @pytest.fixture(scope="module")
-def gpu_model_dir(tmp_path_factory, smol_tokenizer):
+def gpu_tokenizer(request):
+    """The embedded model's tokenizer, or $TURNKV_TEST_TOKENIZER's folder (a GPU machine without the
+    embedded model's package)."""
+    folder = os.environ.get("TURNKV_TEST_TOKENIZER")
+    if folder:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(folder)
+    return request.getfixturevalue("smol_tokenizer")
+
+
+@pytest.fixture(scope="module")
+def gpu_model_dir(tmp_path_factory, gpu_tokenizer):
     path = tmp_path_factory.mktemp("gpu-tp")
-    save_tiny(path, "llama", vocab_size=len(smol_tokenizer), tokenizer=smol_tokenizer, **SHAPE)
+    save_tiny(path, "llama", vocab_size=len(gpu_tokenizer), tokenizer=gpu_tokenizer, **SHAPE)
     return path
 
 
@@ -45,7 +61,9 @@ def _pair(path, dtype):
 
 @pytest.fixture(scope="module")
 def fp32_engines(gpu_model_dir):
-    yield from _pair(gpu_model_dir, "float32")
+    for single, pair in _pair(gpu_model_dir, "float32"):
+        gather(pair, graphed.count)
+        yield single, pair
 
 
 @pytest.mark.parametrize("recipe, offload", RECIPES)
@@ -53,12 +71,16 @@ def test_two_gpus_match_one(fp32_engines, recipe, offload):
     single, pair = fp32_engines
     assert pair.device == torch.device("cuda", 0) and pair.parallel.size == 2
     tokens_1, kept_1 = three_turns(single, recipe, offload)
+    before = gather(pair, graphed.paths)
     tokens_2, kept_2 = three_turns(pair, recipe, offload)
+    paths = [{k: n - was[k] for k, n in now.items()} for was, now in zip(before, gather(pair, graphed.paths))]
     assert tokens_2 == tokens_1
     assert kept_2 == kept_1
     assert len(kept_1) == single.config.num_layers * single.config.num_kv_heads
-    # Both ranks replayed decode steps from CUDA graphs that hold the all-reduces.
+    # Both ranks replayed decode steps from CUDA graphs that hold the all-reduces; a selection's steps too.
     assert min(gather(pair, probes.captured_graphs)) > 0
+    if recipe in SELECTING:
+        assert paths[0] == paths[1] and paths[0]["eager"] == 0 and paths[0]["graphed"] > 0
 
 
 def test_bf16_logits_track_one_gpu(gpu_model_dir):
