@@ -18,8 +18,8 @@ def engine_pair(path, single_memory: str, pair_memory: str, single_options=None,
 
     mp = pytest.MonkeyPatch()
     mp.setenv("TURNKV_TP_TIMEOUT", TIMEOUT_S)
-    single = turnkv.LLM(str(path), device="cpu", kv_memory=single_memory, **(single_options or {}))
-    pair = turnkv.LLM(str(path), device="cpu", kv_memory=pair_memory, tensor_parallel=2, **(pair_options or {}))
+    single = turnkv.LLM(str(path), **{"device": "cpu", "kv_memory": single_memory, **(single_options or {})})
+    pair = turnkv.LLM(str(path), tensor_parallel=2, **{"device": "cpu", "kv_memory": pair_memory, **(pair_options or {})})
     try:
         yield single, pair
     finally:

@@ -84,3 +84,21 @@ def test_the_shards_put_together_are_the_model(size, tied):
     assert torch.equal(head[: config.vocab_size], model.lm_head.weight)
     assert not embed[config.vocab_size:].any()  # padding rows of the last rank
     assert all((s.lm_head.weight is s.embed_tokens.weight) == tied for s in shards)
+
+
+def test_a_ranks_streaming_heads_are_c_ordered_rows():
+    """A rank's streaming-head flags are its KV heads' columns of the whole pattern, in C order: the
+    chunk kernel takes one layer's windows ([H] int32) as a contiguous row."""
+    import numpy as np
+
+    from turnkv.methods.lserve.streaming_heads import StreamingHeadsPrefill
+    from turnkv.methods.chunk_windows import NO_WINDOW
+
+    whole = StreamingHeadsPrefill(pattern="random").flags(2, 4)
+    for rank in range(2):
+        method = StreamingHeadsPrefill(pattern="random")
+        method.bind(2, Shard(rank, 2, CONFIG))
+        flags = method.flags(2, 2)
+        assert np.array_equal(flags, whole[:, 2 * rank : 2 * rank + 2]) and flags.flags.c_contiguous
+        windows = torch.from_numpy(np.where(flags, 16, NO_WINDOW)).to(torch.int32)  # chunk_windows' form
+        assert all(row.is_contiguous() for row in windows)

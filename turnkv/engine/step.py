@@ -100,7 +100,7 @@ class Step:
             if windows is not None:
                 self.pattern, self.sink = None, windows.sink
                 if windows.windows is not None:  # [L, H]
-                    self._windows_np = np.asarray(windows.windows)
+                    self._windows_np = np.ascontiguousarray(windows.windows)  # rows: the kernel's [H] windows
                     self.head_windows = torch.from_numpy(self._windows_np).to(pool.device, torch.int32)
                     self.split_heads = not (self.chunk_kernel and num_new <= WINDOWED_CHUNK_ROWS)
                     # Windows come from heads in ring form (chunk_windows): the kernel's ring iterator.

@@ -96,7 +96,8 @@ class StreamingHeadsPrefill(Prefill, StaticSparsity):
         parallelism (bind's shard), the rank's KV heads' columns of the whole model's pattern."""
         shard = getattr(self, "_shard", None)
         if shard is not None and num_kv_heads != shard.config.num_kv_heads:
-            return self.flags(num_layers, shard.config.num_kv_heads)[:, shard.kv_heads]
+            # C order: a column selection comes out column-major, and its rows would be strided.
+            return np.ascontiguousarray(self.flags(num_layers, shard.config.num_kv_heads)[:, shard.kv_heads])
         shape = (num_layers, num_kv_heads)
         if shape not in self._flags:
             pattern = self._load(*shape)
