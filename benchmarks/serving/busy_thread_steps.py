@@ -126,7 +126,7 @@ def cycle_arguments(description: str, conversations: int) -> argparse.ArgumentPa
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
     p.add_argument("--kv-memory", default=None)
-    p.add_argument("--recipes", default="full,lserve", help="comma-separated")
+    p.add_argument("--recipes", default="full,lserve", help="comma-separated presets or recipe strings (Krul's server state: \"full state=krul\")")
     p.add_argument("--n", type=int, default=conversations, help="conversations")
     p.add_argument("--context", type=int, default=16384, help="tokens of each first turn")
     p.add_argument("--new", type=int, default=20, help="tokens of each later turn's prompt")

@@ -89,9 +89,9 @@ def main(argv=None) -> dict:
         for part, c in per_part.items():
             for where, n in list(c.items())[:8]:
                 print(f"    {part:8s} {n / args.cycles:6.1f}  {where}", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        if args.out:  # after each recipe: a later one's failure keeps the counts made so far
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
     return out
 
 
