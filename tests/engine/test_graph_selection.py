@@ -190,6 +190,21 @@ def test_lserve_with_streaming_and_selecting_heads_in_each_layer(pair, monkeypat
         assert b[1][0][layer] > 0  # both layers select in the long conversation
 
 
+def test_streaming_heads_holding_more_than_the_budget(pair, monkeypatch, mixed_pattern):
+    """A streaming head reads its whole ring, here longer than the selecting heads' budget (16 + 96 kept
+    against 64): the graph's expanded tables are wide enough for it (too narrow, the step read past its
+    table: an illegal address on a GPU)."""
+    recipe = (f"lserve decode=lserve(budget=64,physical_page=32,reuse=3) "
+              f"prefill=streaming_heads(pattern={mixed_pattern},sink=16,local=96)")
+    lengths = [300, 190]
+    a = drive(pair[0], recipe, lengths, 6, monkeypatch)
+    b = drive(pair[1], recipe, lengths, 6, monkeypatch)
+    assert_same(a, b)
+    assert b[2] == []
+    streaming_reads = [c[0] for c in read_counts(b, 0, 0)]  # layer 0's head 0 streams
+    assert min(streaming_reads) > 64
+
+
 @pytest.mark.parametrize("name", ["quest", "lserve_random"])
 def test_paged_rows_move_when_conversations_leave(pair, monkeypatch, name):
     lengths = [300, SHORT[name], 190]

@@ -25,7 +25,8 @@ RECIPES = [
     ("full", None),
     ("snapkv keep_ratio=0.5", None),
     ("ada-snapkv keep_ratio=0.5", None),
-    ("prefill=streaming_heads(pattern=random,ratio=0.5,sink=4,local=16,prefill_local=16) "
+    # The streaming heads keep more than the selecting heads' budget: whole rows longer than a selection.
+    ("prefill=streaming_heads(pattern=random,ratio=0.5,sink=4,local=48,prefill_local=48) "
      "decode=lserve(budget=32,physical_page=16,logical_page=16)", None),
     ("quest decode=quest(budget=32,dense_layers=0)", None),
     ("snapkv keep_ratio=0.5 state=krul", "cpu"),  # Krul's stored form, through the CPU tier after each turn

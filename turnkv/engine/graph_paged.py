@@ -68,7 +68,8 @@ class PagedHandler(Handler):
             moves = []
         else:
             # Whole-list rows of the selecting layers read their page table through the same rows.
-            need = -(-lengths // ps)[whole & layer_selects[None, :, None]].max(initial=0)
+            pool_pages = -(-lengths // ps)  # [B, L, H]
+            need = int(pool_pages[whole & layer_selects[None, :, None]].max(initial=0))
             kw = max(K, 1 << int(-(-need // self.r) - 1).bit_length())
             if kw > MAX_WHOLE_PAGES:
                 return None
