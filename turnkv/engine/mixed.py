@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from turnkv import gpu
 from turnkv.attention import chunk
 from turnkv.engine import graph_selection
 from turnkv.engine.step import Step
@@ -76,7 +77,7 @@ def forward(runner, parts: list[Part]) -> list[torch.Tensor]:
         offset = 0
         for part in parts:
             T = part.width
-            start = torch.tensor([s.next_position for s in part.seqs], device=device)
+            start = gpu.upload(torch.tensor([s.next_position for s in part.seqs]), device)
             slots = reserve_step(part.seqs) if T == 1 else [s.reserve(T) for s in part.seqs]
             pos = start[:, None] + torch.arange(T, device=device)  # [B, T]
             steps.append(Step(runner.pool, part.seqs, slots, pos, runner.model.config.sliding_window,
@@ -85,8 +86,10 @@ def forward(runner, parts: list[Part]) -> list[torch.Tensor]:
             positions.append(pos.reshape(-1))
             last += [offset + (b + 1) * T - 1 for b in range(len(part.seqs))]
             offset += part.size
-        token_ids = torch.tensor([ids], dtype=torch.int64, device=device)
-        at = torch.tensor([last], device=device)
+        # Pinned, non-blocking uploads: a pageable one would hold the host until the device ran
+        # everything queued before it (a graphed decode launched ahead of these slices).
+        token_ids = gpu.upload(torch.tensor([ids], dtype=torch.int64), device)
+        at = gpu.upload(torch.tensor([last]), device)
         with chunk.sdpa_backends(device, max(p.width for p in parts)):
             logits = runner.model(token_ids, torch.cat(positions)[None], MixedStep(steps, parts), logits_at=at)[0]
     except BaseException:

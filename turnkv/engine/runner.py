@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from turnkv import gpu
 from turnkv.attention import chunk
 from turnkv.attention import decode as decode_kernel
 from turnkv.engine import graph_selection
@@ -54,7 +55,7 @@ class ModelRunner:
         before = [s.next_position for s in seqs]
         try:
             slots = reserve_step(seqs) if T == 1 else [s.reserve(T) for s in seqs]
-            positions = torch.tensor(before, device=self.device)[:, None] + torch.arange(T, device=self.device)
+            positions = gpu.upload(torch.tensor(before), self.device)[:, None] + torch.arange(T, device=self.device)
             step = Step(self.pool, seqs, slots, positions, self.model.config.sliding_window, contexts, decoding)
             last = None if all_logits else torch.full((B, 1), T - 1, device=self.device)
             with chunk.sdpa_backends(self.device, T):

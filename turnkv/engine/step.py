@@ -8,6 +8,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from turnkv import gpu
 from turnkv.attention import chunk, decode, flash, lines, reference, streaming
 from turnkv.engine import selection
 from turnkv.kv.pool import PagePool
@@ -70,7 +71,7 @@ class Step:
         self.fresh = bool((lengths == num_new).all()) and sliding_window is None and not accumulate
         self.max_len = lengths.max(axis=(1, 2)).tolist()
         self.padded = (lengths.min(axis=(1, 2)) != lengths.max(axis=(1, 2))).tolist()
-        self.lengths = torch.from_numpy(lengths).to(pool.device)
+        self.lengths = gpu.upload(lengths, pool.device)
         if not self.fresh:
             self.tables = _tables(seqs)
         self.query_positions = positions  # [B, T]

@@ -290,7 +290,7 @@ class SequenceKV(Compaction):
         if self.pool.device.type == "cpu":
             return torch.from_numpy(self.table)
         if self._table_device is None or self._table_device.shape != self.table.shape:
-            self._table_device = torch.from_numpy(self.table).to(self.pool.device)
+            self._table_device = upload(self.table, self.pool.device)  # pinned: no wait for the device
         else:
             # The copy may have been made under inference mode (inside a forward); updating it in
             # place is allowed only there. Columns past a head's pages are never read.
