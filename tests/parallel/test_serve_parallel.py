@@ -1,7 +1,8 @@
 """The OpenAI server on a tensor-parallel engine: N=2 (gloo on CPU, fp32, the tiny chat model) gives the
 replies of N=1 (greedy) for concurrent multi-turn chats under several recipes (mixed steps included),
 for conversations the pool evicts to the CPU tier and continues, and around a cancelled stream. A dead
-worker fails the requests with 503 and /health says the engine is unavailable."""
+worker fails the requests with 503 and /health says the engine is unavailable. Requests branching off
+an indexed history take its turn end from the prefix index on every rank, as on one device."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from tests.parallel.conftest import engine_pair
 from tests.serve.conftest import MODEL, running, wait_for
+from tests.serve.test_prefix_turns import ask, indexed_history
 
 # Small windows and budgets, so that each method acts on these turns (tests/parallel/test_same_tokens.py).
 LSERVE = ("prefill=streaming_heads(pattern=random,ratio=0.5,sink=4,local=16,prefill_local=16) "
@@ -135,3 +137,22 @@ def test_a_dead_worker_fails_requests_with_503_and_health_says_unavailable(chat_
             assert health.status_code == 503 and "rank 1 exited" in health.json()["reason"]
     finally:
         pair.shutdown()
+
+
+def branches_off_an_indexed_history(llm) -> list:
+    """Two clients at once branch off turns computed elsewhere on the engine (a closed library
+    conversation): each request takes the history's last turn end from the prefix index.
+    -> [(reply, cached tokens)] per branch, and the turn end's length."""
+    messages, turn_end = indexed_history(llm)
+    requests = [messages + [{"role": "user", "content": q}] for q in ("And a river?", "And a lake?")]
+    with running(llm, served_model_name=MODEL) as server:
+        with ThreadPoolExecutor(2) as pool:
+            return list(pool.map(lambda request: ask(server, request), requests)), turn_end
+
+
+def test_turn_ends_shared_through_the_prefix_index_as_on_one_device(tp_engines):
+    single, pair = tp_engines
+    got, turn_end = branches_off_an_indexed_history(pair)
+    want, _ = branches_off_an_indexed_history(single)
+    assert got == want
+    assert [cached for _, cached in got] == [turn_end, turn_end]  # both taken from the index, on every rank

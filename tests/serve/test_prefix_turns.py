@@ -22,7 +22,7 @@ def engines(chat_model_dir):
             for mode in ("turns", "off")}
 
 
-def _history(llm):
+def indexed_history(llm):
     """Earlier turns computed elsewhere on the engine (a library conversation), with replies that render
     back to the same token ids; returns (their messages, the tokens their last turn end holds)."""
     conv = llm.conversation(system=SYSTEM)
@@ -33,7 +33,7 @@ def _history(llm):
     return messages, turn_end
 
 
-def _ask(server, messages):
+def ask(server, messages):
     r = server.client().chat.completions.create(messages=messages, model=MODEL, max_tokens=6, temperature=0)
     return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
 
@@ -41,7 +41,7 @@ def _ask(server, messages):
 def test_requests_carrying_earlier_turns_take_them_from_the_index(engines):
     out = {}
     for mode, llm in engines.items():
-        messages, turn_end = _history(llm)
+        messages, turn_end = indexed_history(llm)
         # Two clients branch off the same history at once, each with its own question: neither extends
         # a kept conversation (the store keeps a conversation's first prompt for its own client).
         requests = [messages + [{"role": "user", "content": q}] for q in ("And a river?", "And a lake?")]
@@ -49,7 +49,7 @@ def test_requests_carrying_earlier_turns_take_them_from_the_index(engines):
             hits = llm.prefix_index.hits if llm.prefix_index is not None else 0
             before = server.metric("vllm:prefix_cache_hits_total")
             with ThreadPoolExecutor(2) as pool:
-                answers = list(pool.map(lambda request: _ask(server, request), requests))
+                answers = list(pool.map(lambda request: ask(server, request), requests))
             expected = turn_end if mode == "turns" else 0
             assert [cached for _, cached in answers] == [expected, expected]
             assert server.metric("vllm:prefix_cache_hits_total") - before == 2 * expected
@@ -64,15 +64,15 @@ def test_no_reuse_prefills_every_token_of_every_request(engines):
     from a kept conversation nor from the prefix index (which holds this history and system prompt),
     and its requests add nothing to the index."""
     llm = engines["turns"]
-    messages, turn_end = _history(llm)  # the index now holds the system prompt and both turn ends
+    messages, turn_end = indexed_history(llm)  # the index now holds the system prompt and both turn ends
     branch = messages + [{"role": "user", "content": "And a river?"}]
     with running(llm, served_model_name=MODEL) as reusing:  # the same request where reuse is on
-        assert _ask(reusing, branch)[1] == turn_end > 0
+        assert ask(reusing, branch)[1] == turn_end > 0
     entries, index_bytes, hits = len(llm.prefix_index), llm.prefix_cache_bytes(), llm.prefix_index.hits
     with running(llm, served_model_name=MODEL, reuse=False) as server:
         client, usages, replies = server.client(), [], []
         for _ in range(2):  # the same history twice, then a conversation of three turns over the same system prompt
-            text, cached = _ask(server, branch)
+            text, cached = ask(server, branch)
             replies.append(text)
             usages.append(cached)
         chat = [{"role": "system", "content": SYSTEM}]
@@ -94,4 +94,4 @@ def test_no_reuse_prefills_every_token_of_every_request(engines):
     # What it replies is what a server without any index replies.
     off = engines["off"]
     with running(off, served_model_name=MODEL, reuse=False) as plain:
-        assert [_ask(plain, branch)[0] for _ in range(2)] == replies
+        assert [ask(plain, branch)[0] for _ in range(2)] == replies
