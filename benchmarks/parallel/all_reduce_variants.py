@@ -24,7 +24,9 @@ TOKENS = (1, 8, 32, 512, 4096, 32768)
 
 
 def _timed(op, iterations: int, graphed: bool) -> float:
-    """Microseconds per op: `iterations` eager calls between two events, or one graph of them replayed."""
+    """Microseconds per op: `iterations` eager calls between two events, or one graph of them replayed.
+    Not benchmarks/gpu_timing.py: the ranks meet at a barrier right before the timed calls (else the
+    first waits for the slower rank), and the capture is thread-local (NCCL's watchdog queries events)."""
     for _ in range(3):
         op()
     torch.cuda.synchronize()

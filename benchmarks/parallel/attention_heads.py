@@ -9,22 +9,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
 
-from turnkv.attention import chunk
+sys.path.insert(0, ".")
+from benchmarks.gpu_timing import time_cuda  # noqa: E402
+from turnkv.attention import chunk  # noqa: E402
 
 
 def timed(fn, repeat: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeat):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeat
+    """Milliseconds per call: one untimed call, then `repeat` back to back between one pair of events."""
+    return time_cuda(fn, repeat, warmup=1, back_to_back=True) * 1e3
 
 
 def main() -> None:
